@@ -1,0 +1,31 @@
+"""adaptive-batch: exact, OOM-proof, adaptive batch sizes for the Hugging Face Trainer and TRL's SFTTrainer.
+
+```python
+from adaptive_batch import AdaptiveBatch, PhaseSchedule
+
+trainer = Trainer(..., callbacks=[AdaptiveBatch()])
+```
+"""
+
+from .microbatch import MicroBatchTooLargeError
+from .schedule import ConstantSchedule, PhaseSchedule, Progress
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdaptiveBatch",
+    "ConstantSchedule",
+    "MicroBatchTooLargeError",
+    "PhaseSchedule",
+    "Progress",
+    "__version__",
+]
+
+
+def __getattr__(name):
+    # The callback imports transformers; the pure core (schedules, plans, LR rules) does not need it.
+    if name == "AdaptiveBatch":
+        from .callback import AdaptiveBatch
+
+        return AdaptiveBatch
+    raise AttributeError(f"module 'adaptive_batch' has no attribute {name!r}")

@@ -1,0 +1,164 @@
+"""Cutting one collated step batch into micro-batches without changing the step's gradient.
+
+Rows are taken longest first, so each micro-batch holds rows of similar length, and trailing padding that no row
+of a micro-batch uses is cut off. Both are exact: the gradient of a step is a sum over its rows (order does not
+matter), and with right padding a position never depends on the padding after it (causal attention looks back,
+bidirectional attention masks padding out) while padded labels are ignored by the loss. Padding is cut only where
+that holds: right padding, every sequence tensor shaped `[rows, length]`, and labels ignored (-100) beyond the cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+LABEL_KEYS = ("labels", "shift_labels")
+PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
+
+
+class StepBatch:
+    """One rank's share of an optimizer step's batch, as collated, ready to be cut into micro-batches.
+
+    Args:
+        batch: the collated step batch (a mapping of tensors and per-row lists).
+
+    Raises:
+        ValueError: if the batch cannot be cut by rows (a padding-free batch, or a value whose first dimension is
+            not the rows), naming the key and a fix.
+    """
+
+    def __init__(self, batch: Mapping[str, Any]):
+        self.batch = batch
+        self.rows = _count_rows(batch)
+        _check_splittable(batch, self.rows)
+        mask = batch.get("attention_mask")
+        self.mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        self.seq_len = _sequence_length(batch)
+        self.lengths = self.mask.sum(dim=1) if self.mask is not None else None
+        if self.lengths is not None:
+            self.order = torch.argsort(self.lengths, descending=True, stable=True)
+        else:
+            self.order = torch.arange(self.rows)
+        self.trimmable = self._can_trim()
+
+    def take(self, start: int, size: int) -> dict[str, Any]:
+        """Micro-batch of `size` rows from position `start` of the longest-first order, trailing padding cut."""
+        index = self.order[start : start + size]
+        length = self._kept_length(index) if self.trimmable else None
+        return {key: _take(value, index, self.rows, length) for key, value in self.batch.items()}
+
+    def dummy(self, count_items: bool) -> dict[str, Any]:
+        """One row that adds exactly nothing to the gradient, for a rank that has fewer micro-batches than others.
+
+        Args:
+            count_items: whether the loss is normalised by the step's `num_items_in_batch` (then all labels are
+                ignored, giving a zero sum); otherwise the caller scales this row's loss to zero.
+        """
+        chunk = self.take(self.rows - 1, 1)
+        if count_items:
+            for key in LABEL_KEYS:
+                if isinstance(chunk.get(key), torch.Tensor):
+                    chunk[key] = torch.full_like(chunk[key], IGNORE_INDEX)
+        return chunk
+
+    def tokens(self, start: int, size: int) -> tuple[int, int]:
+        """(real tokens, padded tokens) of the micro-batch `take(start, size)` would give."""
+        index = self.order[start : start + size]
+        if self.seq_len is None:
+            return size, size
+        padded = size * (self._kept_length(index) if self.trimmable else self.seq_len)
+        real = int(self.lengths[index].sum()) if self.lengths is not None else size * self.seq_len
+        return real, padded
+
+    def real_tokens(self) -> int:
+        if self.seq_len is None:
+            return self.rows
+        return int(self.lengths.sum()) if self.lengths is not None else self.rows * self.seq_len
+
+    def _can_trim(self) -> bool:
+        if self.mask is None or self.seq_len is None:
+            return False
+        right_padded = bool((self.mask[:, :-1] >= self.mask[:, 1:]).all())
+        if not right_padded:
+            return False
+        for value in self.batch.values():
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == self.rows:
+                if value.dim() != 2 or value.shape[1] != self.seq_len:
+                    return False
+        return True
+
+    def _kept_length(self, index: torch.Tensor) -> int:
+        used = self.mask[index].bool()
+        for key in LABEL_KEYS:
+            labels = self.batch.get(key)
+            if isinstance(labels, torch.Tensor):
+                used = used | (labels[index] != IGNORE_INDEX)
+        columns = used.any(dim=0).nonzero()
+        return int(columns[-1]) + 1 if len(columns) else 1
+
+
+def _count_rows(batch: Mapping[str, Any]) -> int:
+    for key in ("input_ids", "inputs_embeds", "labels"):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            return value.shape[0]
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            return value.shape[0]
+    raise ValueError(f"The step batch holds no tensor to cut into micro-batches (keys: {sorted(batch)}).")
+
+
+def _sequence_length(batch: Mapping[str, Any]) -> int | None:
+    for key in ("input_ids", "attention_mask", "labels"):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            return value.shape[1]
+    return None
+
+
+def _check_splittable(batch: Mapping[str, Any], rows: int) -> None:
+    packed = [key for key in PACKED_KEYS if key in batch]
+    position_ids = batch.get("position_ids")
+    if not packed and rows == 1 and "attention_mask" not in batch and isinstance(position_ids, torch.Tensor):
+        if position_ids.dim() == 2 and bool((position_ids[0, 1:] == 0).any()):
+            packed = ["position_ids"]
+    if packed:
+        raise ValueError(
+            f"The step batch is padding-free (sequences flattened into one row, marked by {packed}): AdaptiveBatch "
+            "cuts micro-batches by rows and cannot cut this one. Turn padding-free collation off (TRL: "
+            "SFTConfig(padding_free=False, packing=False) or packing_strategy='wrapped'; transformers: a padding "
+            "collator instead of DataCollatorWithFlattening)."
+        )
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] != rows:
+            raise ValueError(
+                f"The step batch's {key!r} has shape {list(value.shape)}, whose first dimension is not the "
+                f"{rows} rows of the batch, so it cannot be cut into micro-batches by rows. Return per-row values "
+                "from the data collator, or compute this value inside the model."
+            )
+        if isinstance(value, (list, tuple)) and len(value) != rows:
+            raise ValueError(
+                f"The step batch's {key!r} is a {type(value).__name__} of {len(value)} items, not one per row "
+                f"({rows} rows), so it cannot be cut into micro-batches by rows."
+            )
+        if isinstance(value, Mapping):
+            raise ValueError(
+                f"The step batch's {key!r} is a nested mapping, which AdaptiveBatch cannot cut into micro-batches; "
+                "flatten it into top-level per-row tensors in the data collator."
+            )
+
+
+def _take(value: Any, index: torch.Tensor, rows: int, length: int | None) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return value
+        taken = value.index_select(0, index.to(value.device))
+        if length is not None and taken.dim() == 2:
+            taken = taken[:, :length]
+        return taken
+    if isinstance(value, (list, tuple)):
+        return type(value)(value[i] for i in index.tolist())
+    return value

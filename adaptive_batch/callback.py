@@ -1,0 +1,157 @@
+"""`AdaptiveBatch`: the one line a training script adds."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import IntervalStrategy
+
+from .config import AdaptiveBatchConfig
+from .trainer import Session, find_trainer_on_stack, install
+
+logger = logging.getLogger("adaptive_batch")
+
+
+class _attach_method:
+    """`AdaptiveBatch.attach(trainer, **config)` on the class, `AdaptiveBatch(**config).attach(trainer)` on one."""
+
+    def __init__(self, function):
+        self.function = function
+        functools.update_wrapper(self, function)
+
+    def __get__(self, instance, owner):
+        return functools.partial(self.function, owner, instance)
+
+
+class AdaptiveBatch(TrainerCallback, ExportableState):
+    """Keeps the effective batch exact while choosing how each optimizer step is cut into micro-batches.
+
+    Add it to a Trainer (`transformers.Trainer`, TRL's `SFTTrainer`, or a subclass):
+
+    ```python
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, callbacks=[AdaptiveBatch()])
+    ```
+
+    With no arguments the effective batch is the user's (`per_device_train_batch_size x
+    gradient_accumulation_steps x world size`) and only the micro-batching changes. The train dataloader then
+    yields one batch per optimizer step per rank; the Trainer runs with gradient accumulation 1 and as many steps as
+    the plan holds; each step is cut into micro-batches that go through the Trainer's own `training_step`.
+
+    Args:
+        schedule: the effective batch over training: `None` (the user's), an `int`, a
+            [`PhaseSchedule`] (e.g. a batch-size warmup 8 -> 16 -> 32) or a callable `Progress -> int`.
+        micro_batch_size: `"auto"` (start at `per_device_train_batch_size`, double while tokens/s improve by
+            `growth_margin`) or a fixed `int`. Either shrinks and retries the step on out-of-memory.
+        max_micro_batch_size: never put more samples than this in one micro-batch.
+        lr_scaling: `"none"`, `"sqrt"` (Adam family), `"linear"` (SGD) or a callable
+            `(effective, starting) -> multiplier`: how the learning rate follows the effective batch, relative to
+            the starting one, on top of the user's scheduler.
+        growth_margin: the tokens/s gain a doubled micro-batch must bring to be kept (default 2%).
+        memory_headroom: the share of GPU memory `"auto"` keeps free when predicting whether a size fits.
+
+    The training budget is counted in samples: `num_train_epochs x dataset size`, or `max_steps x starting
+    effective batch`; a growing batch shortens the run in steps. `state.epoch` follows data epochs (1.0, 2.0, ...
+    at their ends) and epoch-strategy evaluation and saving happen once at each data epoch's end.
+
+    Logged with every training log (so TensorBoard, W&B and `state.log_history` get them):
+
+    | key | meaning |
+    | --- | --- |
+    | `adaptive_batch/effective_batch_size` | samples in the last optimizer step, all ranks together |
+    | `adaptive_batch/micro_batch_size` | largest micro-batch of the last step, samples per rank |
+    | `adaptive_batch/accumulation_steps` | micro-batches the last step was cut into, per rank |
+    | `adaptive_batch/samples_seen` | samples trained on since the start, all ranks |
+    | `adaptive_batch/tokens_seen` | non-padding tokens trained on since the start, all ranks |
+    | `adaptive_batch/lr_scale` | the LR rule's multiplier at the last step |
+    """
+
+    def __init__(
+        self,
+        schedule=None,
+        micro_batch_size: int | str = "auto",
+        max_micro_batch_size: int | None = None,
+        lr_scaling="none",
+        growth_margin: float = 0.02,
+        memory_headroom: float = 0.10,
+    ):
+        self.config = AdaptiveBatchConfig(
+            schedule=schedule,
+            micro_batch_size=micro_batch_size,
+            max_micro_batch_size=max_micro_batch_size,
+            lr_scaling=lr_scaling,
+            growth_margin=growth_margin,
+            memory_headroom=memory_headroom,
+        )
+        self.session: Session | None = None
+        self._epoch_end_handled_at: int | None = None
+
+    @_attach_method
+    def attach(cls, self, trainer: Trainer, **config) -> AdaptiveBatch:
+        """Attach to a Trainer that is already built. Returns the attached callback.
+
+        Example:
+            ```python
+            AdaptiveBatch.attach(trainer)  # the user's effective batch
+            AdaptiveBatch(schedule=PhaseSchedule([8, 16, 32], [0.1, 0.3])).attach(trainer)
+            ```
+        """
+        if self is None:
+            self = cls(**config)
+        elif config:
+            raise TypeError("Pass the settings to AdaptiveBatch(...), not to attach(), when calling it on an instance.")
+        if self.session is not None:
+            raise ValueError("This AdaptiveBatch is already attached to a Trainer; create one per Trainer.")
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        self.session = install(trainer, self)
+        return self
+
+    # -- callback events -------------------------------------------------------------------------------------------
+
+    def on_init_end(self, args, state, control, **kwargs):
+        if self.session is None:
+            trainer = find_trainer_on_stack(self)
+            if trainer is None:
+                raise RuntimeError(
+                    "AdaptiveBatch could not find the Trainer being built. Call AdaptiveBatch.attach(trainer) after "
+                    "building it instead of passing AdaptiveBatch() in callbacks."
+                )
+            self.attach(trainer)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.session is None:
+            raise RuntimeError(
+                "AdaptiveBatch was added after the Trainer was built (trainer.add_callback), so it cannot plan the "
+                "steps. Use AdaptiveBatch.attach(trainer) instead, before train()."
+            )
+        state.num_train_epochs = self.session.plan.num_epochs
+        self._epoch_end_handled_at = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Make `state.epoch` and epoch-strategy evaluation, saving and logging follow data epochs."""
+        plan, step = self.session.plan, state.global_step - 1
+        state.epoch = plan.epoch_after(step)
+        if not plan.ends_epoch(step):
+            return
+        if args.logging_strategy == IntervalStrategy.EPOCH:
+            control.should_log = True
+        if args.eval_strategy == IntervalStrategy.EPOCH and args.eval_delay <= state.epoch:
+            control.should_evaluate = True
+        if args.save_strategy == IntervalStrategy.EPOCH:
+            control.should_save = True
+        self._epoch_end_handled_at = state.global_step
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        """The loop's single epoch ends with the last step; a data epoch ending there was handled at that step."""
+        if self._epoch_end_handled_at == state.global_step:
+            control.should_log = control.should_evaluate = control.should_save = False
+
+    # -- checkpoint ------------------------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        checkpoint = self.session.state_dict() if self.session is not None else {}
+        return {"args": {}, "attributes": {"checkpoint": checkpoint}}
+

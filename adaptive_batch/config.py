@@ -1,0 +1,84 @@
+"""What the user can ask of AdaptiveBatch, checked when it is constructed. Pure Python."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+from .lr import LRRule, resolve_rule
+from .schedule import Schedule, as_schedule
+
+
+@dataclass
+class AdaptiveBatchConfig:
+    schedule: Any = field(
+        default=None,
+        metadata={
+            "help": "Effective batch (samples per optimizer step, all devices): None keeps the Trainer's "
+            "per_device_train_batch_size x gradient_accumulation_steps x world size; an int; a PhaseSchedule; or "
+            "any callable Progress -> int."
+        },
+    )
+    micro_batch_size: int | str = field(
+        default="auto",
+        metadata={
+            "help": "Samples per forward/backward on one device: 'auto' starts at per_device_train_batch_size and "
+            "doubles while tokens/s improve by growth_margin; an int keeps that size. Both shrink on OOM."
+        },
+    )
+    max_micro_batch_size: int | None = field(
+        default=None, metadata={"help": "Never put more samples than this in one micro-batch."}
+    )
+    lr_scaling: str | LRRule = field(
+        default="none",
+        metadata={
+            "help": "How the learning rate follows the effective batch: 'none', 'sqrt' (Adam family), 'linear' "
+            "(SGD) or a callable (effective, starting) -> multiplier."
+        },
+    )
+    growth_margin: float = field(
+        default=0.02, metadata={"help": "Relative tokens/s gain a doubled micro-batch must bring to be kept."}
+    )
+    memory_headroom: float = field(
+        default=0.10,
+        metadata={"help": "Share of device memory 'auto' keeps free when predicting whether a size fits."},
+    )
+
+    def __post_init__(self):
+        if self.schedule is not None:
+            self.schedule = as_schedule(self.schedule)
+        if self.micro_batch_size != "auto" and not _positive_int(self.micro_batch_size):
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size!r} must be 'auto' or a positive int, e.g. "
+                "micro_batch_size=8."
+            )
+        if self.max_micro_batch_size is not None and not _positive_int(self.max_micro_batch_size):
+            raise ValueError(
+                f"max_micro_batch_size={self.max_micro_batch_size!r} must be a positive int or None, e.g. 64."
+            )
+        if (
+            _positive_int(self.micro_batch_size)
+            and self.max_micro_batch_size is not None
+            and self.micro_batch_size > self.max_micro_batch_size
+        ):
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size} exceeds max_micro_batch_size={self.max_micro_batch_size};"
+                f" use micro_batch_size<={self.max_micro_batch_size}."
+            )
+        self.rule = resolve_rule(self.lr_scaling)
+        if not isinstance(self.growth_margin, numbers.Real) or not 0 <= self.growth_margin < 1:
+            raise ValueError(f"growth_margin={self.growth_margin!r} must be in [0, 1), e.g. 0.02 for 2%.")
+        if not isinstance(self.memory_headroom, numbers.Real) or not 0 <= self.memory_headroom < 1:
+            raise ValueError(f"memory_headroom={self.memory_headroom!r} must be in [0, 1), e.g. 0.1 for 10%.")
+
+    @property
+    def auto(self) -> bool:
+        return self.micro_batch_size == "auto"
+
+    def resolved_schedule(self, default_effective_batch_size: int) -> Schedule:
+        return self.schedule if self.schedule is not None else as_schedule(default_effective_batch_size)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1

@@ -1,0 +1,97 @@
+"""Learning-rate rules: how the learning rate follows the effective batch, and the sample clock of the schedule.
+
+The learning rate at step `k` is
+
+    base_lr * base_schedule(virtual_step(k)) * rule(effective_batch(k) / starting_effective_batch)
+
+where `base_schedule` is the user's scheduler (warmup, decay, ...) built for `nominal_steps` steps of the starting
+effective batch, and `virtual_step(k)` is where step `k` sits on that schedule when progress is counted in samples:
+`nominal_steps * fraction_of_budget_consumed_before(k)`. With a constant batch it is just `k`; when the batch grows,
+warmup and decay keep their shape in data instead of stretching over the (now fewer) steps.
+
+Rules (Goyal et al. 2017 for linear/SGD; Malladi et al. 2022 for the square root with Adam-family optimizers):
+- `"none"`: the learning rate does not follow the batch;
+- `"sqrt"`: multiplied by `sqrt(B / B0)`, for Adam, AdamW and their 8-bit and paged variants;
+- `"linear"`: multiplied by `B / B0`, for SGD;
+- a callable `rule(effective_batch_size, starting_effective_batch_size) -> float`.
+
+Pure Python: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from .plan import StepPlan
+
+LRRule = Callable[[int, int], float]
+RULE_NAMES = ("none", "sqrt", "linear")
+
+
+def resolve_rule(rule: str | LRRule) -> LRRule:
+    """Return the callable behind a rule name, or check and return a callable rule."""
+    if callable(rule):
+        return rule
+    if rule == "none":
+        return lambda effective, starting: 1.0
+    if rule == "sqrt":
+        return lambda effective, starting: math.sqrt(effective / starting)
+    if rule == "linear":
+        return lambda effective, starting: effective / starting
+    raise ValueError(
+        f"lr_scaling={rule!r} is not one of {RULE_NAMES} or a callable rule(effective, starting) -> float; use "
+        "'sqrt' for Adam-family optimizers, 'linear' for SGD, 'none' to leave the learning rate alone."
+    )
+
+
+def lr_scale(rule: LRRule, effective_batch_size: int, starting_effective_batch_size: int) -> float:
+    """The multiplier of the learning rate at `effective_batch_size`; checked to be positive and finite."""
+    scale = rule(effective_batch_size, starting_effective_batch_size)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(
+            f"lr_scaling rule gave {scale!r} for effective batch {effective_batch_size} (starting "
+            f"{starting_effective_batch_size}); it must return a positive finite float."
+        )
+    return float(scale)
+
+
+class SampleClock:
+    """Maps optimizer steps of a [`StepPlan`] to positions on the base LR schedule and LR multipliers.
+
+    Args:
+        plan: the step plan.
+        rule: a resolved LR rule.
+        starting_effective_batch_size: `B0`, the effective batch the rule is relative to.
+        nominal_steps: the length the base schedule is built for: the budget in steps of `B0`.
+    """
+
+    def __init__(self, plan: StepPlan, rule: LRRule, starting_effective_batch_size: int, nominal_steps: int):
+        self.plan = plan
+        self.rule = rule
+        self.starting_effective_batch_size = starting_effective_batch_size
+        self.nominal_steps = nominal_steps
+
+    def virtual_step(self, step: int) -> float:
+        """Position of `step` on a schedule of `nominal_steps` steps, by the fraction of the budget consumed.
+
+        Computed as one integer product and one division, so it is exactly `step` whenever the batch is constant.
+        """
+        if step >= self.plan.num_steps:
+            return float(self.nominal_steps)
+        return self.plan.starts[step] * self.nominal_steps / self.plan.budget
+
+    def scale(self, step: int) -> float:
+        """The LR multiplier at `step`; after the last step, the last step's."""
+        effective = self.plan.scheduled[min(step, self.plan.num_steps - 1)]
+        return lr_scale(self.rule, effective, self.starting_effective_batch_size)
+
+    def check(self) -> None:
+        """Evaluate the rule at every phase of the plan, so that a bad rule fails before any compute."""
+        for _, _, effective in self.plan.phases():
+            lr_scale(self.rule, effective, self.starting_effective_batch_size)
+
+
+def nominal_steps(budget_samples: int, starting_effective_batch_size: int) -> int:
+    """Steps the budget takes at the starting effective batch (the length the base LR schedule is built for)."""
+    return max(1, math.ceil(budget_samples / starting_effective_batch_size))

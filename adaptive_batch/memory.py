@@ -1,0 +1,76 @@
+"""Device memory: recognise an out-of-memory error, free what it left behind, measure peaks and time."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+# Messages of allocation failures that are not raised as `torch.OutOfMemoryError`:
+OOM_MESSAGES = (
+    "CUDA out of memory",  # older torch raised a plain RuntimeError
+    "CUDA error: out of memory",  # a kernel's own allocation
+    "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS workspace
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",  # cuDNN reports a failed workspace allocation this way
+    "DefaultCPUAllocator: can't allocate memory",  # the CPU allocator
+    "XPU out of memory",
+    "MPS backend out of memory",
+)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation failure that a smaller micro-batch may avoid."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(message in str(error) for message in OOM_MESSAGES)
+
+
+def release_memory(device: torch.device) -> None:
+    """Collect garbage and return cached blocks to the device, after the references to a failed step are gone."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "xpu":
+        torch.xpu.empty_cache()
+    elif device.type == "mps":
+        torch.mps.empty_cache()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xpu":
+        torch.xpu.synchronize(device)
+
+
+class Stopwatch:
+    """Wall time and peak allocated memory of one micro-batch, synchronised with the device at both ends."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+        self.peak_bytes: float | None = None
+
+    def __enter__(self) -> Stopwatch:
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is not None:
+            return
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - self._start
+        if self.device.type == "cuda":
+            self.peak_bytes = float(torch.cuda.max_memory_allocated(self.device))
+
+
+def memory_limit(device: torch.device, headroom: float) -> float | None:
+    """Bytes a micro-batch's peak may use on `device`, leaving `headroom` of the whole device free; `None` on CPU."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    return total * (1.0 - headroom)

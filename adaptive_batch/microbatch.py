@@ -1,0 +1,186 @@
+"""The micro-batch policy: how many samples go through one forward/backward, decided by memory and speed.
+
+Order within an optimizer step does not change its gradient, so the step batch may be cut into micro-batches of
+any sizes. The controller starts from the user's per-device batch and, with `auto`, grows it by doubling while
+tokens per second improve by more than `growth_margin`. It measures *inside* steps: a trial size runs `repeats`
+micro-batches of that size and is timed, while the rest of the step uses the best size known so far, so finding the
+size costs about one step, not one step per size. An out-of-memory error caps the size for good and halves it; the
+step is then run again from its first micro-batch.
+
+All decisions depend only on the measurements fed in and the rows left in the step, so ranks that are fed the same
+(all-reduced) measurements make the same decisions and run the same number of micro-batches.
+
+Pure Python: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class MicroBatchTooLargeError(RuntimeError):
+    """One sample per micro-batch still runs out of memory. `tried` holds the sizes that ran out, in order."""
+
+    def __init__(self, message: str, tried: list[int]):
+        super().__init__(message)
+        self.tried = tried
+
+
+def even_chunk(remaining: int, size: int) -> int:
+    """Size of the next micro-batch when `remaining` rows are cut into as few near-equal chunks of at most `size`.
+
+    Example: 10 rows at size 4 give 4, 3, 3 (not 4, 4, 2): the same number of micro-batches, a lower peak.
+    """
+    chunks = math.ceil(remaining / size)
+    return math.ceil(remaining / chunks)
+
+
+class MicroBatchController:
+    """Chooses the size of every micro-batch.
+
+    Args:
+        start: the first size to run (the user's per-device batch, or a probed one).
+        auto: grow by doubling while it pays; if `False`, keep `start` and only shrink on out-of-memory.
+        max_size: never use more samples per micro-batch than this.
+        row_limit: the most rows a step ever holds on one rank (no point measuring beyond).
+        growth_margin: the relative tokens/s gain a doubling must bring to be kept.
+        repeats: micro-batches timed per trial size (the best of them counts, which discards warm-up stalls).
+        memory_limit: bytes a micro-batch's peak may reach; with two measured sizes a trial predicted to exceed it
+            (peak memory is close to affine in tokens) is not run.
+    """
+
+    def __init__(
+        self,
+        start: int,
+        auto: bool = True,
+        max_size: int | None = None,
+        row_limit: int | None = None,
+        growth_margin: float = 0.02,
+        repeats: int = 2,
+        memory_limit: float | None = None,
+    ):
+        limit = min(x for x in (max_size, row_limit) if x is not None) if (max_size or row_limit) else None
+        self.size = max(1, min(start, limit) if limit else start)
+        self.max_size = max_size
+        self.row_limit = row_limit
+        self.growth_margin = growth_margin
+        self.repeats = repeats
+        self.memory_limit = memory_limit
+        self.trial: int | None = self.size if auto else None
+        self.trial_left = repeats
+        self.settled_because = None if auto else "fixed by micro_batch_size"
+        self.throughput: dict[int, float] = {}
+        self.memory_points: list[tuple[float, float]] = []  # (tokens in the micro-batch, peak bytes)
+        self.oom_sizes: list[int] = []
+
+    # -- what to run -------------------------------------------------------------------------------------------
+
+    @property
+    def exploring(self) -> bool:
+        return self.trial is not None
+
+    def next_size(self, remaining: int) -> int:
+        """Size of the next micro-batch of a step with `remaining` rows left (the most of any rank)."""
+        if self.trial is not None and remaining >= self.trial:
+            return self.trial
+        return even_chunk(remaining, self.size)
+
+    def needs_timing(self, size: int) -> bool:
+        """Whether a micro-batch of `size` is a trial whose time and memory must be measured."""
+        return self.trial is not None and size == self.trial
+
+    # -- what happened -----------------------------------------------------------------------------------------
+
+    def record(self, size: int, seconds: float, tokens: float, peak_bytes: float | None = None) -> None:
+        """Feed the measured time, tokens and peak memory of a timed micro-batch of `size`."""
+        if peak_bytes is not None:
+            self.memory_points.append((float(tokens), float(peak_bytes)))
+        if not self.needs_timing(size) or seconds <= 0:
+            return
+        self.throughput[size] = max(self.throughput.get(size, 0.0), tokens / seconds)
+        self.trial_left -= 1
+        if self.trial_left == 0:
+            self._decide(size, tokens / size)
+
+    def on_out_of_memory(self, size: int) -> None:
+        """A micro-batch of `size` ran out of memory: never use `size` or more again, fall back, retry the step.
+
+        Raises:
+            MicroBatchTooLargeError: if `size` is 1.
+        """
+        self.oom_sizes.append(size)
+        if size > self.size:  # a trial above the last size known to run: go back to it
+            self._settle(f"{size} ran out of memory")
+            return
+        if size == 1:
+            raise MicroBatchTooLargeError("one sample per micro-batch runs out of memory", list(self.oom_sizes))
+        self.size = size // 2
+        self._settle(f"{size} ran out of memory")
+
+    # -- decisions ---------------------------------------------------------------------------------------------
+
+    def _decide(self, trial: int, tokens_per_row: float) -> None:
+        previous = self.size if self.size != trial else None
+        if previous is not None and self.throughput[trial] < self.throughput[previous] * (1 + self.growth_margin):
+            self._settle(f"{trial} was less than {self.growth_margin:.0%} faster than {previous}")
+            return
+        self.size = trial
+        bigger = 2 * trial
+        if self.max_size is not None and bigger > self.max_size:
+            bigger = self.max_size
+        if self.row_limit is not None and bigger > self.row_limit:
+            bigger = self.row_limit
+        if self.oom_sizes and bigger >= min(self.oom_sizes):
+            self._settle(f"{min(self.oom_sizes)} ran out of memory")
+        elif bigger <= trial:
+            self._settle("it reached max_micro_batch_size or the rows of a step")
+        elif not self._predicted_to_fit(bigger * tokens_per_row):
+            self._settle(f"{bigger} is predicted to exceed the memory limit")
+        else:
+            self.trial, self.trial_left = bigger, self.repeats
+
+    def _settle(self, because: str) -> None:
+        self.trial = None
+        self.settled_because = because
+
+    def _predicted_to_fit(self, tokens: float) -> bool:
+        if self.memory_limit is None:
+            return True
+        return predict_peak(self.memory_points, tokens) <= self.memory_limit
+
+    # -- checkpoint --------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Plain JSON: what a resumed run needs to cut steps exactly as the uninterrupted run would."""
+        return {
+            "size": self.size,
+            "trial": self.trial,
+            "trial_left": self.trial_left,
+            "settled_because": self.settled_because,
+            "throughput": {str(size): value for size, value in self.throughput.items()},
+            "memory_points": [list(point) for point in self.memory_points],
+            "oom_sizes": list(self.oom_sizes),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.size = int(state["size"])
+        self.trial = None if state["trial"] is None else int(state["trial"])
+        self.trial_left = int(state["trial_left"])
+        self.settled_because = state["settled_because"]
+        self.throughput = {int(size): float(value) for size, value in state["throughput"].items()}
+        self.memory_points = [(float(t), float(p)) for t, p in state["memory_points"]]
+        self.oom_sizes = [int(size) for size in state["oom_sizes"]]
+
+
+def predict_peak(points: list[tuple[float, float]], tokens: float) -> float:
+    """Least-squares affine fit of peak bytes against tokens per micro-batch, evaluated at `tokens`.
+
+    With fewer than two distinct token counts nothing can be predicted and 0 is returned (assume it fits).
+    """
+    xs = [x for x, _ in points]
+    if len(set(xs)) < 2:
+        return 0.0
+    mean_x = sum(xs) / len(xs)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x in xs)
+    return mean_y + slope * (tokens - mean_x)

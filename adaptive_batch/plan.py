@@ -1,0 +1,215 @@
+"""The step plan: how many samples each optimizer step takes, and from where in the sample stream.
+
+The sample stream is the dataset's epochs laid end to end (one seeded permutation each). A *position* counts data
+positions in that stream from the start of training: epoch `position // dataset_size`, offset
+`position % dataset_size`. The plan walks the stream from position 0 to the budget, asking the schedule for each
+step's effective batch, so any step's samples are a pure function of (seed, plan, step).
+
+Rules, as in the plain Trainer:
+- a step never straddles two epochs: an epoch's last step holds the remainder and may be short;
+- with `drop_last`, that short last step is dropped instead (its positions still count towards the budget);
+- a remainder smaller than the world size cannot give every rank a sample, so it joins the step before it.
+
+Pure Python: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from array import array
+from dataclasses import dataclass, field
+
+from .schedule import Progress, Schedule, check_effective_batch_size
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The training budget in samples (data positions), and where it came from, for the log."""
+
+    samples: int
+    origin: str
+
+    @classmethod
+    def from_epochs(cls, num_train_epochs: float, dataset_size: int) -> Budget:
+        if not num_train_epochs > 0:
+            raise ValueError(f"num_train_epochs={num_train_epochs} must be positive, e.g. num_train_epochs=1.")
+        samples = round(num_train_epochs * dataset_size)
+        return cls(samples, f"num_train_epochs={num_train_epochs:g} x {dataset_size:,} samples")
+
+    @classmethod
+    def from_max_steps(cls, max_steps: int, starting_effective_batch_size: int) -> Budget:
+        samples = max_steps * starting_effective_batch_size
+        return cls(
+            samples,
+            f"max_steps={max_steps:,} x starting effective batch {starting_effective_batch_size:,} (counted in "
+            "samples, so a growing batch shortens the run in steps; num_train_epochs is ignored, as in the Trainer)",
+        )
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Global samples per optimizer step and where each step starts in the sample stream.
+
+    Use [`build_plan`] to make one.
+    """
+
+    dataset_size: int
+    budget: int
+    world_size: int
+    sizes: array
+    scheduled: array
+    starts: array
+    samples_before_step: array
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples trained on over the whole plan (excludes positions dropped by `drop_last`)."""
+        return self.samples_before_step[-1]
+
+    @property
+    def num_epochs(self) -> int:
+        """Data epochs touched by the plan (a partial last epoch counts)."""
+        return math.ceil(self.budget / self.dataset_size)
+
+    @property
+    def max_rows_per_rank(self) -> int:
+        return math.ceil(max(self.sizes) / self.world_size)
+
+    def epoch(self, step: int) -> int:
+        return self.starts[step] // self.dataset_size
+
+    def offset(self, step: int) -> int:
+        return self.starts[step] % self.dataset_size
+
+    def end_position(self, step: int) -> int:
+        """Stream position after `step`, including a tail dropped by `drop_last` right after it."""
+        return self.starts[step + 1] if step + 1 < self.num_steps else self.budget
+
+    def ends_epoch(self, step: int) -> bool:
+        return self.end_position(step) % self.dataset_size == 0
+
+    def epoch_after(self, step: int) -> float:
+        """Data epochs completed after `step`, as `TrainerState.epoch` reads it: 1.0, 2.0, ... at epoch ends."""
+        return self.end_position(step) / self.dataset_size
+
+    def fraction_before(self, step: int) -> float:
+        """Position in the budget just before `step` (1.0 once every step has run)."""
+        return 1.0 if step >= self.num_steps else self.starts[step] / self.budget
+
+    def rows_on_rank(self, step: int, rank: int) -> int:
+        """Samples of `step` on `rank`: ranks take strided shares, so they differ by at most one."""
+        size = self.sizes[step]
+        return size // self.world_size + (1 if rank < size % self.world_size else 0)
+
+    def max_rows(self, step: int) -> int:
+        return math.ceil(self.sizes[step] / self.world_size)
+
+    def fingerprint(self) -> str:
+        """Identifies the sample stream's cut into steps; a checkpoint must resume into the same one."""
+        digest = hashlib.sha256()
+        digest.update(f"{self.dataset_size}:{self.budget}:".encode())
+        digest.update(self.sizes.tobytes())
+        digest.update(self.starts.tobytes())
+        return digest.hexdigest()[:16]
+
+    def phases(self) -> list[tuple[int, int, int]]:
+        """Runs of steps with the same scheduled effective batch, as `(first_step, last_step, effective)`."""
+        runs: list[tuple[int, int, int]] = []
+        for step, effective in enumerate(self.scheduled):
+            if runs and runs[-1][2] == effective:
+                runs[-1] = (runs[-1][0], step, effective)
+            else:
+                runs.append((step, step, effective))
+        return runs
+
+
+def build_plan(
+    schedule: Schedule,
+    dataset_size: int,
+    budget: Budget | int,
+    world_size: int = 1,
+    drop_last: bool = False,
+) -> StepPlan:
+    """Walk the sample stream from position 0 to the budget and cut it into optimizer steps.
+
+    Raises:
+        ValueError: before any compute, if the schedule gives an effective batch that is not a positive integer,
+            not divisible by `world_size`, or larger than the dataset; or if the dataset is smaller than the world.
+    """
+    budget_samples = budget.samples if isinstance(budget, Budget) else int(budget)
+    if dataset_size < 1:
+        raise ValueError(f"The training dataset has {dataset_size} samples; it needs at least one.")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1.")
+    if dataset_size < world_size:
+        raise ValueError(
+            f"The training dataset has {dataset_size} samples but world_size={world_size}: every rank needs at "
+            f"least one sample per step. Use at most {dataset_size} processes or a larger dataset."
+        )
+    if budget_samples < 1:
+        raise ValueError(f"The training budget is {budget_samples} samples; set num_train_epochs or max_steps > 0.")
+
+    sizes, scheduled, starts, samples_before = array("q"), array("q"), array("q"), array("q", [0])
+    notes: list[str] = []
+    position = samples_seen = 0
+    while position < budget_samples:
+        step = len(sizes)
+        progress = Progress(step=step, samples_seen=samples_seen, fraction=position / budget_samples)
+        effective = check_effective_batch_size(schedule(progress), where=f"The schedule at {_where(progress)}")
+        _check_fits(effective, world_size, dataset_size, progress)
+
+        epoch_left = dataset_size - position % dataset_size
+        size = min(effective, epoch_left, budget_samples - position)
+        if size < effective and size == epoch_left and drop_last:
+            position += size  # dataloader_drop_last: the epoch's short last step is not trained on
+            continue
+        if size < world_size:
+            if sizes and starts[-1] // dataset_size == position // dataset_size:
+                sizes[-1] += size  # too few samples for every rank: join the step before, same epoch
+                samples_before[-1] += size
+                samples_seen += size
+            else:
+                notes.append(
+                    f"{size} sample(s) at the end of the budget are not trained on: fewer than world_size="
+                    f"{world_size} and no earlier step of that epoch to join."
+                )
+            position += size
+            continue
+        sizes.append(size)
+        scheduled.append(effective)
+        starts.append(position)
+        position += size
+        samples_seen += size
+        samples_before.append(samples_seen)
+    if not sizes:
+        raise ValueError(
+            f"The budget of {budget_samples} samples leaves no optimizer step (drop_last={drop_last}, dataset "
+            f"{dataset_size} samples); raise num_train_epochs / max_steps or set dataloader_drop_last=False."
+        )
+    return StepPlan(dataset_size, budget_samples, world_size, sizes, scheduled, starts, samples_before, tuple(notes))
+
+
+def _where(progress: Progress) -> str:
+    return f"step {progress.step} ({progress.samples_seen:,} samples seen, fraction {progress.fraction:.3f})"
+
+
+def _check_fits(effective: int, world_size: int, dataset_size: int, progress: Progress) -> None:
+    if effective % world_size:
+        lower = effective // world_size * world_size
+        options = f"{lower} or {lower + world_size}" if lower else f"{world_size}"
+        raise ValueError(
+            f"The effective batch {effective} at {_where(progress)} is not divisible by world_size={world_size}: "
+            f"every rank must take the same share. Use {options}."
+        )
+    if effective > dataset_size:
+        raise ValueError(
+            f"The effective batch {effective} at {_where(progress)} exceeds the dataset size {dataset_size}: one "
+            f"optimizer step cannot hold more than one epoch. Use at most "
+            f"{dataset_size // world_size * world_size}."
+        )

@@ -1,0 +1,52 @@
+"""The plan table logged when training starts (and printed by `adaptive-batch plan`). Pure Python."""
+
+from __future__ import annotations
+
+from .lr import SampleClock
+from .plan import Budget, StepPlan
+
+
+def plan_rows(
+    plan: StepPlan,
+    clock: SampleClock,
+    budget: Budget,
+    schedule_text: str,
+    micro_batch_text: str,
+    plain_steps: int | None = None,
+    tokens: int | None = None,
+    rule_text: str = "none",
+) -> list[tuple[str, str]]:
+    """(label, value) rows describing a plan, in reading order."""
+    phases = plan.phases()
+    world = plan.world_size
+    per_rank = " -> ".join(_per_rank(effective, world) for _, _, effective in phases)
+    scales = " -> ".join(f"x{clock.scale(first):.3g}" for first, _, _ in phases)
+    steps = f"{plan.num_steps:,}"
+    if plain_steps is not None and plain_steps != plan.num_steps:
+        steps += f" (the plain Trainer: {plain_steps:,})"
+    rows = [
+        ("effective batch", schedule_text),
+        ("micro-batch", micro_batch_text),
+        ("samples per rank per step", per_rank),
+        ("world size", str(world)),
+        ("optimizer steps", steps),
+        ("samples", f"{plan.num_samples:,} from {budget.origin}"),
+        ("tokens", f"{tokens:,} (non-padding)" if tokens is not None else "not known before training"),
+        ("epochs", f"{plan.budget / plan.dataset_size:g} of {plan.dataset_size:,} samples"),
+        ("learning rate", f"{rule_text}: {scales}; schedule built for {clock.nominal_steps:,} steps of "
+         f"{clock.starting_effective_batch_size} and followed by samples"),
+    ]
+    if len(phases) > 1:
+        rows.append(("phases (steps: effective batch)", ", ".join(f"{a}-{b}: {e}" for a, b, e in phases)))
+    rows.extend(("note", note) for note in plan.notes)
+    return rows
+
+
+def format_rows(title: str, rows: list[tuple[str, str]]) -> str:
+    width = max(len(label) for label, _ in rows)
+    lines = [title] + [f"  {label:<{width}}  {value}" for label, value in rows]
+    return "\n".join(lines)
+
+
+def _per_rank(effective: int, world: int) -> str:
+    return str(effective // world)

@@ -1,0 +1,63 @@
+"""The step sampler: one batch of dataset indices per optimizer step, this rank's share of the step's samples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from .plan import StepPlan
+
+
+class StepBatchSampler(Sampler[list[int]]):
+    """Yields, for each planned optimizer step, the dataset indices this rank trains on.
+
+    Each data epoch is one permutation of the dataset (seeded with `seed + epoch`, or the identity when
+    `shuffle=False`); epochs are laid end to end and step `k` takes positions `plan.starts[k]` to
+    `plan.starts[k] + plan.sizes[k]` of that stream. Rank `r` of `world_size` takes every `world_size`-th of them,
+    starting at `r`, so shares differ by at most one sample and their union is exactly the step. The indices of any
+    step are a pure function of (seed, plan, step): resuming at step `k` needs no state but `k`.
+
+    Args:
+        plan: the step plan.
+        seed: seed of the per-epoch permutations (use the same on every rank).
+        rank: this process's index among the data-parallel ranks.
+        shuffle: permute each epoch; `False` reads the dataset in order.
+        start_step: first step to yield.
+    """
+
+    def __init__(self, plan: StepPlan, seed: int, rank: int = 0, shuffle: bool = True, start_step: int = 0):
+        if not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank={rank} is outside world_size={plan.world_size}.")
+        self.plan = plan
+        self.seed = seed
+        self.rank = rank
+        self.shuffle = shuffle
+        self.start_step = start_step
+        self._permutation: tuple[int, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return self.plan.num_steps - self.start_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start_step, self.plan.num_steps):
+            yield self.indices(step)
+
+    def indices(self, step: int, rank: int | None = None) -> list[int]:
+        """Dataset indices of `step` on `rank` (this sampler's rank by default)."""
+        rank = self.rank if rank is None else rank
+        offset = self.plan.offset(step)
+        order = self.permutation(self.plan.epoch(step))
+        return order[offset + rank : offset + self.plan.sizes[step] : self.plan.world_size].tolist()
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if self._permutation is None or self._permutation[0] != epoch:
+            size = self.plan.dataset_size
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                order = torch.randperm(size, generator=generator)
+            else:
+                order = torch.arange(size)
+            self._permutation = (epoch, order)
+        return self._permutation[1]

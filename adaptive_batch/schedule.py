@@ -1,0 +1,153 @@
+"""Effective-batch schedules: how many samples one optimizer step holds at a point of training.
+
+A schedule is any callable taking a [`Progress`] and returning a positive integer: the effective batch (samples per
+optimizer step, all devices together). Two are provided: a constant (a plain `int` is accepted wherever a schedule
+is) and [`PhaseSchedule`], piecewise constant with boundaries in samples, optimizer steps or fractions of the
+training budget.
+
+Pure Python: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+UNITS = ("samples", "steps", "fraction")
+
+
+class Progress(NamedTuple):
+    """Where training stands just before an optimizer step.
+
+    Attributes:
+        step: optimizer steps already taken (0 for the first step).
+        samples_seen: samples already trained on, all devices together.
+        fraction: position in the training budget, in `[0, 1)`: data positions consumed (trained or dropped by
+            `dataloader_drop_last`) divided by the budget in samples.
+    """
+
+    step: int
+    samples_seen: int
+    fraction: float
+
+
+Schedule = Callable[[Progress], int]
+
+
+@dataclass(frozen=True)
+class ConstantSchedule:
+    """The same effective batch at every step."""
+
+    effective_batch_size: int
+
+    def __post_init__(self):
+        check_effective_batch_size(self.effective_batch_size, where="ConstantSchedule")
+
+    def __call__(self, progress: Progress) -> int:
+        return self.effective_batch_size
+
+    def describe(self) -> str:
+        return f"{self.effective_batch_size} (constant)"
+
+
+@dataclass(frozen=True)
+class PhaseSchedule:
+    """Piecewise-constant effective batch: `sizes[i]` from `boundaries[i - 1]` (inclusive) to `boundaries[i]`.
+
+    Args:
+        sizes: effective batch of each phase, in samples; one more entry than `boundaries`.
+        boundaries: where each phase after the first begins, increasing, in `unit`.
+        unit: `"fraction"` of the training budget (boundaries in `(0, 1)`), `"samples"` seen or optimizer
+            `"steps"` taken.
+
+    Example:
+        ```python
+        # the common batch-size warmup: 8 for the first 10% of the data, 16 up to 30%, then 32
+        PhaseSchedule([8, 16, 32], boundaries=[0.1, 0.3])
+        # the same by samples seen
+        PhaseSchedule([8, 16, 32], boundaries=[2_000, 6_000], unit="samples")
+        ```
+    """
+
+    sizes: Sequence[int]
+    boundaries: Sequence[float]
+    unit: str = "fraction"
+
+    def __post_init__(self):
+        object.__setattr__(self, "sizes", tuple(self.sizes))
+        object.__setattr__(self, "boundaries", tuple(self.boundaries))
+        if self.unit not in UNITS:
+            raise ValueError(f"PhaseSchedule unit={self.unit!r} is not one of {UNITS}; use e.g. unit='fraction'.")
+        if not self.sizes:
+            raise ValueError("PhaseSchedule needs at least one size, e.g. PhaseSchedule([8, 16], boundaries=[0.5]).")
+        for size in self.sizes:
+            check_effective_batch_size(size, where="PhaseSchedule sizes")
+        if len(self.boundaries) != len(self.sizes) - 1:
+            raise ValueError(
+                f"PhaseSchedule has {len(self.sizes)} sizes and {len(self.boundaries)} boundaries; it needs one "
+                f"boundary fewer than sizes (each boundary starts the next phase), e.g. "
+                f"PhaseSchedule({list(self.sizes)}, boundaries=[...{len(self.sizes) - 1} values...])."
+            )
+        for boundary in self.boundaries:
+            if isinstance(boundary, bool) or not isinstance(boundary, numbers.Real) or not math.isfinite(boundary):
+                raise ValueError(f"PhaseSchedule boundary {boundary!r} is not a finite number.")
+        if any(later <= earlier for earlier, later in zip(self.boundaries, self.boundaries[1:])):
+            raise ValueError(
+                f"PhaseSchedule boundaries {list(self.boundaries)} must be strictly increasing; sort them."
+            )
+        if self.unit == "fraction" and any(not 0 < b < 1 for b in self.boundaries):
+            raise ValueError(
+                f"PhaseSchedule boundaries {list(self.boundaries)} with unit='fraction' must lie strictly between 0 "
+                "and 1 (fractions of the training budget); use unit='samples' or unit='steps' for absolute ones."
+            )
+        if self.unit != "fraction" and any(b <= 0 for b in self.boundaries):
+            raise ValueError(
+                f"PhaseSchedule boundaries {list(self.boundaries)} with unit={self.unit!r} must be positive."
+            )
+
+    def __call__(self, progress: Progress) -> int:
+        position = {"samples": progress.samples_seen, "steps": progress.step, "fraction": progress.fraction}[self.unit]
+        phase = sum(1 for boundary in self.boundaries if position >= boundary)
+        return self.sizes[phase]
+
+    def describe(self) -> str:
+        sizes = " -> ".join(str(s) for s in self.sizes)
+        bounds = ", ".join(f"{b:g}" for b in self.boundaries)
+        return f"{sizes} (phases start at {bounds} {self.unit})" if self.boundaries else f"{sizes} (constant)"
+
+
+def as_schedule(schedule: int | Schedule) -> Schedule:
+    """Turn an `int` into a [`ConstantSchedule`]; pass any other callable through."""
+    if isinstance(schedule, bool):
+        raise ValueError(f"schedule={schedule!r} is a bool; pass an int effective batch or a schedule callable.")
+    if isinstance(schedule, numbers.Integral):
+        return ConstantSchedule(int(schedule))
+    if not callable(schedule):
+        raise ValueError(
+            f"schedule={schedule!r} is neither an int nor a callable; pass e.g. schedule=32 or "
+            "schedule=PhaseSchedule([8, 16, 32], boundaries=[0.1, 0.3])."
+        )
+    return schedule
+
+
+def describe(schedule: Schedule) -> str:
+    """A one-line description of a schedule, for the plan table."""
+    if hasattr(schedule, "describe"):
+        return schedule.describe()
+    return getattr(schedule, "__name__", type(schedule).__name__) + " (callable)"
+
+
+def check_effective_batch_size(value, where: str) -> int:
+    """Return `value` as an int if it is a valid effective batch (a positive integer), else raise `ValueError`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{where} gave effective batch {value!r}; it must be a positive integer number of samples.")
+    if isinstance(value, numbers.Integral) or (math.isfinite(value) and float(value).is_integer()):
+        if value >= 1:
+            return int(value)
+    raise ValueError(
+        f"{where} gave effective batch {value!r}; it must be a positive integer number of samples "
+        f"(e.g. {max(1, math.floor(value)) if math.isfinite(value) else 8})."
+    )

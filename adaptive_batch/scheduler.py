@@ -1,0 +1,62 @@
+"""The user's learning-rate scheduler, driven by the sample clock and scaled by the LR rule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from .lr import SampleClock
+
+
+class SampleClockLR(LambdaLR):
+    """A `LambdaLR` giving, at step `k`, `base_lr * base_lambda(clock.virtual_step(k)) * clock.scale(k)`.
+
+    Its state dict holds only the step count and learning rates (plain data, loadable with `weights_only=True`):
+    the lambdas are rebuilt from the plan, which a resumed run rebuilds identically.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, base_lambdas: list[Callable], clock: SampleClock):
+        self.clock = clock
+        super().__init__(optimizer, [_clocked(fn, clock) for fn in base_lambdas])
+
+    def state_dict(self) -> dict:
+        return {
+            key: value
+            for key, value in self.__dict__.items()
+            if key not in ("optimizer", "lr_lambdas", "clock") and not key.startswith("_get_lr_called")
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.__dict__.update({key: value for key, value in state_dict.items() if key != "lr_lambdas"})
+
+
+def _clocked(base_lambda: Callable[[float], float], clock: SampleClock) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        return base_lambda(clock.virtual_step(step)) * clock.scale(step)
+
+    return factor
+
+
+def follow_sample_clock(
+    scheduler, optimizer: torch.optim.Optimizer, clock: SampleClock, batch_changes: bool
+) -> SampleClockLR | object:
+    """Wrap `scheduler` so that it follows the sample clock and the LR rule.
+
+    Every scheduler `transformers.get_scheduler` builds, except `reduce_lr_on_plateau` and `greedy`, is a
+    `LambdaLR` and can be evaluated at any position. Other schedulers are kept as they are when the effective
+    batch never changes and the rule is `"none"` (there is nothing to follow); otherwise this raises.
+    """
+    if isinstance(scheduler, SampleClockLR):
+        return scheduler
+    if isinstance(scheduler, LambdaLR):
+        return SampleClockLR(optimizer, list(scheduler.lr_lambdas), clock)
+    if not batch_changes:
+        return scheduler
+    raise ValueError(
+        f"The learning-rate scheduler {type(scheduler).__name__} cannot follow a changing effective batch: "
+        "AdaptiveBatch evaluates the schedule at the fraction of the sample budget consumed and scales it by the "
+        "LR rule, which needs a LambdaLR. Use an lr_scheduler_type such as 'linear', 'cosine' or "
+        "'constant_with_warmup' (or pass a LambdaLR), or keep the effective batch constant with lr_scaling='none'."
+    )

@@ -1,0 +1,274 @@
+"""One optimizer step's forward/backward passes: the step batch cut into micro-batches, out-of-memory survived.
+
+Every micro-batch goes through the user's own `Trainer.training_step` with the step's `num_items_in_batch`, as in
+gradient accumulation, so their losses add up to the loss of the whole step. A loss that is a per-micro-batch mean
+(no `num_items_in_batch`) is weighted by the micro-batch's share of the step's label tokens (or rows) through
+`Trainer.current_gradient_accumulation_steps`, which the Trainer divides such a loss by.
+
+Under DDP every rank runs the same sequence of micro-batch sizes, computed from the largest share of any rank (a
+rank with one sample fewer runs its last micro-batch one row short, or a row that adds nothing). Gradients stay
+local (`no_sync`) until the step is done; after each micro-batch the ranks exchange an out-of-memory flag, so that
+one rank's failure makes all of them run the step again, smaller; then the gradients are averaged once, as DDP
+would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .batch import LABEL_KEYS, IGNORE_INDEX, StepBatch
+from .memory import Stopwatch, is_out_of_memory, release_memory
+from .microbatch import MicroBatchController, MicroBatchTooLargeError
+
+logger = logging.getLogger(__name__)
+
+InnerStep = Callable[[torch.nn.Module, dict, object], torch.Tensor]
+
+
+@dataclass
+class StepStats:
+    """What the last step did, for the logs."""
+
+    micro_batch_size: int = 0
+    accumulation_steps: int = 0
+    real_tokens: int = 0
+    retries: int = 0
+
+
+class MicroBatchRunner:
+    """Runs optimizer steps as micro-batches for one Trainer.
+
+    Args:
+        trainer: the Trainer (its `current_gradient_accumulation_steps`, `accelerator` and TRL metrics are used).
+        controller: decides micro-batch sizes.
+        world_size: data-parallel processes.
+    """
+
+    def __init__(self, trainer, controller: MicroBatchController, world_size: int):
+        self.trainer = trainer
+        self.controller = controller
+        self.world_size = world_size
+        self.device = trainer.args.device
+        self.last = StepStats()
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def run(self, inner_step: InnerStep, model, inputs: dict, num_items_in_batch, max_rows: int) -> torch.Tensor:
+        """Forward and backward of one whole step batch; returns the step's loss (detached), as the Trainer does.
+
+        Args:
+            inner_step: the user's Trainer class's `training_step`, bound to the trainer.
+            model: the (possibly DDP-wrapped) model the Trainer passes.
+            inputs: this rank's share of the step batch.
+            num_items_in_batch: the step's label-token count from the Trainer (all ranks), or `None`.
+            max_rows: the largest share of this step on any rank.
+        """
+        batch = StepBatch(inputs)
+        if batch.rows not in (max_rows, max_rows - 1):
+            raise RuntimeError(f"Step batch of {batch.rows} rows where the plan gives {max_rows} per rank.")
+        weights = _loss_weights(batch, self.trainer)
+        metrics = _TrlMetrics(self.trainer)
+        retries = 0
+        while True:
+            outcome = self._attempt(inner_step, model, batch, num_items_in_batch, max_rows, weights)
+            if outcome.failed_size is None:
+                break
+            retries += 1
+            self._forget_attempt(model, metrics)
+            try:
+                self.controller.on_out_of_memory(outcome.failed_size)
+            except MicroBatchTooLargeError as error:
+                raise MicroBatchTooLargeError(_too_large_message(batch, self.device), error.tried) from None
+            logger.warning(
+                "Out of memory at micro-batch %d; running the step again at %d.",
+                outcome.failed_size,
+                self.controller.size,
+            )
+        real_tokens = batch.real_tokens()
+        if self.distributed:
+            real_tokens = int(_all_reduce([real_tokens], self.device, dist.ReduceOp.SUM)[0])
+            _average_gradients(model, self.world_size)
+            _broadcast_buffers(model)
+        metrics.correct(real_tokens)
+        self.last = StepStats(outcome.largest, outcome.chunks, real_tokens, retries)
+        return outcome.loss
+
+    def _attempt(self, inner_step, model, batch: StepBatch, num_items, max_rows: int, weights) -> _Outcome:
+        trainer, controller = self.trainer, self.controller
+        outcome = _Outcome(loss=torch.zeros((), device=self.device))
+        start = 0
+        remaining = max_rows
+        while remaining > 0:
+            size = controller.next_size(remaining)
+            own = min(size, batch.rows - start)
+            timed = controller.needs_timing(size)
+            stopwatch = Stopwatch(self.device)
+            out_of_memory = False
+            try:
+                with stopwatch if timed else contextlib.nullcontext(), trainer.accelerator.no_sync(model):
+                    if own > 0:
+                        chunk = batch.take(start, own)
+                        trainer.current_gradient_accumulation_steps = weights.divisor(batch, start, own)
+                    else:
+                        chunk = batch.dummy(count_items=num_items is not None)
+                        trainer.current_gradient_accumulation_steps = float("inf")  # scales a mean loss to zero
+                    loss = inner_step(model, chunk, num_items)
+                    del chunk
+                if own > 0:
+                    outcome.loss += loss.detach()
+                del loss
+            except Exception as error:  # noqa: BLE001 - only allocation failures are handled, the rest re-raised
+                if not is_out_of_memory(error):
+                    raise
+                out_of_memory = True
+            real, padded = batch.tokens(start, max(own, 1))
+            report = [float(out_of_memory), stopwatch.seconds, stopwatch.peak_bytes or 0.0, real, padded]
+            if self.distributed:
+                report = _all_reduce(report, self.device, dist.ReduceOp.MAX)
+            if report[0]:
+                outcome.failed_size = size
+                return outcome
+            if timed:
+                controller.record(size, report[1], report[3], report[2] if stopwatch.peak_bytes is not None else None)
+            start += own
+            remaining -= size
+            outcome.chunks += 1
+            outcome.largest = max(outcome.largest, size)
+        return outcome
+
+    def _forget_attempt(self, model, metrics: _TrlMetrics) -> None:
+        """Undo a failed attempt: gradients back to none (as at the start of a step), TRL metrics back, memory freed."""
+        model.zero_grad(set_to_none=True)
+        if hasattr(model, "require_forward_param_sync"):
+            # DDP flips this flag after a forward completes; a forward cut short by the error left it behind on
+            # some ranks, which would make them alone broadcast buffers in the next forward. Every completed
+            # no_sync forward sets it to False.
+            model.require_forward_param_sync = False
+        if self.trainer.optimizer is not None:
+            self.trainer.optimizer.zero_grad(set_to_none=True)
+        metrics.restore()
+        release_memory(self.device)
+
+
+@dataclass
+class _Outcome:
+    loss: torch.Tensor
+    chunks: int = 0
+    largest: int = 0
+    failed_size: int | None = None
+
+
+class _LossWeights:
+    """Divisors that turn per-micro-batch mean losses into shares of the step's mean (by label tokens or rows)."""
+
+    def __init__(self, counts: torch.Tensor | None):
+        self.counts = counts
+
+    def divisor(self, batch: StepBatch, start: int, size: int) -> float:
+        if self.counts is None:
+            return batch.rows / size
+        part = float(self.counts[batch.order[start : start + size]].sum())
+        total = float(self.counts.sum())
+        return total / part if part > 0 else float("inf")
+
+
+def _loss_weights(batch: StepBatch, trainer) -> _LossWeights:
+    for key in LABEL_KEYS:
+        labels = batch.batch.get(key)
+        if isinstance(labels, torch.Tensor) and labels.dim() == 2:
+            if key == "labels" and getattr(trainer, "_loss_shifts_labels", False):
+                labels = labels[:, 1:]
+            return _LossWeights((labels != IGNORE_INDEX).sum(dim=1))
+    return _LossWeights(None)
+
+
+class _TrlMetrics:
+    """TRL's SFTTrainer counts tokens and appends metrics on every `compute_loss` call. A step run again after an
+    out-of-memory error would count them twice, and a row that adds nothing would count its tokens: keep the
+    metrics of the last attempt only, and set the token count to the step's real tokens."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        metrics = getattr(trainer, "_metrics", None)
+        self.lists = metrics.get("train") if isinstance(metrics, dict) else None
+        self.lengths = {key: len(values) for key, values in self.lists.items()} if self.lists is not None else {}
+        self.total_tokens = getattr(trainer, "_total_train_tokens", None)
+
+    def restore(self) -> None:
+        if self.lists is not None:
+            for key in list(self.lists):
+                if key in self.lengths:
+                    del self.lists[key][self.lengths[key] :]
+                else:
+                    del self.lists[key]
+        if self.total_tokens is not None:
+            self.trainer._total_train_tokens = self.total_tokens
+
+    def correct(self, real_tokens: int) -> None:
+        if self.total_tokens is None or not isinstance(self.total_tokens, (int, float)):
+            return
+        self.trainer._total_train_tokens = self.total_tokens + real_tokens
+        if self.lists is not None and "num_tokens" in self.lists:
+            self.lists["num_tokens"] = [self.trainer._total_train_tokens]
+
+
+def _all_reduce(values: list[float], device: torch.device, op) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def _average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20) -> None:
+    """All-reduce the gradients of every trainable parameter and divide by `world_size`, as DDP does.
+
+    A parameter without a gradient on this rank takes part with zeros, so every rank sends the same buffers.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets: dict[tuple, list[list[torch.nn.Parameter]]] = {}
+    filled: dict[tuple, int] = {}
+    for p in params:
+        key = (p.grad.dtype, p.grad.device)
+        lists = buckets.setdefault(key, [[]])
+        if filled.get(key, 0) >= bucket_bytes:
+            lists.append([])
+            filled[key] = 0
+        lists[-1].append(p)
+        filled[key] = filled.get(key, 0) + p.grad.numel() * p.grad.element_size()
+    for lists in buckets.values():
+        for bucket in lists:
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat.div_(world_size)
+            offset = 0
+            for p in bucket:
+                count = p.grad.numel()
+                p.grad.copy_(flat[offset : offset + count].view_as(p.grad))
+                offset += count
+
+
+def _broadcast_buffers(model: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers, as DDP does before a forward that follows a synchronised backward."""
+    if not getattr(model, "broadcast_buffers", False):
+        return
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def _too_large_message(batch: StepBatch, device: torch.device) -> str:
+    length = f" of {batch.seq_len} tokens" if batch.seq_len else ""
+    return (
+        f"One sample per micro-batch{length} does not fit in memory on {device}, so no micro-batch size can run "
+        "this step. Free memory per sample: enable gradient_checkpointing=True, load the base model in 4-bit "
+        "(QLoRA), use an 8-bit or paged optimizer (optim='paged_adamw_8bit'), or lower max_length."
+    )

@@ -1,0 +1,123 @@
+"""Offline helpers for tests, examples and trying a setup without a model hub or a GPU.
+
+- `text_corpus()`: real English text from Python's own documentation (`pydoc_data.topics`), no download.
+- `train_tokenizer(texts)`: a small byte-level BPE tokenizer trained on the spot.
+- `tiny_llama(tokenizer)`: a randomly initialised Llama with a 64-wide hidden layer.
+- `token_dataset(tokenizer, texts)`: tokenised rows of varying length, ready for a causal-LM collator.
+- `FakeOutOfMemory`: makes a model raise the real `torch.OutOfMemoryError` above a number of rows per forward.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+
+def text_corpus(min_chars: int = 40) -> list[str]:
+    """Paragraphs of Python's documentation topics (shipped with CPython as `pydoc_data.topics`)."""
+    from pydoc_data.topics import topics
+
+    paragraphs = []
+    for name in sorted(topics):
+        for paragraph in re.split(r"\n\s*\n", topics[name]):
+            text = " ".join(paragraph.split())
+            if len(text) >= min_chars:
+                paragraphs.append(text)
+    return paragraphs
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 512):
+    """A byte-level BPE `PreTrainedTokenizerFast` trained on `texts`, with `<pad>` and `<eos>` tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+
+
+def tiny_llama(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, max_length: int = 512):
+    """A random `LlamaForCausalLM` sized for CPU tests (about 100k parameters with a 512-token vocabulary)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_length,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    return model
+
+
+def token_dataset(tokenizer, texts: list[str], max_length: int = 64) -> list[dict[str, list[int]]]:
+    """Rows of `input_ids` (each text truncated to `max_length` tokens, ended by `<eos>`), of varying length."""
+    rows = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: max_length - 1]
+        rows.append({"input_ids": ids + [tokenizer.eos_token_id]})
+    return rows
+
+
+class FakeOutOfMemory:
+    """Raise `torch.OutOfMemoryError` from a model's forward (or backward) when a micro-batch has too many rows.
+
+    Args:
+        model: the model to watch (any `nn.Module` called with `input_ids`).
+        max_rows: the largest number of rows that "fits".
+        in_backward: raise during the backward pass instead of the forward.
+        only_after_calls: let this many oversized forwards pass first (an OOM that appears late, e.g. after
+            fragmentation).
+
+    Attributes:
+        sizes: the rows of every forward the model was called with, in order (oversized ones included).
+    """
+
+    def __init__(self, model: torch.nn.Module, max_rows: int, in_backward: bool = False, only_after_calls: int = 0):
+        self.max_rows = max_rows
+        self.in_backward = in_backward
+        self.passes_left = only_after_calls
+        self.sizes: list[int] = []
+        self.raised: list[int] = []
+        self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs, output):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        rows = int(input_ids.shape[0])
+        self.sizes.append(rows)
+        if rows <= self.max_rows or not torch.is_grad_enabled():
+            return output
+        if self.passes_left > 0:
+            self.passes_left -= 1
+            return output
+        self.raised.append(rows)
+        if not self.in_backward:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (fake: {rows} rows > {self.max_rows}).")
+        logits = output.logits if hasattr(output, "logits") else output[0]
+
+        def explode(grad):
+            raise torch.OutOfMemoryError(f"CUDA out of memory in backward (fake: {rows} rows > {self.max_rows}).")
+
+        logits.register_hook(explode)
+        return output
+
+    def remove(self) -> None:
+        self.handle.remove()

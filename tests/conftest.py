@@ -1,0 +1,84 @@
+"""Shared fixtures: real text, a tokenizer trained on it, tiny random Llama models, Trainer factories."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def texts():
+    from adaptive_batch.testing import text_corpus
+
+    return text_corpus()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(texts):
+    from adaptive_batch.testing import train_tokenizer
+
+    return train_tokenizer(texts[:1500], vocab_size=384)
+
+
+@pytest.fixture(scope="session")
+def rows(tokenizer, texts):
+    """Tokenised rows of 3 to 32 tokens, varying lengths."""
+    from adaptive_batch.testing import token_dataset
+
+    return token_dataset(tokenizer, texts[:400], max_length=32)
+
+
+@pytest.fixture
+def make_trainer(tokenizer, rows, tmp_path):
+    """Build a `transformers.Trainer` on a tiny Llama. Keyword arguments go to TrainingArguments, except
+    `callbacks`, `model`, `dataset`, `trainer_class`, `num_rows` and `dtype` (float64 makes whole-run comparisons
+    tight: Adam divides by the root of tiny second moments, which magnifies float32 rounding over a run)."""
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    from adaptive_batch.testing import tiny_llama
+
+    def make(callbacks=(), model=None, dataset=None, trainer_class=Trainer, num_rows=40, dtype=None, **overrides):
+        settings = dict(
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            num_train_epochs=1,
+            learning_rate=1e-2,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+        )
+        settings.update(overrides)
+        if model is None:
+            model = tiny_llama(tokenizer)
+        if dtype is not None:
+            model = model.to(dtype)
+        return trainer_class(
+            model=model,
+            args=TrainingArguments(**settings),
+            train_dataset=dataset if dataset is not None else rows[:num_rows],
+            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+            callbacks=list(callbacks),
+        )
+
+    return make
+
+
+def parameters(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_close_parameters(a: dict, b: dict, rtol: float = 1e-5):
+    assert a.keys() == b.keys()
+    for name in a:
+        diff = (a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-12)
+        assert diff < rtol, f"{name}: relative difference {diff:.2e}"

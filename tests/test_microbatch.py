@@ -1,0 +1,115 @@
+import pytest
+
+from adaptive_batch.microbatch import MicroBatchController, MicroBatchTooLargeError, even_chunk, predict_peak
+
+
+def run_step(controller, rows, speed, tokens_per_row=100, oom_at=None):
+    """Drive one step the way the runner does; `speed(size)` gives tokens/s. Returns the sizes run."""
+    sizes, remaining = [], rows
+    while remaining > 0:
+        size = controller.next_size(remaining)
+        if oom_at is not None and size >= oom_at:
+            controller.on_out_of_memory(size)
+            return sizes + [("oom", size)]
+        if controller.needs_timing(size):
+            tokens = size * tokens_per_row
+            controller.record(size, tokens / speed(size), tokens)
+        sizes.append(size)
+        remaining -= size
+    return sizes
+
+
+# tokens/s of the QLoRA 7B anchor in DESIGN.md (H200, seq 1024)
+H200 = {1: 3035, 2: 6148, 4: 7496, 8: 8124, 16: 8351, 32: 8474, 64: 8586}
+
+
+def test_even_chunk_balances_the_step():
+    assert [even_chunk(r, 4) for r in (10, 6, 3)] == [4, 3, 3]
+    assert even_chunk(64, 16) == 16 and even_chunk(65, 16) == 13
+
+
+def test_grows_inside_the_first_steps_and_settles_when_doubling_stops_paying():
+    controller = MicroBatchController(start=1, row_limit=64)
+    first = run_step(controller, 64, H200.__getitem__)
+    assert first == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 2]
+    second = run_step(controller, 64, H200.__getitem__)
+    assert second == [32, 32]  # 32 is 1.5% faster than 16: less than the 2% margin
+    assert not controller.exploring and controller.size == 16
+    assert "less than 2% faster than 16" in controller.settled_because
+    assert run_step(controller, 64, H200.__getitem__) == [16, 16, 16, 16]
+
+
+def test_a_smaller_margin_goes_on_to_the_largest_size():
+    controller = MicroBatchController(start=1, row_limit=64, growth_margin=0.01)
+    steps = [run_step(controller, 64, H200.__getitem__) for _ in range(4)]
+    assert steps[1:] == [[32, 32], [64], [64]]  # each size is timed twice
+    assert controller.size == 64 and not controller.exploring
+
+
+def test_respects_max_size_and_the_rows_of_a_step():
+    controller = MicroBatchController(start=4, max_size=8, row_limit=64)
+    assert run_step(controller, 64, lambda s: 1000 * s) == [4, 4, 8, 8, 8, 8, 8, 8, 8]
+    assert controller.size == 8 and not controller.exploring
+    capped = MicroBatchController(start=4, row_limit=12)
+    steps = [run_step(capped, 12, lambda s: 1000 * s) for _ in range(5)]
+    assert steps == [[4, 4, 4], [8, 4], [8, 4], [12], [12]]
+    assert capped.size == 12 and not capped.exploring
+
+
+def test_a_trial_waits_for_steps_with_enough_rows():
+    controller = MicroBatchController(start=4, row_limit=32)
+    assert run_step(controller, 8, lambda s: 1000 * s) == [4, 4]
+    assert controller.trial == 8
+    assert run_step(controller, 6, lambda s: 1000 * s) == [3, 3]  # too few rows to time 8: best size known
+    assert run_step(controller, 32, lambda s: 1000 * s) == [8, 8, 16]
+
+
+def test_out_of_memory_during_a_trial_falls_back_to_the_last_size_that_ran():
+    controller = MicroBatchController(start=2, row_limit=64)
+    steps = run_step(controller, 64, lambda s: 1000 * s, oom_at=8)
+    assert steps == [2, 2, 4, 4, ("oom", 8)]
+    assert controller.size == 4 and not controller.exploring and controller.oom_sizes == [8]
+    assert run_step(controller, 64, lambda s: 1000 * s) == [4] * 16
+
+
+def test_out_of_memory_at_a_settled_size_halves_it_and_one_sample_raises():
+    controller = MicroBatchController(start=8, auto=False)
+    assert run_step(controller, 16, lambda s: s, oom_at=8) == [("oom", 8)]
+    assert controller.size == 4
+    assert run_step(controller, 16, lambda s: s, oom_at=4) == [("oom", 4)]
+    assert run_step(controller, 16, lambda s: s, oom_at=2) == [("oom", 2)]
+    with pytest.raises(MicroBatchTooLargeError) as raised:
+        run_step(controller, 16, lambda s: s, oom_at=1)
+    assert raised.value.tried == [8, 4, 2, 1]
+
+
+def test_fixed_size_never_grows():
+    controller = MicroBatchController(start=3, auto=False)
+    assert run_step(controller, 10, lambda s: 1000 * s) == [3, 3, 2, 2]
+    assert controller.settled_because == "fixed by micro_batch_size"
+
+
+def test_memory_prediction_stops_growth_before_an_oom():
+    controller = MicroBatchController(start=1, row_limit=64, memory_limit=10_000)
+    remaining = 64
+    while remaining > 0:
+        size = controller.next_size(remaining)
+        if controller.needs_timing(size):
+            tokens = size * 100
+            controller.record(size, tokens / (1000 * size), tokens, peak_bytes=1000 + 20 * tokens)  # 16 -> 33k
+        remaining -= size
+    assert controller.size == 4 and "predicted to exceed the memory limit" in controller.settled_because
+
+
+def test_predict_peak_is_an_affine_fit():
+    assert predict_peak([(100, 1100), (200, 1200), (400, 1400)], 800) == pytest.approx(1800)
+    assert predict_peak([(100, 1100), (100, 1150)], 800) == 0.0
+
+
+def test_state_dict_round_trip_continues_identically():
+    a = MicroBatchController(start=1, row_limit=64)
+    run_step(a, 20, H200.__getitem__)
+    b = MicroBatchController(start=1, row_limit=64)
+    b.load_state_dict(a.state_dict())
+    assert run_step(a, 64, H200.__getitem__) == run_step(b, 64, H200.__getitem__)
+    assert a.state_dict() == b.state_dict()

@@ -1,0 +1,113 @@
+import math
+from collections import Counter
+
+import pytest
+
+from adaptive_batch.plan import Budget, build_plan
+from adaptive_batch.schedule import PhaseSchedule, as_schedule
+
+
+def test_constant_batch_with_a_short_last_step_per_epoch():
+    plan = build_plan(as_schedule(8), dataset_size=20, budget=Budget.from_epochs(2, 20))
+    assert list(plan.sizes) == [8, 8, 4, 8, 8, 4]
+    assert list(plan.starts) == [0, 8, 16, 20, 28, 36]
+    assert [plan.epoch(k) for k in range(plan.num_steps)] == [0, 0, 0, 1, 1, 1]
+    assert [plan.epoch_after(k) for k in range(plan.num_steps)] == [0.4, 0.8, 1.0, 1.4, 1.8, 2.0]
+    assert [plan.ends_epoch(k) for k in range(plan.num_steps)] == [False, False, True, False, False, True]
+    assert plan.num_samples == 40 and plan.num_epochs == 2
+
+
+def test_drop_last_drops_each_epochs_short_step_but_counts_its_positions():
+    plan = build_plan(as_schedule(8), dataset_size=20, budget=Budget.from_epochs(2, 20), drop_last=True)
+    assert list(plan.sizes) == [8, 8, 8, 8]
+    assert list(plan.starts) == [0, 8, 20, 28]
+    assert plan.num_samples == 32
+    assert plan.epoch_after(1) == 1.0 and plan.ends_epoch(1)
+    assert plan.fraction_before(2) == 0.5
+
+
+def test_growing_batch_shortens_the_run_in_steps_not_in_data():
+    schedule = PhaseSchedule([4, 8, 16], boundaries=[0.25, 0.5])
+    plan = build_plan(schedule, dataset_size=64, budget=Budget.from_epochs(1, 64))
+    assert list(plan.sizes) == [4, 4, 4, 4, 8, 8, 16, 16]
+    assert plan.num_samples == 64
+    assert [plan.scheduled[k] for k in range(plan.num_steps)] == [4, 4, 4, 4, 8, 8, 16, 16]
+    assert plan.phases() == [(0, 3, 4), (4, 5, 8), (6, 7, 16)]
+
+
+def test_max_steps_budget_is_counted_in_samples_of_the_starting_batch():
+    budget = Budget.from_max_steps(10, 8)
+    assert budget.samples == 80 and "max_steps=10" in budget.origin
+    plan = build_plan(PhaseSchedule([8, 16], boundaries=[0.5]), dataset_size=1000, budget=budget)
+    assert list(plan.sizes) == [8, 8, 8, 8, 8, 16, 16, 8]  # the last step is cut to the budget
+    assert plan.num_samples == 80
+
+
+def test_a_remainder_smaller_than_the_world_joins_the_step_before():
+    plan = build_plan(as_schedule(4), dataset_size=9, budget=Budget.from_epochs(1, 9), world_size=2)
+    assert list(plan.sizes) == [4, 5]
+    assert [plan.rows_on_rank(1, r) for r in (0, 1)] == [3, 2]
+    assert plan.max_rows(1) == 3
+
+
+def test_fractional_epochs_cut_the_last_step_to_the_budget():
+    plan = build_plan(as_schedule(8), dataset_size=20, budget=Budget.from_epochs(1.5, 20))
+    assert plan.budget == 30
+    assert list(plan.sizes) == [8, 8, 4, 8, 2]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_position_of_the_budget_is_used_once(world_size, drop_last):
+    schedule = PhaseSchedule([world_size * 2, world_size * 3, world_size * 7], boundaries=[0.2, 0.6])
+    plan = build_plan(schedule, dataset_size=53, budget=Budget.from_epochs(3, 53), world_size=world_size,
+                      drop_last=drop_last)
+    covered = Counter()
+    for k in range(plan.num_steps):
+        start, size = plan.starts[k], plan.sizes[k]
+        assert start // 53 == (start + size - 1) // 53, "a step straddles two epochs"
+        assert size >= world_size
+        covered.update(range(start, start + size))
+    assert max(covered.values()) == 1
+    if not drop_last:
+        assert sorted(covered) == list(range(3 * 53))
+    assert plan.num_samples == sum(plan.sizes) == plan.samples_before_step[-1]
+
+
+def test_effective_batch_not_divisible_by_the_world_names_the_value_and_a_fix():
+    with pytest.raises(ValueError, match=r"effective batch 48 .* not divisible by world_size=5.*Use 45 or 50"):
+        build_plan(as_schedule(48), dataset_size=1000, budget=1000, world_size=5)
+
+
+def test_schedule_errors_name_the_step_where_they_occur():
+    schedule = PhaseSchedule([8, 20], boundaries=[3], unit="steps")
+    with pytest.raises(ValueError, match=r"effective batch 20 at step 3 .* exceeds the dataset size 16"):
+        build_plan(schedule, dataset_size=16, budget=64)
+    with pytest.raises(ValueError, match=r"step 2 .* effective batch 0"):
+        build_plan(lambda p: 8 if p.step < 2 else 0, dataset_size=100, budget=100)
+    with pytest.raises(ValueError, match=r"effective batch 7.5"):
+        build_plan(lambda p: 7.5, dataset_size=100, budget=100)
+
+
+def test_dataset_smaller_than_the_world_is_rejected():
+    with pytest.raises(ValueError, match="3 samples but world_size=4"):
+        build_plan(as_schedule(4), dataset_size=3, budget=3, world_size=4)
+
+
+def test_budget_errors():
+    with pytest.raises(ValueError, match="num_train_epochs=0 must be positive"):
+        Budget.from_epochs(0, 10)
+    with pytest.raises(ValueError, match="budget is 0 samples"):
+        build_plan(as_schedule(4), dataset_size=10, budget=0)
+
+
+def test_fingerprint_changes_with_the_cut_and_not_otherwise():
+    a = build_plan(as_schedule(8), dataset_size=40, budget=80)
+    b = build_plan(as_schedule(8), dataset_size=40, budget=80, world_size=2)
+    c = build_plan(as_schedule(4), dataset_size=40, budget=80)
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+
+
+def test_a_long_plan_builds_quickly():
+    plan = build_plan(as_schedule(8), dataset_size=100_003, budget=Budget.from_epochs(20, 100_003))
+    assert plan.num_steps == 20 * math.ceil(100_003 / 8)

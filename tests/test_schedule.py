@@ -1,0 +1,61 @@
+import pytest
+
+from adaptive_batch.schedule import ConstantSchedule, PhaseSchedule, Progress, as_schedule, check_effective_batch_size
+
+
+def at(step=0, samples=0, fraction=0.0):
+    return Progress(step=step, samples_seen=samples, fraction=fraction)
+
+
+def test_phase_schedule_by_fraction_switches_at_each_boundary():
+    schedule = PhaseSchedule([8, 16, 32], boundaries=[0.1, 0.3])
+    assert [schedule(at(fraction=f)) for f in (0.0, 0.0999, 0.1, 0.2999, 0.3, 0.99)] == [8, 8, 16, 16, 32, 32]
+
+
+def test_phase_schedule_by_samples_and_by_steps():
+    by_samples = PhaseSchedule([8, 12], boundaries=[100], unit="samples")
+    assert [by_samples(at(samples=s)) for s in (0, 99, 100, 5000)] == [8, 8, 12, 12]
+    by_steps = PhaseSchedule([4, 8, 16], boundaries=[10, 20], unit="steps")
+    assert [by_steps(at(step=k)) for k in (0, 9, 10, 19, 20)] == [4, 4, 8, 8, 16]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sizes": [8, 16], "boundaries": []}, "one boundary fewer than sizes"),
+        ({"sizes": [8, 16], "boundaries": [0.5], "unit": "epochs"}, "unit='epochs' is not one of"),
+        ({"sizes": [8, 16, 32], "boundaries": [0.5, 0.2]}, "strictly increasing"),
+        ({"sizes": [8, 16], "boundaries": [1.5]}, "strictly between 0 and 1"),
+        ({"sizes": [8, 16], "boundaries": [-3], "unit": "steps"}, "must be positive"),
+        ({"sizes": [8, 0], "boundaries": [0.5]}, "effective batch 0"),
+        ({"sizes": [8, 12.5], "boundaries": [0.5]}, "effective batch 12.5"),
+        ({"sizes": [], "boundaries": []}, "at least one size"),
+    ],
+)
+def test_phase_schedule_rejects_bad_input_with_the_value_and_a_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PhaseSchedule(**kwargs)
+
+
+def test_as_schedule_accepts_ints_and_callables_only():
+    assert as_schedule(24)(at()) == 24
+    assert isinstance(as_schedule(24), ConstantSchedule)
+    custom = lambda progress: 8 if progress.step < 3 else 16  # noqa: E731
+    assert as_schedule(custom) is custom
+    with pytest.raises(ValueError, match="bool"):
+        as_schedule(True)
+    with pytest.raises(ValueError, match="neither an int nor a callable"):
+        as_schedule("32")
+    with pytest.raises(ValueError, match="effective batch -4"):
+        as_schedule(-4)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, float("nan"), float("inf"), None, "8", True])
+def test_check_effective_batch_size_rejects_non_positive_integers(value):
+    with pytest.raises(ValueError, match="positive integer"):
+        check_effective_batch_size(value, where="test")
+
+
+def test_check_effective_batch_size_accepts_integral_floats():
+    assert check_effective_batch_size(16.0, where="test") == 16
+    assert isinstance(check_effective_batch_size(16.0, where="test"), int)
