@@ -37,13 +37,16 @@ def rows(tokenizer, texts):
 @pytest.fixture
 def make_trainer(tokenizer, rows, tmp_path):
     """Build a `transformers.Trainer` on a tiny Llama. Keyword arguments go to TrainingArguments, except
-    `callbacks`, `model`, `dataset`, `trainer_class`, `num_rows` and `dtype` (float64 makes whole-run comparisons
+    `callbacks`, `model`, `dataset`, `eval_dataset`, `trainer_class`, `num_rows` and `dtype` (float64 makes whole-run comparisons
     tight: Adam divides by the root of tiny second moments, which magnifies float32 rounding over a run)."""
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     from adaptive_batch.testing import tiny_llama
 
-    def make(callbacks=(), model=None, dataset=None, trainer_class=Trainer, num_rows=40, dtype=None, **overrides):
+    def make(
+        callbacks=(), model=None, dataset=None, trainer_class=Trainer, num_rows=40, dtype=None, eval_dataset=None,
+        **overrides,
+    ):
         settings = dict(
             output_dir=str(tmp_path / "out"),
             per_device_train_batch_size=4,
@@ -66,6 +69,7 @@ def make_trainer(tokenizer, rows, tmp_path):
             model=model,
             args=TrainingArguments(**settings),
             train_dataset=dataset if dataset is not None else rows[:num_rows],
+            eval_dataset=eval_dataset,
             data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
             callbacks=list(callbacks),
         )

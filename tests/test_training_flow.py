@@ -1,0 +1,134 @@
+"""Budget, learning rate (invariant 5), epochs, evaluation and saving, and the logged metrics."""
+
+import math
+
+import pytest
+import torch
+from transformers import EarlyStoppingCallback
+from transformers.optimization import get_scheduler
+
+from adaptive_batch import AdaptiveBatch, PhaseSchedule
+
+KEYS = [
+    "adaptive_batch/effective_batch_size",
+    "adaptive_batch/micro_batch_size",
+    "adaptive_batch/accumulation_steps",
+    "adaptive_batch/samples_seen",
+    "adaptive_batch/tokens_seen",
+    "adaptive_batch/lr_scale",
+]
+
+
+def step_logs(trainer):
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+@pytest.mark.parametrize("scheduler_type", ["linear", "cosine", "constant_with_warmup", "warmup_stable_decay"])
+def test_learning_rate_is_the_base_schedule_at_the_sample_fraction_times_the_rule(make_trainer, scheduler_type):
+    schedule = PhaseSchedule([4, 8, 16], boundaries=[0.25, 0.5])
+    specific = {"num_decay_steps": 4} if scheduler_type == "warmup_stable_decay" else {}
+    trainer = make_trainer(
+        [AdaptiveBatch(schedule=schedule, lr_scaling="sqrt", micro_batch_size=4)],
+        num_rows=64,
+        num_train_epochs=2,
+        lr_scheduler_type=scheduler_type,
+        warmup_steps=5,
+        learning_rate=1e-3,
+        lr_scheduler_kwargs=specific,
+    )
+    trainer.train()
+    plan = trainer._adaptive_batch.plan
+    nominal = math.ceil(128 / 4)
+    reference = get_scheduler(
+        scheduler_type,
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
+        num_warmup_steps=5,
+        num_training_steps=nominal,
+        scheduler_specific_kwargs=specific,
+    )
+    logs = step_logs(trainer)
+    assert len(logs) == plan.num_steps == 8 + 4 + 4  # 32 samples at 4, 32 at 8, 64 at 16
+    for step, log in enumerate(logs):
+        fraction = plan.starts[step] / plan.budget
+        scale = math.sqrt(plan.scheduled[step] / 4)
+        expected = 1e-3 * reference.lr_lambdas[0](fraction * nominal) * scale
+        assert log["learning_rate"] == pytest.approx(expected, rel=1e-9, abs=1e-15), step
+        assert log["adaptive_batch/lr_scale"] == pytest.approx(scale)
+
+
+def test_max_steps_is_a_sample_budget_when_the_batch_grows(make_trainer):
+    trainer = make_trainer(
+        [AdaptiveBatch(schedule=PhaseSchedule([8, 32], boundaries=[0.5]))],
+        num_rows=400,
+        max_steps=20,
+    )
+    trainer.train()
+    logs = step_logs(trainer)
+    assert logs[-1]["adaptive_batch/samples_seen"] == 20 * 8
+    assert trainer.state.global_step == 10 + 3  # 80 samples at 8, then 80 at 32: 2 full steps and 16 left
+    assert [log["adaptive_batch/effective_batch_size"] for log in logs[-3:]] == [32, 32, 16]
+
+
+def test_every_logged_step_carries_the_metrics_and_they_add_up(make_trainer, rows):
+    trainer = make_trainer([AdaptiveBatch(micro_batch_size=3)], num_rows=44, num_train_epochs=2)
+    trainer.train()
+    logs = step_logs(trainer)
+    assert all(all(key in log for key in KEYS) for log in logs)
+    assert [log["adaptive_batch/effective_batch_size"] for log in logs] == [8, 8, 8, 8, 8, 4] * 2
+    assert [log["adaptive_batch/accumulation_steps"] for log in logs] == [3, 3, 3, 3, 3, 2] * 2
+    assert [log["adaptive_batch/samples_seen"] for log in logs] == [8, 16, 24, 32, 40, 44, 52, 60, 68, 76, 84, 88]
+    assert logs[-1]["adaptive_batch/tokens_seen"] == 2 * sum(len(r["input_ids"]) for r in rows[:44])
+    assert [log["epoch"] for log in logs][5::6] == [1.0, 2.0]
+
+
+def test_epochs_end_with_one_evaluation_and_one_checkpoint_each(make_trainer, rows, tmp_path):
+    trainer = make_trainer(
+        [AdaptiveBatch(schedule=PhaseSchedule([4, 8], boundaries=[0.5]))],
+        num_rows=36,
+        num_train_epochs=3,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        eval_dataset=rows[100:116],
+        save_total_limit=5,
+    )
+    trainer.train()
+    evals = [log for log in trainer.state.log_history if "eval_loss" in log]
+    assert [log["epoch"] for log in evals] == [1.0, 2.0, 3.0]
+    plan = trainer._adaptive_batch.plan
+    epoch_ends = [k + 1 for k in range(plan.num_steps) if plan.ends_epoch(k)]
+    assert [log["step"] for log in evals] == epoch_ends
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert saved == epoch_ends
+    assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{trainer.state.best_global_step}")
+    assert trainer.state.epoch == 3.0 and trainer.state.num_train_epochs == 3
+
+
+def test_early_stopping_and_best_model_work_as_in_the_plain_trainer(make_trainer, rows):
+    trainer = make_trainer(
+        [AdaptiveBatch(), EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=10.0)],
+        num_rows=32,
+        num_train_epochs=5,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        load_best_model_at_end=True,
+        eval_dataset=rows[100:108],
+    )
+    trainer.train()
+    evals = [log for log in trainer.state.log_history if "eval_loss" in log]
+    assert [log["epoch"] for log in evals] == [1.0, 2.0]  # no eval improves by 10: stop after the second
+    assert trainer.state.global_step == 8
+
+
+def test_attach_after_construction(make_trainer):
+    trainer = make_trainer(num_rows=24)
+    callback = AdaptiveBatch.attach(trainer, micro_batch_size=2)
+    assert isinstance(callback, AdaptiveBatch) and callback in trainer.callback_handler.callbacks
+    trainer.train()
+    assert {log["adaptive_batch/micro_batch_size"] for log in step_logs(trainer)} == {2}
+    other = make_trainer(num_rows=24)
+    attached = AdaptiveBatch(schedule=4).attach(other)
+    other.train()
+    assert {log["adaptive_batch/effective_batch_size"] for log in step_logs(other)} == {4}
+    assert attached.session.trainer is other
