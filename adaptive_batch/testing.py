@@ -111,12 +111,13 @@ class FakeOutOfMemory:
         self.raised.append(rows)
         if not self.in_backward:
             raise torch.OutOfMemoryError(f"CUDA out of memory (fake: {rows} rows > {self.max_rows}).")
-        logits = output.logits if hasattr(output, "logits") else output[0]
-
         def explode(grad):
             raise torch.OutOfMemoryError(f"CUDA out of memory in backward (fake: {rows} rows > {self.max_rows}).")
 
-        logits.register_hook(explode)
+        values = output.values() if hasattr(output, "values") else output if isinstance(output, tuple) else [output]
+        for value in values:  # the loss, logits or log-probabilities, whichever the backward starts from
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                value.register_hook(explode)
         return output
 
     def remove(self) -> None:

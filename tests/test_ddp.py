@@ -1,0 +1,63 @@
+"""Invariants 1, 2 and 6 under DDP: two CPU processes (gloo) train exactly as one process on the same plan, ranks
+with one sample fewer and one rank's out-of-memory error included, and nothing hangs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+pytestmark = pytest.mark.slow
+
+
+def launch(tmp_path, name, kind, micro, world_size, fake_oom_rank=None):
+    out = tmp_path / name
+    out.mkdir()
+    extra = [str(fake_oom_rank)] if fake_oom_rank is not None else []
+    if world_size == 1:
+        command = [sys.executable, str(WORKER), str(out), kind, str(micro), *extra]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
+                   "--standalone", str(WORKER), str(out), kind, str(micro), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)  # a hang fails here
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    weights = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
+    return results, weights
+
+
+def assert_same_weights(a, b, rtol):
+    for name in a:
+        diff = (a[name] - b[name]).norm() / b[name].norm()
+        assert diff < rtol, f"{name}: {diff:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["trainer", "sft"])
+def test_two_ranks_train_exactly_as_one_process(tmp_path, kind):
+    single, single_weights = launch(tmp_path, "single", kind, micro=1, world_size=1)
+    ranks, rank_weights = launch(tmp_path, "ddp", kind, micro=1, world_size=2)
+    assert ranks[0]["world_size"] == 2
+    assert ranks[0]["plan"] == ranks[1]["plan"] == single[0]["plan"]
+    sizes = [log["adaptive_batch/effective_batch_size"] for log in ranks[0]["logs"]]
+    assert sizes == [log["adaptive_batch/effective_batch_size"] for log in single[0]["logs"]]
+    assert any(size % 2 for size in sizes)  # a step whose shares differ by one sample (a row adding nothing)
+    for key in ("adaptive_batch/samples_seen", "adaptive_batch/tokens_seen"):
+        assert [log[key] for log in ranks[0]["logs"]] == [log[key] for log in single[0]["logs"]]
+    if kind == "sft":
+        assert [log["num_tokens"] for log in ranks[0]["logs"]] == [log["num_tokens"] for log in single[0]["logs"]]
+    assert_same_weights(rank_weights[0], rank_weights[1], rtol=1e-14)  # the ranks agree
+    assert_same_weights(rank_weights[0], single_weights[0], rtol=1e-9)
+
+
+def test_one_ranks_out_of_memory_makes_every_rank_retry(tmp_path):
+    clean, clean_weights = launch(tmp_path, "clean", "trainer", micro=2, world_size=2)
+    ranks, weights = launch(tmp_path, "oom", "trainer", micro=2, world_size=2, fake_oom_rank=1)
+    assert ranks[1]["raised"] == [2] and ranks[0]["raised"] == []
+    assert {log["adaptive_batch/micro_batch_size"] for log in ranks[0]["logs"]} == {1}  # rank 0 shrank too
+    assert_same_weights(weights[0], weights[1], rtol=1e-14)
+    assert_same_weights(weights[0], clean_weights[0], rtol=1e-9)
