@@ -49,7 +49,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         lr_scaling: `"none"`, `"sqrt"` (Adam family), `"linear"` (SGD) or a callable
             `(effective, starting) -> multiplier`: how the learning rate follows the effective batch, relative to
             the starting one, on top of the user's scheduler.
-        growth_margin: the tokens/s gain a doubled micro-batch must bring to be kept (default 2%).
+        growth_margin: the tokens/s gain a doubled micro-batch must bring to be kept (default 1%).
         memory_headroom: the share of GPU memory `"auto"` keeps free when predicting whether a size fits.
 
     The training budget is counted in samples: `num_train_epochs x dataset size`, or `max_steps x starting
@@ -74,7 +74,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         micro_batch_size: int | str = "auto",
         max_micro_batch_size: int | None = None,
         lr_scaling="none",
-        growth_margin: float = 0.02,
+        growth_margin: float = 0.01,
         memory_headroom: float = 0.10,
     ):
         self.config = AdaptiveBatchConfig(
@@ -101,7 +101,9 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         if self is None:
             self = cls(**config)
         elif config:
-            raise TypeError("Pass the settings to AdaptiveBatch(...), not to attach(), when calling it on an instance.")
+            raise TypeError(
+                "Pass the settings to AdaptiveBatch(...), not to attach(), when calling it on an instance."
+            )
         if self.session is not None:
             raise ValueError("This AdaptiveBatch is already attached to a Trainer; create one per Trainer.")
         if self not in trainer.callback_handler.callbacks:
@@ -154,4 +156,3 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     def state(self) -> dict:
         checkpoint = self.session.state_dict() if self.session is not None else {}
         return {"args": {}, "attributes": {"checkpoint": checkpoint}}
-

@@ -38,7 +38,7 @@ class AdaptiveBatchConfig:
         },
     )
     growth_margin: float = field(
-        default=0.02, metadata={"help": "Relative tokens/s gain a doubled micro-batch must bring to be kept."}
+        default=0.01, metadata={"help": "Relative tokens/s gain a doubled micro-batch must bring to be kept."}
     )
     memory_headroom: float = field(
         default=0.10,

@@ -48,7 +48,12 @@ def resolve_rule(rule: str | LRRule) -> LRRule:
 def lr_scale(rule: LRRule, effective_batch_size: int, starting_effective_batch_size: int) -> float:
     """The multiplier of the learning rate at `effective_batch_size`; checked to be positive and finite."""
     scale = rule(effective_batch_size, starting_effective_batch_size)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
         raise ValueError(
             f"lr_scaling rule gave {scale!r} for effective batch {effective_batch_size} (starting "
             f"{starting_effective_batch_size}); it must return a positive finite float."

@@ -2,9 +2,10 @@
 
 Order within an optimizer step does not change its gradient, so the step batch may be cut into micro-batches of
 any sizes. The controller starts from the user's per-device batch and, with `auto`, grows it by doubling while
-tokens per second improve by more than `growth_margin`. It measures *inside* steps: a trial size runs `repeats`
-micro-batches of that size and is timed, while the rest of the step uses the best size known so far, so finding the
-size costs about one step, not one step per size. An out-of-memory error caps the size for good and halves it; the
+tokens per second improve by more than `growth_margin` (1%: on an H200, QLoRA 7B, 8 -> 16 -> 32 -> 64 samples
+gain a few percent each). It measures *inside* steps: a trial size runs up to `repeats` micro-batches of that size
+and is timed, while the rest of the step uses the best size known so far, so finding the size costs about one step,
+not one step per size. An out-of-memory error caps the size for good and halves it; the
 step is then run again from its first micro-batch.
 
 All decisions depend only on the measurements fed in and the rows left in the step, so ranks that are fed the same
@@ -35,6 +36,9 @@ def even_chunk(remaining: int, size: int) -> int:
     return math.ceil(remaining / chunks)
 
 
+DECISIVE = 5  # a gain of this many margins needs no second measurement
+
+
 class MicroBatchController:
     """Chooses the size of every micro-batch.
 
@@ -44,7 +48,8 @@ class MicroBatchController:
         max_size: never use more samples per micro-batch than this.
         row_limit: the most rows a step ever holds on one rank (no point measuring beyond).
         growth_margin: the relative tokens/s gain a doubling must bring to be kept.
-        repeats: micro-batches timed per trial size (the best of them counts, which discards warm-up stalls).
+        repeats: micro-batches timed per trial size (the best of them counts, which discards warm-up stalls); a
+            trial whose first one is already `DECISIVE` times the margin faster than the size before is kept at once.
         memory_limit: bytes a micro-batch's peak may reach; with two measured sizes a trial predicted to exceed it
             (peak memory is close to affine in tokens) is not run.
     """
@@ -55,7 +60,7 @@ class MicroBatchController:
         auto: bool = True,
         max_size: int | None = None,
         row_limit: int | None = None,
-        growth_margin: float = 0.02,
+        growth_margin: float = 0.01,
         repeats: int = 2,
         memory_limit: float | None = None,
     ):
@@ -99,7 +104,7 @@ class MicroBatchController:
             return
         self.throughput[size] = max(self.throughput.get(size, 0.0), tokens / seconds)
         self.trial_left -= 1
-        if self.trial_left == 0:
+        if self.trial_left == 0 or self._clearly_faster(size):
             self._decide(size, tokens / size)
 
     def on_out_of_memory(self, size: int) -> None:
@@ -113,7 +118,9 @@ class MicroBatchController:
             self._settle(f"{size} ran out of memory")
             return
         if size == 1:
-            raise MicroBatchTooLargeError("one sample per micro-batch runs out of memory", list(self.oom_sizes))
+            raise MicroBatchTooLargeError(
+                "one sample per micro-batch runs out of memory", list(self.oom_sizes)
+            )
         self.size = size // 2
         self._settle(f"{size} ran out of memory")
 
@@ -121,7 +128,9 @@ class MicroBatchController:
 
     def _decide(self, trial: int, tokens_per_row: float) -> None:
         previous = self.size if self.size != trial else None
-        if previous is not None and self.throughput[trial] < self.throughput[previous] * (1 + self.growth_margin):
+        if previous is not None and self.throughput[trial] < self.throughput[previous] * (
+            1 + self.growth_margin
+        ):
             self._settle(f"{trial} was less than {self.growth_margin:.0%} faster than {previous}")
             return
         self.size = trial
@@ -138,6 +147,12 @@ class MicroBatchController:
             self._settle(f"{bigger} is predicted to exceed the memory limit")
         else:
             self.trial, self.trial_left = bigger, self.repeats
+
+    def _clearly_faster(self, trial: int) -> bool:
+        previous = self.throughput.get(self.size) if self.size != trial else None
+        return previous is not None and self.throughput[trial] >= previous * (
+            1 + DECISIVE * self.growth_margin
+        )
 
     def _settle(self, because: str) -> None:
         self.trial = None

@@ -33,7 +33,9 @@ class Budget:
     @classmethod
     def from_epochs(cls, num_train_epochs: float, dataset_size: int) -> Budget:
         if not num_train_epochs > 0:
-            raise ValueError(f"num_train_epochs={num_train_epochs} must be positive, e.g. num_train_epochs=1.")
+            raise ValueError(
+                f"num_train_epochs={num_train_epochs} must be positive, e.g. num_train_epochs=1."
+            )
         samples = round(num_train_epochs * dataset_size)
         return cls(samples, f"num_train_epochs={num_train_epochs:g} x {dataset_size:,} samples")
 
@@ -153,7 +155,9 @@ def build_plan(
             f"least one sample per step. Use at most {dataset_size} processes or a larger dataset."
         )
     if budget_samples < 1:
-        raise ValueError(f"The training budget is {budget_samples} samples; set num_train_epochs or max_steps > 0.")
+        raise ValueError(
+            f"The training budget is {budget_samples} samples; set num_train_epochs or max_steps > 0."
+        )
 
     sizes, scheduled, starts, samples_before = array("q"), array("q"), array("q"), array("q", [0])
     notes: list[str] = []
@@ -161,7 +165,9 @@ def build_plan(
     while position < budget_samples:
         step = len(sizes)
         progress = Progress(step=step, samples_seen=samples_seen, fraction=position / budget_samples)
-        effective = check_effective_batch_size(schedule(progress), where=f"The schedule at {_where(progress)}")
+        effective = check_effective_batch_size(
+            schedule(progress), where=f"The schedule at {_where(progress)}"
+        )
         _check_fits(effective, world_size, dataset_size, progress)
 
         epoch_left = dataset_size - position % dataset_size
@@ -192,7 +198,9 @@ def build_plan(
             f"The budget of {budget_samples} samples leaves no optimizer step (drop_last={drop_last}, dataset "
             f"{dataset_size} samples); raise num_train_epochs / max_steps or set dataloader_drop_last=False."
         )
-    return StepPlan(dataset_size, budget_samples, world_size, sizes, scheduled, starts, samples_before, tuple(notes))
+    return StepPlan(
+        dataset_size, budget_samples, world_size, sizes, scheduled, starts, samples_before, tuple(notes)
+    )
 
 
 def _where(progress: Progress) -> str:

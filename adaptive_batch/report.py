@@ -33,8 +33,11 @@ def plan_rows(
         ("samples", f"{plan.num_samples:,} from {budget.origin}"),
         ("tokens", f"{tokens:,} (non-padding)" if tokens is not None else "not known before training"),
         ("epochs", f"{plan.budget / plan.dataset_size:g} of {plan.dataset_size:,} samples"),
-        ("learning rate", f"{rule_text}: {scales}; schedule built for {clock.nominal_steps:,} steps of "
-         f"{clock.starting_effective_batch_size} and followed by samples"),
+        (
+            "learning rate",
+            f"{rule_text}: {scales}; schedule built for {clock.nominal_steps:,} steps of "
+            f"{clock.starting_effective_batch_size} and followed by samples",
+        ),
     ]
     if len(phases) > 1:
         rows.append(("phases (steps: effective batch)", ", ".join(f"{a}-{b}: {e}" for a, b, e in phases)))

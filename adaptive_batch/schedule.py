@@ -80,9 +80,13 @@ class PhaseSchedule:
         object.__setattr__(self, "sizes", tuple(self.sizes))
         object.__setattr__(self, "boundaries", tuple(self.boundaries))
         if self.unit not in UNITS:
-            raise ValueError(f"PhaseSchedule unit={self.unit!r} is not one of {UNITS}; use e.g. unit='fraction'.")
+            raise ValueError(
+                f"PhaseSchedule unit={self.unit!r} is not one of {UNITS}; use e.g. unit='fraction'."
+            )
         if not self.sizes:
-            raise ValueError("PhaseSchedule needs at least one size, e.g. PhaseSchedule([8, 16], boundaries=[0.5]).")
+            raise ValueError(
+                "PhaseSchedule needs at least one size, e.g. PhaseSchedule([8, 16], boundaries=[0.5])."
+            )
         for size in self.sizes:
             check_effective_batch_size(size, where="PhaseSchedule sizes")
         if len(self.boundaries) != len(self.sizes) - 1:
@@ -92,7 +96,11 @@ class PhaseSchedule:
                 f"PhaseSchedule({list(self.sizes)}, boundaries=[...{len(self.sizes) - 1} values...])."
             )
         for boundary in self.boundaries:
-            if isinstance(boundary, bool) or not isinstance(boundary, numbers.Real) or not math.isfinite(boundary):
+            if (
+                isinstance(boundary, bool)
+                or not isinstance(boundary, numbers.Real)
+                or not math.isfinite(boundary)
+            ):
                 raise ValueError(f"PhaseSchedule boundary {boundary!r} is not a finite number.")
         if any(later <= earlier for earlier, later in zip(self.boundaries, self.boundaries[1:])):
             raise ValueError(
@@ -109,7 +117,9 @@ class PhaseSchedule:
             )
 
     def __call__(self, progress: Progress) -> int:
-        position = {"samples": progress.samples_seen, "steps": progress.step, "fraction": progress.fraction}[self.unit]
+        position = {"samples": progress.samples_seen, "steps": progress.step, "fraction": progress.fraction}[
+            self.unit
+        ]
         phase = sum(1 for boundary in self.boundaries if position >= boundary)
         return self.sizes[phase]
 
@@ -122,7 +132,9 @@ class PhaseSchedule:
 def as_schedule(schedule: int | Schedule) -> Schedule:
     """Turn an `int` into a [`ConstantSchedule`]; pass any other callable through."""
     if isinstance(schedule, bool):
-        raise ValueError(f"schedule={schedule!r} is a bool; pass an int effective batch or a schedule callable.")
+        raise ValueError(
+            f"schedule={schedule!r} is a bool; pass an int effective batch or a schedule callable."
+        )
     if isinstance(schedule, numbers.Integral):
         return ConstantSchedule(int(schedule))
     if not callable(schedule):
@@ -143,7 +155,9 @@ def describe(schedule: Schedule) -> str:
 def check_effective_batch_size(value, where: str) -> int:
     """Return `value` as an int if it is a valid effective batch (a positive integer), else raise `ValueError`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{where} gave effective batch {value!r}; it must be a positive integer number of samples.")
+        raise ValueError(
+            f"{where} gave effective batch {value!r}; it must be a positive integer number of samples."
+        )
     if isinstance(value, numbers.Integral) or (math.isfinite(value) and float(value).is_integer()):
         if value >= 1:
             return int(value)

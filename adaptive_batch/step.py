@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .batch import LABEL_KEYS, IGNORE_INDEX, StepBatch
+from .batch import IGNORE_INDEX, LABEL_KEYS, StepBatch
 from .memory import Stopwatch, is_out_of_memory, release_memory
 from .microbatch import MicroBatchController, MicroBatchTooLargeError
 
@@ -61,7 +61,9 @@ class MicroBatchRunner:
     def distributed(self) -> bool:
         return self.world_size > 1 and dist.is_available() and dist.is_initialized()
 
-    def run(self, inner_step: InnerStep, model, inputs: dict, num_items_in_batch, max_rows: int) -> torch.Tensor:
+    def run(
+        self, inner_step: InnerStep, model, inputs: dict, num_items_in_batch, max_rows: int
+    ) -> torch.Tensor:
         """Forward and backward of one whole step batch; returns the step's loss (detached), as the Trainer does.
 
         Args:
@@ -119,7 +121,9 @@ class MicroBatchRunner:
                         trainer.current_gradient_accumulation_steps = weights.divisor(batch, start, own)
                     else:
                         chunk = batch.dummy(count_items=num_items is not None)
-                        trainer.current_gradient_accumulation_steps = float("inf")  # scales a mean loss to zero
+                        trainer.current_gradient_accumulation_steps = float(
+                            "inf"
+                        )  # scales a mean loss to zero
                     loss = inner_step(model, chunk, num_items)
                     del chunk
                 if own > 0:
@@ -137,7 +141,9 @@ class MicroBatchRunner:
                 outcome.failed_size = size
                 return outcome
             if timed:
-                controller.record(size, report[1], report[3], report[2] if stopwatch.peak_bytes is not None else None)
+                controller.record(
+                    size, report[1], report[3], report[2] if stopwatch.peak_bytes is not None else None
+                )
             start += own
             remaining -= size
             outcome.chunks += 1
@@ -199,7 +205,9 @@ class _TrlMetrics:
         self.trainer = trainer
         metrics = getattr(trainer, "_metrics", None)
         self.lists = metrics.get("train") if isinstance(metrics, dict) else None
-        self.lengths = {key: len(values) for key, values in self.lists.items()} if self.lists is not None else {}
+        self.lengths = (
+            {key: len(values) for key, values in self.lists.items()} if self.lists is not None else {}
+        )
         self.total_tokens = getattr(trainer, "_total_train_tokens", None)
 
     def restore(self) -> None:

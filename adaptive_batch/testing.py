@@ -91,7 +91,9 @@ class FakeOutOfMemory:
         sizes: the rows of every forward the model was called with, in order (oversized ones included).
     """
 
-    def __init__(self, model: torch.nn.Module, max_rows: int, in_backward: bool = False, only_after_calls: int = 0):
+    def __init__(
+        self, model: torch.nn.Module, max_rows: int, in_backward: bool = False, only_after_calls: int = 0
+    ):
         self.max_rows = max_rows
         self.in_backward = in_backward
         self.passes_left = only_after_calls
@@ -111,10 +113,19 @@ class FakeOutOfMemory:
         self.raised.append(rows)
         if not self.in_backward:
             raise torch.OutOfMemoryError(f"CUDA out of memory (fake: {rows} rows > {self.max_rows}).")
-        def explode(grad):
-            raise torch.OutOfMemoryError(f"CUDA out of memory in backward (fake: {rows} rows > {self.max_rows}).")
 
-        values = output.values() if hasattr(output, "values") else output if isinstance(output, tuple) else [output]
+        def explode(grad):
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory in backward (fake: {rows} rows > {self.max_rows})."
+            )
+
+        values = (
+            output.values()
+            if hasattr(output, "values")
+            else output
+            if isinstance(output, tuple)
+            else [output]
+        )
         for value in values:  # the loss, logits or log-probabilities, whichever the backward starts from
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 value.register_hook(explode)

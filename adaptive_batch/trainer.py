@@ -135,7 +135,9 @@ def check_trainer(trainer: Trainer) -> None:
             "GPU with torchrun or accelerate launch, or set CUDA_VISIBLE_DEVICES to one GPU."
         )
     accelerator_config = args.accelerator_config
-    if getattr(accelerator_config, "dispatch_batches", None) or getattr(accelerator_config, "split_batches", False):
+    if getattr(accelerator_config, "dispatch_batches", None) or getattr(
+        accelerator_config, "split_batches", False
+    ):
         raise ValueError(
             "accelerator_config dispatch_batches/split_batches change who loads which samples; AdaptiveBatch gives "
             "every rank its own share of each step. Leave both unset."
@@ -218,8 +220,12 @@ class Session:
             self.budget = Budget.from_max_steps(args.max_steps, starting)
         else:
             self.budget = Budget.from_epochs(args.num_train_epochs, len(dataset))
-        self.plan = build_plan(schedule, len(dataset), self.budget, self.world_size, args.dataloader_drop_last)
-        self.clock = SampleClock(self.plan, config.rule, starting, nominal_steps(self.budget.samples, starting))
+        self.plan = build_plan(
+            schedule, len(dataset), self.budget, self.world_size, args.dataloader_drop_last
+        )
+        self.clock = SampleClock(
+            self.plan, config.rule, starting, nominal_steps(self.budget.samples, starting)
+        )
         self.clock.check()
         start = self.per_device_train_batch_size if config.auto else config.micro_batch_size
         if self.controller is None:
@@ -333,7 +339,9 @@ class Session:
     def restore(self, stored: dict | None) -> None:
         """Load the state saved in a checkpoint's `trainer_state.json` (our entry of `stateful_callbacks`)."""
         if stored is None:
-            logger.warning("The checkpoint holds no AdaptiveBatch state; the micro-batch search starts afresh.")
+            logger.warning(
+                "The checkpoint holds no AdaptiveBatch state; the micro-batch search starts afresh."
+            )
             return
         state = stored.get("attributes", {}).get("checkpoint", {})
         if state.get("plan_fingerprint") not in (None, self.plan.fingerprint()):
@@ -368,7 +376,9 @@ class Session:
             micro_batch_text=micro + "; shrinks and retries the step on out-of-memory",
             plain_steps=self._plain_trainer_steps(),
             tokens=_dataset_tokens(self.trainer.train_dataset, self.budget.samples),
-            rule_text=config.lr_scaling if isinstance(config.lr_scaling, str) else describe(config.lr_scaling),
+            rule_text=config.lr_scaling
+            if isinstance(config.lr_scaling, str)
+            else describe(config.lr_scaling),
         )
         logger.info("%s", report.format_rows("AdaptiveBatch plan", rows))
 
@@ -378,10 +388,14 @@ class Session:
         if args.max_steps > 0:
             return args.max_steps
         per_rank = math.ceil(len(self.trainer.train_dataset) / self.world_size)
-        batches = per_rank // self.per_device_train_batch_size if args.dataloader_drop_last else math.ceil(
-            per_rank / self.per_device_train_batch_size
+        batches = (
+            per_rank // self.per_device_train_batch_size
+            if args.dataloader_drop_last
+            else math.ceil(per_rank / self.per_device_train_batch_size)
         )
-        return math.ceil(args.num_train_epochs * max(1, math.ceil(batches / self.gradient_accumulation_steps)))
+        return math.ceil(
+            args.num_train_epochs * max(1, math.ceil(batches / self.gradient_accumulation_steps))
+        )
 
 
 class _WorkerInit:

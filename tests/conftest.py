@@ -44,7 +44,13 @@ def make_trainer(tokenizer, rows, tmp_path):
     from adaptive_batch.testing import tiny_llama
 
     def make(
-        callbacks=(), model=None, dataset=None, trainer_class=Trainer, num_rows=40, dtype=None, eval_dataset=None,
+        callbacks=(),
+        model=None,
+        dataset=None,
+        trainer_class=Trainer,
+        num_rows=40,
+        dtype=None,
+        eval_dataset=None,
         **overrides,
     ):
         settings = dict(

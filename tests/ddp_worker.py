@@ -16,7 +16,13 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     from adaptive_batch import AdaptiveBatch, PhaseSchedule
-    from adaptive_batch.testing import FakeOutOfMemory, text_corpus, tiny_llama, token_dataset, train_tokenizer
+    from adaptive_batch.testing import (
+        FakeOutOfMemory,
+        text_corpus,
+        tiny_llama,
+        token_dataset,
+        train_tokenizer,
+    )
 
     texts = text_corpus()
     tokenizer = train_tokenizer(texts[:1500], vocab_size=384)
@@ -68,7 +74,9 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     }
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    torch.save({k: v.detach().cpu() for k, v in trainer.model.named_parameters()}, f"{output_dir}/rank{rank}.pt")
+    torch.save(
+        {k: v.detach().cpu() for k, v in trainer.model.named_parameters()}, f"{output_dir}/rank{rank}.pt"
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ def test_rows_come_longest_first_and_trailing_padding_is_cut(collated):
     assert lengths[batch.order].tolist() == sorted(lengths.tolist(), reverse=True)
     tail = batch.take(3, 3)
     assert tail["input_ids"].shape == (3, int(lengths[batch.order[3]]))
-    assert torch.equal(tail["input_ids"], collated["input_ids"][batch.order[3:]][:, : tail["input_ids"].shape[1]])
+    assert torch.equal(
+        tail["input_ids"], collated["input_ids"][batch.order[3:]][:, : tail["input_ids"].shape[1]]
+    )
     real, padded = batch.tokens(3, 3)
     assert real == int(lengths[batch.order[3:]].sum()) and padded == tail["input_ids"].numel()
 
@@ -57,7 +59,9 @@ def test_dummy_row_has_every_label_ignored(collated):
 
 
 def test_padding_free_batches_get_one_clear_error(rows):
-    flattened = DataCollatorWithFlattening()([{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in rows[:3]])
+    flattened = DataCollatorWithFlattening()(
+        [{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in rows[:3]]
+    )
     with pytest.raises(ValueError, match="padding-free .* SFTConfig\\(padding_free=False"):
         StepBatch(flattened)
 

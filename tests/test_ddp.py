@@ -21,8 +21,19 @@ def launch(tmp_path, name, kind, micro, world_size, fake_oom_rank=None):
     if world_size == 1:
         command = [sys.executable, str(WORKER), str(out), kind, str(micro), *extra]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-                   "--standalone", str(WORKER), str(out), kind, str(micro), *extra]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(world_size),
+            "--standalone",
+            str(WORKER),
+            str(out),
+            kind,
+            str(micro),
+            *extra,
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)  # a hang fails here
     assert done.returncode == 0, done.stderr[-4000:]
@@ -49,7 +60,9 @@ def test_two_ranks_train_exactly_as_one_process(tmp_path, kind):
     for key in ("adaptive_batch/samples_seen", "adaptive_batch/tokens_seen"):
         assert [log[key] for log in ranks[0]["logs"]] == [log[key] for log in single[0]["logs"]]
     if kind == "sft":
-        assert [log["num_tokens"] for log in ranks[0]["logs"]] == [log["num_tokens"] for log in single[0]["logs"]]
+        assert [log["num_tokens"] for log in ranks[0]["logs"]] == [
+            log["num_tokens"] for log in single[0]["logs"]
+        ]
     assert_same_weights(rank_weights[0], rank_weights[1], rtol=1e-14)  # the ranks agree
     assert_same_weights(rank_weights[0], single_weights[0], rtol=1e-9)
 

@@ -5,10 +5,10 @@ Whole runs are compared in float64, where the only differences left are the orde
 
 import pytest
 import torch
+from conftest import assert_close_parameters, parameters
 from transformers import Trainer
 
 from adaptive_batch import AdaptiveBatch, PhaseSchedule
-from conftest import assert_close_parameters, parameters
 
 
 def train(make_trainer, callbacks=(), **overrides):
@@ -18,7 +18,9 @@ def train(make_trainer, callbacks=(), **overrides):
 
 
 def test_same_as_the_plain_trainer_on_the_same_samples(make_trainer):
-    sequential = dict(train_sampling_strategy="sequential", num_rows=48, num_train_epochs=2, dtype=torch.float64)
+    sequential = dict(
+        train_sampling_strategy="sequential", num_rows=48, num_train_epochs=2, dtype=torch.float64
+    )
     plain = train(make_trainer, **sequential)
     plugin = train(make_trainer, [AdaptiveBatch(micro_batch_size=3)], **sequential)
     assert plain.state.global_step == plugin.state.global_step == 12
@@ -39,7 +41,9 @@ def test_the_users_split_only_changes_the_micro_batches(make_trainer, per_device
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
     )
-    assert [log["adaptive_batch/effective_batch_size"] for log in trainer.state.log_history if "loss" in log] == [8] * 7
+    assert [
+        log["adaptive_batch/effective_batch_size"] for log in trainer.state.log_history if "loss" in log
+    ] == [8] * 7
     assert_close_parameters(parameters(trainer.model), parameters(reference.model), rtol=1e-10)
 
 
@@ -108,7 +112,9 @@ def test_each_step_trains_on_exactly_the_planned_samples(make_trainer, rows):
 
     class Recording(Trainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
-            content = [tuple(r[m.bool()].tolist()) for r, m in zip(inputs["input_ids"], inputs["attention_mask"])]
+            content = [
+                tuple(r[m.bool()].tolist()) for r, m in zip(inputs["input_ids"], inputs["attention_mask"])
+            ]
             micro_batches.append((self.state.global_step, content))
             return super().training_step(model, inputs, num_items_in_batch)
 
@@ -128,7 +134,9 @@ def test_each_step_trains_on_exactly_the_planned_samples(make_trainer, rows):
     planned = [[tuple(rows[i]["input_ids"]) for i in sampler.indices(k)] for k in range(plan.num_steps)]
     assert [sorted(step) for step in trained] == [sorted(step) for step in planned]
     assert [len(step) for step in trained] == list(plan.sizes) == [4] * 12 + [2] + [12] * 4 + [2]
-    logged = [log["adaptive_batch/effective_batch_size"] for log in trainer.state.log_history if "loss" in log]
+    logged = [
+        log["adaptive_batch/effective_batch_size"] for log in trainer.state.log_history if "loss" in log
+    ]
     assert logged == list(plan.sizes)
     for epoch in (0, 1):
         epoch_rows = [r for k, step in enumerate(trained) if plan.epoch(k) == epoch for r in step]

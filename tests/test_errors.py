@@ -20,7 +20,10 @@ def no_compute(trainer):
     [
         ({"micro_batch_size": 0}, r"micro_batch_size=0 must be 'auto' or a positive int"),
         ({"micro_batch_size": "max"}, r"micro_batch_size='max'"),
-        ({"micro_batch_size": 16, "max_micro_batch_size": 8}, r"micro_batch_size=16 exceeds max_micro_batch_size=8"),
+        (
+            {"micro_batch_size": 16, "max_micro_batch_size": 8},
+            r"micro_batch_size=16 exceeds max_micro_batch_size=8",
+        ),
         ({"max_micro_batch_size": 0}, r"max_micro_batch_size=0"),
         ({"lr_scaling": "cubic"}, r"lr_scaling='cubic' is not one of"),
         ({"growth_margin": 1.5}, r"growth_margin=1.5 must be in \[0, 1\)"),
@@ -39,7 +42,9 @@ def test_auto_find_batch_size_is_refused(make_trainer):
 
 
 def test_a_schedule_that_goes_bad_later_fails_when_the_trainer_is_built(make_trainer):
-    with pytest.raises(ValueError, match=r"schedule at step 3 .* gave effective batch 0; it must be a positive integer"):
+    with pytest.raises(
+        ValueError, match=r"schedule at step 3 .* gave effective batch 0; it must be a positive integer"
+    ):
         make_trainer([AdaptiveBatch(schedule=lambda progress: 8 if progress.step < 3 else 0)])
     with pytest.raises(ValueError, match=r"gave effective batch 6.5; .* \(e.g. 6\)"):
         make_trainer([AdaptiveBatch(schedule=lambda progress: 6.5)])
@@ -86,7 +91,9 @@ def test_padding_free_collation_is_refused_before_any_compute(make_trainer, toke
         AdaptiveBatch.attach(trainer)
 
 
-@pytest.mark.parametrize("flag, message", [("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")])
+@pytest.mark.parametrize(
+    "flag, message", [("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")]
+)
 def test_unsupported_engines_are_refused(make_trainer, flag, message):
     trainer = make_trainer()
     setattr(trainer, flag, True)  # what Trainer.__init__ sets when launched with that engine
@@ -121,7 +128,10 @@ def test_a_scheduler_that_cannot_follow_a_changing_batch_is_refused(make_trainer
 
 def test_a_constant_batch_keeps_any_scheduler(make_trainer, rows):
     trainer = make_trainer(
-        [AdaptiveBatch()], lr_scheduler_type="reduce_lr_on_plateau", num_rows=16, eval_strategy="epoch",
+        [AdaptiveBatch()],
+        lr_scheduler_type="reduce_lr_on_plateau",
+        num_rows=16,
+        eval_strategy="epoch",
         eval_dataset=rows[100:104],
     )
     trainer.train()

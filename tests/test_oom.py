@@ -3,14 +3,16 @@ gets one clear error. The model raises the real `torch.OutOfMemoryError` above a
 
 import pytest
 import torch
+from conftest import assert_close_parameters, parameters
 
 from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
 from adaptive_batch.testing import FakeOutOfMemory
-from conftest import assert_close_parameters, parameters
 
 
 def run(make_trainer, micro_batch_size, max_rows=None, **fake):
-    trainer = make_trainer([AdaptiveBatch(micro_batch_size=micro_batch_size)], num_rows=32, dtype=torch.float64)
+    trainer = make_trainer(
+        [AdaptiveBatch(micro_batch_size=micro_batch_size)], num_rows=32, dtype=torch.float64
+    )
     watcher = FakeOutOfMemory(trainer.model, max_rows, **fake) if max_rows is not None else None
     trainer.train()
     return trainer, watcher
@@ -38,8 +40,9 @@ def test_a_late_out_of_memory_shrinks_from_there_on(make_trainer):
 
 
 def test_growth_stops_below_the_size_that_ran_out(make_trainer):
-    trainer = make_trainer([AdaptiveBatch()], num_rows=64, per_device_train_batch_size=1,
-                           gradient_accumulation_steps=16)
+    trainer = make_trainer(
+        [AdaptiveBatch()], num_rows=64, per_device_train_batch_size=1, gradient_accumulation_steps=16
+    )
     watcher = FakeOutOfMemory(trainer.model, max_rows=5)
     trainer.train()
     controller = trainer._adaptive_batch.controller
@@ -51,7 +54,9 @@ def test_growth_stops_below_the_size_that_ran_out(make_trainer):
 def test_one_sample_that_never_fits_is_one_clear_error(make_trainer):
     trainer = make_trainer([AdaptiveBatch(micro_batch_size=8)], num_rows=32)
     FakeOutOfMemory(trainer.model, max_rows=0)
-    with pytest.raises(MicroBatchTooLargeError, match="One sample per micro-batch of 32 tokens does not fit") as error:
+    with pytest.raises(
+        MicroBatchTooLargeError, match="One sample per micro-batch of 32 tokens does not fit"
+    ) as error:
         trainer.train()
     assert error.value.tried == [8, 4, 2, 1]
     assert "gradient_checkpointing=True" in str(error.value)

@@ -60,8 +60,13 @@ def test_fractional_epochs_cut_the_last_step_to_the_budget():
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_every_position_of_the_budget_is_used_once(world_size, drop_last):
     schedule = PhaseSchedule([world_size * 2, world_size * 3, world_size * 7], boundaries=[0.2, 0.6])
-    plan = build_plan(schedule, dataset_size=53, budget=Budget.from_epochs(3, 53), world_size=world_size,
-                      drop_last=drop_last)
+    plan = build_plan(
+        schedule,
+        dataset_size=53,
+        budget=Budget.from_epochs(3, 53),
+        world_size=world_size,
+        drop_last=drop_last,
+    )
     covered = Counter()
     for k in range(plan.num_steps):
         start, size = plan.starts[k], plan.sizes[k]
@@ -75,7 +80,9 @@ def test_every_position_of_the_budget_is_used_once(world_size, drop_last):
 
 
 def test_effective_batch_not_divisible_by_the_world_names_the_value_and_a_fix():
-    with pytest.raises(ValueError, match=r"effective batch 48 .* not divisible by world_size=5.*Use 45 or 50"):
+    with pytest.raises(
+        ValueError, match=r"effective batch 48 .* not divisible by world_size=5.*Use 45 or 50"
+    ):
         build_plan(as_schedule(48), dataset_size=1000, budget=1000, world_size=5)
 
 

@@ -59,7 +59,9 @@ def qlora_trainer(base_model_dir, tokenizer, texts, output_dir, callbacks, **ove
         train_dataset=Dataset.from_dict({"text": texts[:36]}),
         eval_dataset=Dataset.from_dict({"text": texts[200:208]}),
         processing_class=tokenizer,
-        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+        peft_config=LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+        ),
         callbacks=callbacks,
     )
 
@@ -73,7 +75,10 @@ def test_classic_qlora_sft_script_with_the_one_line(base_model_dir, tokenizer, t
         tmp_path / "qlora",
         callbacks=[AdaptiveBatch(), EarlyStoppingCallback(early_stopping_patience=5)],
     )
-    assert type(trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer).__name__ == "Linear4bit"
+    assert (
+        type(trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer).__name__
+        == "Linear4bit"
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     logs = [log for log in trainer.state.log_history if "loss" in log]
@@ -91,10 +96,17 @@ def test_classic_qlora_sft_script_with_the_one_line(base_model_dir, tokenizer, t
 def test_sft_out_of_memory_retry_counts_tokens_once(base_model_dir, tokenizer, texts, tmp_path):
     def run(fake_rows):
         trainer = qlora_trainer(
-            base_model_dir, tokenizer, texts, tmp_path / f"oom{fake_rows}",
+            base_model_dir,
+            tokenizer,
+            texts,
+            tmp_path / f"oom{fake_rows}",
             callbacks=[AdaptiveBatch(schedule=PhaseSchedule([4, 8], boundaries=[0.5]), micro_batch_size=8)],
-            num_train_epochs=1, eval_strategy="no", save_strategy="no", load_best_model_at_end=False,
-            optim="adamw_torch", gradient_checkpointing=False,
+            num_train_epochs=1,
+            eval_strategy="no",
+            save_strategy="no",
+            load_best_model_at_end=False,
+            optim="adamw_torch",
+            gradient_checkpointing=False,
         )
         # in the backward pass: TRL has already counted the micro-batch's tokens when it fails
         watcher = FakeOutOfMemory(trainer.model, fake_rows, in_backward=True) if fake_rows else None

@@ -37,7 +37,9 @@ def comparable(logs, after_step):
 @pytest.mark.parametrize("stop_at", [3, 9, 12])
 def test_resume_reproduces_the_uninterrupted_run_bitwise(make_trainer, tmp_path, stop_at):
     full = run(make_trainer, tmp_path / "full", micro_batch_size=3)
-    resumed = run(make_trainer, tmp_path / "resumed", 3, resume=str(tmp_path / "full" / f"checkpoint-{stop_at}"))
+    resumed = run(
+        make_trainer, tmp_path / "resumed", 3, resume=str(tmp_path / "full" / f"checkpoint-{stop_at}")
+    )
     assert resumed.state.global_step == full.state.global_step
     for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
@@ -45,14 +47,24 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(make_trainer, tmp_path,
 
 
 def test_the_learned_micro_batch_lives_in_the_checkpoint(make_trainer, tmp_path):
-    full = run(make_trainer, tmp_path / "full", micro_batch_size="auto", per_device_train_batch_size=1,
-               restore_callback_states_from_checkpoint=True)
+    full = run(
+        make_trainer,
+        tmp_path / "full",
+        micro_batch_size="auto",
+        per_device_train_batch_size=1,
+        restore_callback_states_from_checkpoint=True,
+    )
     checkpoint = tmp_path / "full" / "checkpoint-6"
     saved = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]["AdaptiveBatch"]
     saved = saved["attributes"]["checkpoint"]
     resumed = make_trainer(
-        [AdaptiveBatch(schedule=SCHEDULE)], num_rows=44, num_train_epochs=2, output_dir=str(tmp_path / "r"),
-        per_device_train_batch_size=1, restore_callback_states_from_checkpoint=True, dtype=torch.float64,
+        [AdaptiveBatch(schedule=SCHEDULE)],
+        num_rows=44,
+        num_train_epochs=2,
+        output_dir=str(tmp_path / "r"),
+        per_device_train_batch_size=1,
+        restore_callback_states_from_checkpoint=True,
+        dtype=torch.float64,
     )
     restored = {}
     original_restore = resumed._adaptive_batch.restore
@@ -65,11 +77,15 @@ def test_the_learned_micro_batch_lives_in_the_checkpoint(make_trainer, tmp_path)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert restored["micro_batch"] == saved["micro_batch"]
     assert restored["tokens_seen"] == saved["tokens_seen"] > 0
-    assert any(isinstance(cb, AdaptiveBatch) and cb.session is resumed._adaptive_batch
-               for cb in resumed.callback_handler.callbacks)
+    assert any(
+        isinstance(cb, AdaptiveBatch) and cb.session is resumed._adaptive_batch
+        for cb in resumed.callback_handler.callbacks
+    )
     final = [log for log in resumed.state.log_history if "loss" in log][-1]
-    assert final["adaptive_batch/tokens_seen"] == [log for log in full.state.log_history if "loss" in log][-1][
-        "adaptive_batch/tokens_seen"]
+    assert (
+        final["adaptive_batch/tokens_seen"]
+        == [log for log in full.state.log_history if "loss" in log][-1]["adaptive_batch/tokens_seen"]
+    )
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
 
@@ -77,7 +93,9 @@ def test_the_learned_micro_batch_lives_in_the_checkpoint(make_trainer, tmp_path)
 def test_resuming_under_a_different_plan_is_refused(make_trainer, tmp_path):
     run(make_trainer, tmp_path / "full", micro_batch_size=4)
     other = make_trainer(
-        [AdaptiveBatch(schedule=PhaseSchedule([4, 12], boundaries=[0.4]))], num_rows=44, num_train_epochs=2,
+        [AdaptiveBatch(schedule=PhaseSchedule([4, 12], boundaries=[0.4]))],
+        num_rows=44,
+        num_train_epochs=2,
         output_dir=str(tmp_path / "other"),
     )
     with pytest.raises(ValueError, match="different step plan"):

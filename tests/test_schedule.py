@@ -1,6 +1,12 @@
 import pytest
 
-from adaptive_batch.schedule import ConstantSchedule, PhaseSchedule, Progress, as_schedule, check_effective_batch_size
+from adaptive_batch.schedule import (
+    ConstantSchedule,
+    PhaseSchedule,
+    Progress,
+    as_schedule,
+    check_effective_batch_size,
+)
 
 
 def at(step=0, samples=0, fraction=0.0):

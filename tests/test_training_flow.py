@@ -23,8 +23,12 @@ def step_logs(trainer):
     return [log for log in trainer.state.log_history if "loss" in log]
 
 
-@pytest.mark.parametrize("scheduler_type", ["linear", "cosine", "constant_with_warmup", "warmup_stable_decay"])
-def test_learning_rate_is_the_base_schedule_at_the_sample_fraction_times_the_rule(make_trainer, scheduler_type):
+@pytest.mark.parametrize(
+    "scheduler_type", ["linear", "cosine", "constant_with_warmup", "warmup_stable_decay"]
+)
+def test_learning_rate_is_the_base_schedule_at_the_sample_fraction_times_the_rule(
+    make_trainer, scheduler_type
+):
     schedule = PhaseSchedule([4, 8, 16], boundaries=[0.25, 0.5])
     specific = {"num_decay_steps": 4} if scheduler_type == "warmup_stable_decay" else {}
     trainer = make_trainer(
@@ -76,7 +80,20 @@ def test_every_logged_step_carries_the_metrics_and_they_add_up(make_trainer, row
     assert all(all(key in log for key in KEYS) for log in logs)
     assert [log["adaptive_batch/effective_batch_size"] for log in logs] == [8, 8, 8, 8, 8, 4] * 2
     assert [log["adaptive_batch/accumulation_steps"] for log in logs] == [3, 3, 3, 3, 3, 2] * 2
-    assert [log["adaptive_batch/samples_seen"] for log in logs] == [8, 16, 24, 32, 40, 44, 52, 60, 68, 76, 84, 88]
+    assert [log["adaptive_batch/samples_seen"] for log in logs] == [
+        8,
+        16,
+        24,
+        32,
+        40,
+        44,
+        52,
+        60,
+        68,
+        76,
+        84,
+        88,
+    ]
     assert logs[-1]["adaptive_batch/tokens_seen"] == 2 * sum(len(r["input_ids"]) for r in rows[:44])
     assert [log["epoch"] for log in logs][5::6] == [1.0, 2.0]
 

@@ -1,0 +1,136 @@
+"""CPU overhead: step time of the plain Trainer against `AdaptiveBatch(micro_batch_size=<per-device size>)`.
+
+Same model, data, per-device size and accumulation; the only difference is the callback, so the step is cut into
+the same micro-batches either way. Runs alternate, and which of the two goes first alternates too, so that drift
+in the machine's speed falls on both; the median over repetitions of each run's mean step time (first step
+excluded) is compared.
+
+    python benchmarks/overhead_cpu.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--per-device", type=int, default=8)
+    parser.add_argument("--accumulation", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    options = parser.parse_args()
+
+    import transformers
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+        default_data_collator,
+    )
+
+    import adaptive_batch
+    from adaptive_batch import AdaptiveBatch
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        use_cache=False,
+    )
+    model = LlamaForCausalLM(config)
+    effective = options.per_device * options.accumulation
+    ids = torch.randint(0, config.vocab_size, (effective * options.steps, options.seq_len)).tolist()
+    dataset = [{"input_ids": r, "attention_mask": [1] * options.seq_len, "labels": r} for r in ids]
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.marks = [time.perf_counter()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.marks.append(time.perf_counter())
+
+    def mean_step_seconds(with_plugin: bool) -> float:
+        clock = Clock()
+        callbacks = [clock] + ([AdaptiveBatch(micro_batch_size=options.per_device)] if with_plugin else [])
+        args = TrainingArguments(
+            output_dir="/tmp/adaptive-batch-overhead",
+            per_device_train_batch_size=options.per_device,
+            gradient_accumulation_steps=options.accumulation,
+            max_steps=options.steps,
+            lr_scheduler_type="constant",
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            use_cpu=True,
+            logging_steps=10**6,
+            seed=0,
+        )
+        Trainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            data_collator=default_data_collator,
+            callbacks=callbacks,
+        ).train()
+        steps = [b - a for a, b in zip(clock.marks, clock.marks[1:])][1:]
+        return sum(steps) / len(steps)
+
+    mean_step_seconds(False)  # warm-up: allocator, thread pools
+    plain, plugin = [], []
+    for repeat in range(options.repeats):
+        for with_plugin in (False, True) if repeat % 2 == 0 else (True, False):
+            gc.collect()
+            (plugin if with_plugin else plain).append(mean_step_seconds(with_plugin))
+        print(f"plain {plain[-1] * 1000:.1f} ms   plugin {plugin[-1] * 1000:.1f} ms", flush=True)
+
+    report = {
+        "command": " ".join(sys.argv),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "adaptive_batch": adaptive_batch.__version__,
+        },
+        "setup": {
+            "model": "Llama 4x128",
+            "seq_len": options.seq_len,
+            "per_device_train_batch_size": options.per_device,
+            "gradient_accumulation_steps": options.accumulation,
+            "steps": options.steps,
+        },
+        "plain_mean_step_seconds": plain,
+        "plugin_mean_step_seconds": plugin,
+        "median_ratio": statistics.median(plugin) / statistics.median(plain),
+        "pairwise_ratios": [b / a for a, b in zip(plain, plugin)],
+    }
+    os.makedirs(options.out, exist_ok=True)
+    with open(os.path.join(options.out, "overhead_cpu.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(
+        f"\nmedian step: plain {statistics.median(plain) * 1000:.1f} ms, plugin "
+        f"{statistics.median(plugin) * 1000:.1f} ms, ratio {report['median_ratio']:.4f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""QLoRA throughput: the plain Trainer at fixed per-device x accumulation pairs against `AdaptiveBatch`, one run.
+
+The setup is the classic QLoRA recipe on a Llama-2-7B-shaped model (random weights: speed and memory do not depend
+on them): NF4 with double quantisation and bf16 compute, LoRA r=16 on q/v, gradient checkpointing,
+`paged_adamw_8bit`, fixed-length sequences. Every configuration has the same effective batch.
+
+Measured per configuration: the wall time of each optimizer step (device synchronised at every step end), tokens
+per second over the steps after the first (warm-up), and the peak memory. Two claims are checked:
+
+1. overhead: with `AdaptiveBatch(micro_batch_size=<the user's per-device size>)` the step time is within 2% of the
+   plain Trainer's at the same pair;
+2. auto: from the user's 1 x 64, `AdaptiveBatch()` reaches at least 95% of the tokens/s of the best fixed pair.
+
+Usage (results go to OUT/qlora_throughput.json, written after every configuration, and a table at the end):
+
+    python benchmarks/qlora_throughput.py --out OUT            # the H200 run (needs CUDA and bitsandbytes)
+    python benchmarks/qlora_throughput.py --out OUT --tiny     # a CPU dry run of the same code on a tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+LLAMA2_7B = dict(
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=512,
+    max_position_embeddings=4096,
+)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build_model(tiny: bool, workdir: str):
+    """The base model as a user loads it: 4-bit NF4 from a saved checkpoint, then LoRA through peft."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**(TINY if tiny else LLAMA2_7B), use_cache=False)
+    path = os.path.join(workdir, "llama-base")
+    started = time.perf_counter()
+    if tiny:
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path)
+    else:
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            base = LlamaForCausalLM(config)
+        torch.set_default_dtype(torch.float32)
+        base.save_pretrained(path)
+        del base
+        gc.collect()
+        torch.cuda.empty_cache()
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=quantization, dtype=torch.bfloat16, device_map={"": 0}
+        )
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+        ),
+    )
+    print(f"model ready in {time.perf_counter() - started:.0f} s", flush=True)
+    return model, config
+
+
+class StepClock:
+    """Wall time of every optimizer step, the device synchronised at each step end."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                sync()
+                clock.marks = [time.perf_counter()]
+
+            def on_step_end(self, args, state, control, **kwargs):
+                sync()
+                clock.marks.append(time.perf_counter())
+
+        self.callback = Callback()
+        self.marks: list[float] = []
+
+    @property
+    def step_seconds(self) -> list[float]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def run_config(model, dataset, seq_len, per_device, accumulation, steps, adaptive, tiny, workdir):
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from adaptive_batch import AdaptiveBatch
+
+    clock = StepClock()
+    callbacks = [clock.callback]
+    if adaptive is not None:
+        callbacks.append(AdaptiveBatch(**adaptive))
+    args = TrainingArguments(
+        output_dir=os.path.join(workdir, "trainer"),
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        learning_rate=2e-4,
+        lr_scheduler_type="constant",
+        optim="adamw_torch" if tiny else "paged_adamw_8bit",
+        bf16=not tiny,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        use_cpu=tiny,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=default_data_collator,
+        callbacks=callbacks,
+    )
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    seconds = clock.step_seconds
+    effective = per_device * accumulation
+    timed = seconds[1:] if len(seconds) > 1 else seconds
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    result = {
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accumulation,
+        "adaptive_batch": adaptive,
+        "steps": len(seconds),
+        "step_seconds": seconds,
+        "tokens_per_step": effective * seq_len,
+        "tokens_per_second_after_first_step": effective * seq_len * len(timed) / sum(timed),
+        "tokens_per_second_all_steps": effective * seq_len * len(seconds) / sum(seconds),
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30
+        if torch.cuda.is_available()
+        else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None,
+        "micro_batch_size_per_step": [log.get("adaptive_batch/micro_batch_size") for log in logs],
+        "accumulation_steps_per_step": [log.get("adaptive_batch/accumulation_steps") for log in logs],
+        "effective_batch_size_per_step": [log.get("adaptive_batch/effective_batch_size") for log in logs],
+    }
+    if adaptive is not None:
+        controller = trainer._adaptive_batch.controller
+        result["controller"] = controller.state_dict()
+        settled = [i for i, m in enumerate(result["micro_batch_size_per_step"]) if m == controller.size]
+        # steady state: the steps after the last one that still explored
+        first_steady = next(
+            i
+            for i in range(len(logs))
+            if all(m == controller.size for m in result["micro_batch_size_per_step"][i:])
+        )
+        steady = seconds[max(first_steady, 1) :]
+        result["first_steady_step"] = first_steady
+        result["tokens_per_second_steady"] = (
+            effective * seq_len * len(steady) / sum(steady) if steady else None
+        )
+        result["settled_steps"] = settled
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def parse_pairs(text: str) -> list[tuple[int, int, int]]:
+    """'1x64:2,8x8:4' -> [(1, 64, 2), (8, 8, 4)] (per-device x accumulation : steps)."""
+    pairs = []
+    for item in text.split(","):
+        pair, steps = item.split(":")
+        per_device, accumulation = pair.split("x")
+        pairs.append((int(per_device), int(accumulation), int(steps)))
+    return pairs
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tiny", action="store_true", help="a CPU dry run on a tiny model")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument(
+        "--plain",
+        default="1x64:2,8x8:4,16x4:4,32x2:3,64x1:3",
+        help="plain Trainer pairs, per-device x accumulation : steps",
+    )
+    parser.add_argument(
+        "--overhead",
+        default="8x8:4,16x4:4",
+        help="pairs run with AdaptiveBatch(micro_batch_size=per-device) : steps",
+    )
+    parser.add_argument("--auto", default="1x64:6", help="pairs run with AdaptiveBatch() : steps")
+    parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
+    options = parser.parse_args()
+    os.makedirs(options.out, exist_ok=True)
+    os.makedirs(options.workdir, exist_ok=True)
+
+    import transformers
+
+    import adaptive_batch
+
+    model, config = build_model(options.tiny, options.workdir)
+    pairs = parse_pairs(options.plain) + parse_pairs(options.overhead) + parse_pairs(options.auto)
+    largest = max(p * a * s for p, a, s in pairs)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (largest, options.seq_len), generator=generator).tolist()
+    dataset = [{"input_ids": row, "attention_mask": [1] * options.seq_len, "labels": row} for row in ids]
+
+    report = {
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "adaptive_batch": adaptive_batch.__version__,
+            "python": platform.python_version(),
+        },
+        "model": "tiny"
+        if options.tiny
+        else "Llama-2-7B shape, NF4 double-quant, bf16 compute, LoRA r=16 q/v",
+        "seq_len": options.seq_len,
+        "runs": [],
+    }
+    path = os.path.join(options.out, "qlora_throughput.json")
+    plans = [("plain", p, None) for p in parse_pairs(options.plain)]
+    plans += [("fixed", p, {"micro_batch_size": p[0]}) for p in parse_pairs(options.overhead)]
+    plans += [("auto", p, {}) for p in parse_pairs(options.auto)]
+    for kind, (per_device, accumulation, steps), adaptive in plans:
+        started = time.perf_counter()
+        result = run_config(
+            model,
+            dataset,
+            options.seq_len,
+            per_device,
+            accumulation,
+            steps,
+            adaptive,
+            options.tiny,
+            options.workdir,
+        )
+        result["kind"] = kind
+        report["runs"].append(result)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(
+            f"{kind:>5} {per_device}x{accumulation}: {result['tokens_per_second_after_first_step']:,.0f} tokens/s "
+            f"(steps {', '.join(f'{s:.2f}' for s in result['step_seconds'])} s) in "
+            f"{time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
+
+    summarise(report)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print_table(report)
+
+
+def summarise(report):
+    plain = [r for r in report["runs"] if r["kind"] == "plain"]
+    best = max(plain, key=lambda r: r["tokens_per_second_after_first_step"])
+    summary = {
+        "best_plain": f"{best['per_device_train_batch_size']}x{best['gradient_accumulation_steps']}",
+        "best_plain_tokens_per_second": best["tokens_per_second_after_first_step"],
+        "overhead": [],
+        "auto": [],
+    }
+    for run in report["runs"]:
+        pair = (run["per_device_train_batch_size"], run["gradient_accumulation_steps"])
+        if run["kind"] == "fixed":
+            twin = next(
+                r
+                for r in plain
+                if (r["per_device_train_batch_size"], r["gradient_accumulation_steps"]) == pair
+            )
+            mean = lambda r: sum(r["step_seconds"][1:]) / len(r["step_seconds"][1:])  # noqa: E731
+            summary["overhead"].append(
+                {"pair": f"{pair[0]}x{pair[1]}", "step_time_ratio": mean(run) / mean(twin)}
+            )
+        if run["kind"] == "auto":
+            summary["auto"].append(
+                {
+                    "pair": f"{pair[0]}x{pair[1]}",
+                    "settled_micro_batch_size": run["controller"]["size"],
+                    "steady_over_best": (run["tokens_per_second_steady"] or 0)
+                    / summary["best_plain_tokens_per_second"],
+                    "all_steps_over_best": run["tokens_per_second_all_steps"]
+                    / summary["best_plain_tokens_per_second"],
+                }
+            )
+    report["summary"] = summary
+
+
+def print_table(report):
+    print(f"\n{report['device']}, {report['model']}, seq {report['seq_len']}")
+    print(f"{'run':>6} {'pair':>6} {'micro':>12} {'tokens/s':>10} {'peak GiB':>9}")
+    for run in report["runs"]:
+        micro = sorted({m for m in run["micro_batch_size_per_step"] if m})
+        micro_text = "-".join(map(str, micro)) if micro else str(run["per_device_train_batch_size"])
+        peak = f"{run['peak_allocated_gib']:.1f}" if run["peak_allocated_gib"] else "-"
+        tps = run.get("tokens_per_second_steady") or run["tokens_per_second_after_first_step"]
+        print(
+            f"{run['kind']:>6} {run['per_device_train_batch_size']}x{run['gradient_accumulation_steps']:<3} "
+            f"{micro_text:>12} {tps:>10,.0f} {peak:>9}"
+        )
+    summary = report["summary"]
+    for item in summary["overhead"]:
+        print(f"overhead at {item['pair']}: step time x{item['step_time_ratio']:.4f} of the plain Trainer's")
+    for item in summary["auto"]:
+        print(
+            f"auto from {item['pair']}: settled at {item['settled_micro_batch_size']}, "
+            f"{item['steady_over_best']:.1%} of the best pair ({summary['best_plain']}) steady, "
+            f"{item['all_steps_over_best']:.1%} over all steps"
+        )
+
+
+if __name__ == "__main__":
+    main()
