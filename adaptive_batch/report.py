@@ -15,6 +15,7 @@ def plan_rows(
     plain_steps: int | None = None,
     tokens: int | None = None,
     rule_text: str = "none",
+    accumulation_text: str = "samples per rank per step / micro-batch, decided while training",
 ) -> list[tuple[str, str]]:
     """(label, value) rows describing a plan, in reading order."""
     phases = plan.phases()
@@ -28,6 +29,7 @@ def plan_rows(
         ("effective batch", schedule_text),
         ("micro-batch", micro_batch_text),
         ("samples per rank per step", per_rank),
+        ("accumulation", accumulation_text),
         ("world size", str(world)),
         ("optimizer steps", steps),
         ("samples", f"{plan.num_samples:,} from {budget.origin}"),

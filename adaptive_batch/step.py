@@ -78,6 +78,7 @@ class MicroBatchRunner:
             raise RuntimeError(f"Step batch of {batch.rows} rows where the plan gives {max_rows} per rank.")
         weights = _loss_weights(batch, self.trainer)
         metrics = _TrlMetrics(self.trainer)
+        was_exploring = self.controller.exploring
         retries = 0
         while True:
             outcome = self._attempt(inner_step, model, batch, num_items_in_batch, max_rows, weights)
@@ -101,6 +102,10 @@ class MicroBatchRunner:
             _broadcast_buffers(model)
         metrics.correct(real_tokens)
         self.last = StepStats(outcome.largest, outcome.chunks, real_tokens, retries)
+        if was_exploring and not self.controller.exploring:
+            release_memory(
+                self.device
+            )  # give back the cache that trial sizes larger than the chosen one grew
         return outcome.loss
 
     def _attempt(self, inner_step, model, batch: StepBatch, num_items, max_rows: int, weights) -> _Outcome:

@@ -93,6 +93,7 @@ def install(trainer: Trainer, callback: AdaptiveBatch) -> Session:
             "callbacks=[...] or through AdaptiveBatch.attach(trainer), not both."
         )
     check_trainer(trainer)
+    _configure_logger(trainer.args)
     session = Session(trainer, callback.config)
     cls = type(trainer)
     if cls not in _CLASSES:
@@ -168,6 +169,24 @@ def check_trainer(trainer: Trainer) -> None:
             "over and no random access to draw a step's samples from. Use a map-style dataset (datasets.Dataset "
             "or a torch Dataset with __len__ and __getitem__)."
         )
+
+
+def _configure_logger(args) -> None:
+    """Show the plan table by default: INFO on the main process unless `log_level` says otherwise.
+
+    A handler is added only where none would receive the records (the user configured no logging), as
+    transformers does for its own logger.
+    """
+    if args.should_log:
+        level = logging.INFO if args.log_level == "passive" else args.get_process_log_level()
+    else:
+        level = args.get_process_log_level()
+    logger.setLevel(level)
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
 
 
 def _padding_free(trainer: Trainer) -> bool:
@@ -379,8 +398,19 @@ class Session:
             rule_text=config.lr_scaling
             if isinstance(config.lr_scaling, str)
             else describe(config.lr_scaling),
+            accumulation_text=self._accumulation_text(),
         )
         logger.info("%s", report.format_rows("AdaptiveBatch plan", rows))
+
+    def _accumulation_text(self) -> str:
+        """Micro-batches per step: known now for a fixed size, decided while training for 'auto'."""
+        if self.config.auto:
+            return f"samples per rank per step / micro-batch (the user's: {self.gradient_accumulation_steps})"
+        size = self.controller.size
+        counts = sorted(
+            {math.ceil(effective // self.world_size / size) for _, _, effective in self.plan.phases()}
+        )
+        return " -> ".join(map(str, counts)) + f" micro-batches of at most {size}"
 
     def _plain_trainer_steps(self) -> int:
         """Optimizer steps the plain Trainer would run with the user's settings, to show what changed."""

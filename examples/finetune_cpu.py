@@ -9,7 +9,6 @@ The script is an ordinary TRL SFT script; the AdaptiveBatch line is the only add
 """
 
 import argparse
-import logging
 import tempfile
 
 import torch
@@ -55,8 +54,6 @@ def main():
     parser.add_argument("--epochs", type=float, default=2)
     parser.add_argument("--samples", type=int, default=400, help="training samples (paragraphs)")
     options = parser.parse_args()
-    logging.basicConfig(format="%(message)s")
-    logging.getLogger("adaptive_batch").setLevel(logging.INFO)  # the plan table at the start
 
     texts = text_corpus()
     tokenizer = train_tokenizer(texts[: 4 * options.samples], vocab_size=1024)

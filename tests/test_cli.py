@@ -1,0 +1,108 @@
+import json
+
+import pytest
+
+from adaptive_batch.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_json_counts_steps_samples_and_the_lr_of_each_phase(capsys):
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--dataset-size",
+        "1000",
+        "--per-device",
+        "4",
+        "--accumulation",
+        "2",
+        "--gpus",
+        "2",
+        "--epochs",
+        "2",
+        "--schedule",
+        "16,32,64",
+        "--boundaries",
+        "0.25,0.5",
+        "--lr-scaling",
+        "sqrt",
+        "--json",
+    )
+    assert code == 0 and err == ""
+    result = json.loads(out)
+    assert result["starting_effective_batch_size"] == 16
+    assert result["samples"] == result["budget_samples"] == 2000
+    assert [p["effective_batch_size"] for p in result["phases"]] == [16, 32, 64]
+    assert [p["lr_multiplier"] for p in result["phases"]] == pytest.approx([1.0, 2**0.5, 2.0])
+    assert [p["per_device_samples"] for p in result["phases"]] == [8, 16, 32]
+    assert (
+        result["optimizer_steps"] == 32 + 16 + 16
+    )  # 500 samples at 16 (31 + 1 rest of 4), 500 at 32, 1000 at 64
+    assert result["lr_schedule_steps"] == 125
+
+
+def test_plan_table_and_the_max_steps_traps(capsys):
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--dataset-size",
+        "1000",
+        "--max-steps",
+        "100",
+        "--epochs",
+        "2",
+        "--per-device",
+        "8",
+        "--schedule",
+        "8,32",
+        "--boundaries",
+        "0.5",
+    )
+    assert code == 0
+    assert "AdaptiveBatch plan" in out and "optimizer steps" in out
+    assert "max_steps=100 and num_train_epochs=2 are both set" in err
+    assert "counts it as 800 samples" in err and "runs 63 optimizer steps" in err
+
+
+def test_plan_reads_token_counts_from_a_jsonl_dataset(capsys, tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps({"input_ids": list(range(n))}) for n in (10, 20, 30, 40)))
+    code, out, _ = run(
+        capsys, "plan", "--dataset", str(path), "--per-device", "2", "--epochs", "1.5", "--json"
+    )
+    result = json.loads(out)
+    assert result["dataset_size"] == 4 and result["tokens"] == 150  # 100 tokens an epoch, 1.5 epochs
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--dataset-size", "100", "--gpus", "3", "--schedule", "8"],
+            "not divisible by world_size=3: every rank must take the same share. Use 6 or 9",
+        ),
+        (
+            ["--dataset-size", "100", "--schedule", "8,x", "--boundaries", "0.5"],
+            "--schedule item 'x' is not an integer",
+        ),
+        (["--dataset-size", "100", "--boundaries", "0.5"], "--boundaries needs --schedule"),
+        (["--dataset", "/nonexistent.jsonl"], "does not exist"),
+        (["--dataset-size", "10", "--schedule", "16"], "exceeds the dataset size 10"),
+    ],
+)
+def test_bad_input_is_one_line_and_a_non_zero_exit(capsys, argv, message):
+    code, out, err = run(capsys, "plan", *argv)
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("adaptive-batch: error:") and message in err
+
+
+def test_unknown_option_values_exit_through_argparse(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--dataset-size", "100", "--lr-scaling", "cubic"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'cubic'" in capsys.readouterr().err
