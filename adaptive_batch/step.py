@@ -103,9 +103,8 @@ class MicroBatchRunner:
         metrics.correct(real_tokens)
         self.last = StepStats(outcome.largest, outcome.chunks, real_tokens, retries)
         if was_exploring and not self.controller.exploring:
-            release_memory(
-                self.device
-            )  # give back the cache that trial sizes larger than the chosen one grew
+            # the search is over: give back the cache that trial sizes larger than the chosen one made grow
+            release_memory(self.device)
         return outcome.loss
 
     def _attempt(self, inner_step, model, batch: StepBatch, num_items, max_rows: int, weights) -> _Outcome:
@@ -124,11 +123,9 @@ class MicroBatchRunner:
                     if own > 0:
                         chunk = batch.take(start, own)
                         trainer.current_gradient_accumulation_steps = weights.divisor(batch, start, own)
-                    else:
+                    else:  # a rank with one sample fewer: a row that adds nothing (a mean loss is divided by inf)
                         chunk = batch.dummy(count_items=num_items is not None)
-                        trainer.current_gradient_accumulation_steps = float(
-                            "inf"
-                        )  # scales a mean loss to zero
+                        trainer.current_gradient_accumulation_steps = float("inf")
                     loss = inner_step(model, chunk, num_items)
                     del chunk
                 if own > 0:
@@ -138,7 +135,7 @@ class MicroBatchRunner:
                 if not is_out_of_memory(error):
                     raise
                 out_of_memory = True
-            real, padded = batch.tokens(start, max(own, 1))
+            real, padded = batch.tokens(start, max(own, 1)) if timed else (0, 0)
             report = [float(out_of_memory), stopwatch.seconds, stopwatch.peak_bytes or 0.0, real, padded]
             if self.distributed:
                 report = _all_reduce(report, self.device, dist.ReduceOp.MAX)

@@ -263,6 +263,7 @@ class Session:
     def training(self):
         """Around `Trainer.train`: plan, log the plan, run the loop with accumulation 1, restore the argument."""
         self.prepare()
+        self.tokens_seen, self.last_step = 0, -1  # a resumed run restores both from the checkpoint
         if self.trainer.args.should_log:
             self._log_plan()
         args = self.trainer.args
