@@ -149,3 +149,25 @@ def test_attach_after_construction(make_trainer):
     other.train()
     assert {log["adaptive_batch/effective_batch_size"] for log in step_logs(other)} == {4}
     assert attached.session.trainer is other
+
+
+def test_drop_last_drops_each_epochs_short_step_and_epochs_still_end_on_whole_numbers(make_trainer, rows):
+    trainer = make_trainer(
+        [AdaptiveBatch()],
+        num_rows=44,
+        num_train_epochs=2,
+        dataloader_drop_last=True,
+        eval_strategy="epoch",
+        eval_dataset=rows[100:108],  # one whole evaluation batch: drop_last drops short ones there too
+    )
+    trainer.train()
+    logs = step_logs(trainer)
+    assert [log["adaptive_batch/effective_batch_size"] for log in logs] == [8] * 10
+    assert logs[-1]["adaptive_batch/samples_seen"] == 80
+    assert [log["epoch"] for log in trainer.state.log_history if "eval_loss" in log] == [1.0, 2.0]
+
+
+def test_the_callback_class_itself_is_accepted(make_trainer):
+    trainer = make_trainer([AdaptiveBatch], num_rows=16)
+    trainer.train()
+    assert step_logs(trainer)[-1]["adaptive_batch/samples_seen"] == 16
