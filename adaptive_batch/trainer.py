@@ -360,7 +360,10 @@ class Session:
         """Load the state saved in a checkpoint's `trainer_state.json` (our entry of `stateful_callbacks`)."""
         if stored is None:
             logger.warning(
-                "The checkpoint holds no AdaptiveBatch state; the micro-batch search starts afresh."
+                "The checkpoint holds no AdaptiveBatch state (it was written without AdaptiveBatch): training goes "
+                "on from step %d of AdaptiveBatch's own plan, whose sample order is not the plain Trainer's, and "
+                "the micro-batch search starts afresh.",
+                self.trainer.state.global_step,
             )
             return
         state = stored.get("attributes", {}).get("checkpoint", {})
