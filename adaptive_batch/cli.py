@@ -1,15 +1,20 @@
 """`adaptive-batch`: the command line.
 
+    adaptive-batch probe ./llama --seq-len 1024 --load-in-4bit --lora-r 16 --lora-target q_proj,v_proj \\
+        --optim paged_adamw_8bit --effective-batch 64
     adaptive-batch plan --dataset-size 52000 --per-device 4 --accumulation 8 --gpus 2 --epochs 3 \\
         --schedule 32,64,128 --boundaries 0.1,0.3 --lr-scaling sqrt
 
-`plan` prints what a run will do before it starts: optimizer steps, samples, tokens, epochs and the learning-rate
-multiplier of every phase, with warnings for the classic traps. `--json` prints one JSON object on stdout.
+`probe` finds the largest micro-batch that fits and the fastest one, and caches the result for
+`AdaptiveBatch(micro_batch_size="auto")`. `plan` prints what a run will do before it starts: optimizer steps,
+samples, tokens, epochs and the learning-rate multiplier of every phase, with warnings for the classic traps.
+`--json` prints one JSON object on stdout (logs go to stderr); a failure is one line on stderr and exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -26,6 +31,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"adaptive-batch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    probe = commands.add_parser("probe", help="find the largest micro-batch that fits, and the fastest one")
+    probe.add_argument("model_dir", help="a folder written by save_pretrained")
+    probe.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sample")
+    probe.add_argument(
+        "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weights / compute dtype"
+    )
+    probe.add_argument("--load-in-4bit", action="store_true", help="NF4 with double quantisation (QLoRA)")
+    probe.add_argument("--lora-r", type=_positive_int, help="LoRA rank (no LoRA without it)")
+    probe.add_argument("--lora-alpha", type=_positive_int, help="LoRA alpha (default 2 x r)")
+    probe.add_argument("--lora-target", default="q_proj,v_proj", help="comma-separated module names")
+    probe.add_argument("--no-gradient-checkpointing", action="store_true")
+    probe.add_argument("--optim", help="a TrainingArguments.optim name (default: the Trainer's default)")
+    probe.add_argument("--effective-batch", type=_positive_int, help="also print per-device x accumulation")
+    probe.add_argument("--gpus", type=_positive_int, default=1, help="GPUs sharing the effective batch")
+    probe.add_argument("--headroom", type=float, default=0.05, help="share of GPU memory to keep free")
+    probe.add_argument("--max", action="store_true", help="recommend the largest size that fits")
+    probe.add_argument("--max-size", type=_positive_int, default=4096, help="largest size to try")
+    probe.add_argument("--cpu", action="store_true", help="probe on the CPU (needs --memory-budget)")
+    probe.add_argument("--memory-budget", type=float, help="GiB a training step may use (with --cpu)")
+    probe.add_argument("--no-cache", action="store_true", help="do not write the result to the cache")
+    probe.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     plan = commands.add_parser(
         "plan", help="print the steps, samples, tokens and LR of a run before it starts"
@@ -114,20 +141,144 @@ def plan_command(options: argparse.Namespace) -> dict:
     }
 
 
+def probe_command(options: argparse.Namespace) -> dict:
+    """Load the model as the run would, probe it, cache the result and return the report as plain data."""
+    import torch
+
+    from . import probe
+
+    if options.cpu:
+        if options.memory_budget is None:
+            raise ValueError("--cpu needs --memory-budget GIB: on the CPU the limit is a stated budget.")
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        raise ValueError(
+            "no CUDA device; pass --cpu --memory-budget GIB to probe on the CPU against a budget."
+        )
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not 0 <= options.headroom < 1:
+        raise ValueError(f"--headroom {options.headroom} must be in [0, 1), e.g. 0.05.")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[options.dtype]
+    targets = [t.strip() for t in options.lora_target.split(",") if t.strip()]
+    gradient_checkpointing = not options.no_gradient_checkpointing
+    model = probe.load_model(
+        options.model_dir,
+        dtype,
+        options.load_in_4bit,
+        options.lora_r,
+        options.lora_alpha,
+        targets,
+        gradient_checkpointing,
+        options.seq_len,
+        device,
+    )
+    optim = options.optim or probe.default_optim()
+    setup = probe.describe_setup(model, optim, gradient_checkpointing)
+    with _progress() as on_trial:
+        report = probe.probe(
+            model,
+            options.seq_len,
+            optim=optim,
+            device=device,
+            headroom=options.headroom,
+            memory_budget=options.memory_budget * 2**30 if options.memory_budget is not None else None,
+            max_size=options.max_size,
+            largest=options.max,
+            effective_batch_size=options.effective_batch,
+            gpus=options.gpus,
+            autocast_dtype=dtype if dtype != torch.float32 else None,
+            setup=setup,
+            on_trial=on_trial,
+        )
+    result = report.to_dict()
+    if not options.no_cache:
+        result["cache_file"] = str(probe.save_report(report))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     options = parser.parse_args(argv)
+    command = {"plan": plan_command, "probe": probe_command}[options.command]
     try:
-        result = plan_command(options)
+        result = command(options)
     except (ValueError, OSError) as error:
         print(f"adaptive-batch: error: {error}", file=sys.stderr)
         return 1
     if options.json:
-        result = {key: value for key, value in result.items() if key != "table"}
-        print(json.dumps(result, indent=1))
-    else:
+        print(
+            json.dumps({key: value for key, value in result.items() if key != "table"}, indent=1, default=str)
+        )
+    elif options.command == "plan":
         _print_plan(result)
+    else:
+        _print_probe(result)
     return 0
+
+
+def _print_probe(result: dict) -> None:
+    from .probe import format_gib
+
+    lines = [f"{'size':>6} {'fits':>5} {'peak GiB':>9} {'allocated':>9} {'tokens/s':>10}"]
+    for trial in result["trials"]:
+        fits = (
+            "OOM"
+            if trial["out_of_memory"]
+            else (
+                "yes"
+                if trial["peak_bytes"] is None
+                or result["limit_bytes"] is None
+                or trial["peak_bytes"] <= result["limit_bytes"]
+                else "over"
+            )
+        )
+        speed = f"{trial['tokens_per_second']:,.0f}" if trial["tokens_per_second"] else "-"
+        lines.append(
+            f"{trial['size']:>6} {fits:>5} {format_gib(trial['peak_bytes']):>9} "
+            f"{format_gib(trial['peak_allocated_bytes']):>9} {speed:>10}"
+        )
+    print("\n".join(lines))
+    print(
+        f"boundary: {result['boundary']} samples ({result['boundary_tokens']:,} tokens) per micro-batch, "
+        f"limit {format_gib(result['limit_bytes'])} GiB"
+    )
+    print(f"recommended: {result['recommended']} ({result['recommended_by']})")
+    if result["effective_batch_size"]:
+        print(
+            f"for an effective batch of {result['effective_batch_size']} on {result['gpus']} GPU(s): "
+            f"per_device_train_batch_size={result['per_device_train_batch_size']}, "
+            f"gradient_accumulation_steps={result['gradient_accumulation_steps']}"
+        )
+    if result.get("cache_file"):
+        print(f"cached in {result['cache_file']}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _progress():
+    """A progress line per trial on stderr (rich where installed); yields the per-trial callback."""
+    try:
+        from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    except ImportError:
+
+        def report(trial):
+            print(f"trial {trial.size}: {'out of memory' if trial.out_of_memory else 'ran'}", file=sys.stderr)
+
+        yield report
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("probing", total=None)
+
+        def report(trial):
+            progress.update(
+                task,
+                description=f"probing: last trial {trial.size} "
+                f"({'out of memory' if trial.out_of_memory else 'ran'})",
+            )
+
+        yield report
 
 
 def _print_plan(result: dict) -> None:

@@ -246,7 +246,7 @@ class Session:
             self.plan, config.rule, starting, nominal_steps(self.budget.samples, starting)
         )
         self.clock.check()
-        start = self.per_device_train_batch_size if config.auto else config.micro_batch_size
+        start = self._probed_start() if config.auto else config.micro_batch_size
         if self.controller is None:
             self.controller = MicroBatchController(
                 start,
@@ -258,6 +258,24 @@ class Session:
             )
         self.controller.row_limit = self.plan.max_rows_per_rank
         self.runner = MicroBatchRunner(trainer, self.controller, self.world_size)
+
+    def _probed_start(self) -> int:
+        """Where 'auto' starts: a cached `adaptive-batch probe` result for this setup, else the per-device size."""
+        from .probe import cached_micro_batch_size, describe_setup
+
+        trainer, args = self.trainer, self.trainer.args
+        seq_len = getattr(args, "max_length", None) or _dataset_max_length(trainer.train_dataset)
+        if seq_len is None or not hasattr(trainer.model, "config"):
+            return self.per_device_train_batch_size
+        setup = describe_setup(trainer.model, args.optim, bool(args.gradient_checkpointing))
+        cached = cached_micro_batch_size(setup, seq_len)
+        if cached is None:
+            return self.per_device_train_batch_size
+        size, probed_length = cached
+        logger.info(
+            "Starting the micro-batch at %d: adaptive-batch probe's choice at %d tokens.", size, probed_length
+        )
+        return size
 
     @contextlib.contextmanager
     def training(self):
@@ -448,6 +466,15 @@ def _is_hf_dataset(dataset) -> bool:
     except ImportError:
         return False
     return isinstance(dataset, datasets.Dataset)
+
+
+def _dataset_max_length(dataset) -> int | None:
+    """The longest `input_ids` of a `datasets.Dataset`, counted in Arrow (None for other datasets)."""
+    if not _is_hf_dataset(dataset) or "input_ids" not in dataset.column_names or len(dataset) == 0:
+        return None
+    import pyarrow.compute as pc
+
+    return pc.max(pc.list_value_length(dataset.data.column("input_ids"))).as_py()
 
 
 def _dataset_tokens(dataset, budget_samples: int) -> int | None:

@@ -12,6 +12,14 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def probe_cache(tmp_path, monkeypatch):
+    """Every test reads and writes its own probe cache, never the user's."""
+    path = tmp_path / "probe-cache"
+    monkeypatch.setenv("ADAPTIVE_BATCH_CACHE", str(path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def texts():
     from adaptive_batch.testing import text_corpus

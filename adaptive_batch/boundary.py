@@ -1,0 +1,177 @@
+"""Finding the largest micro-batch that fits in memory, in few trials, and choosing one by throughput.
+
+Peak memory is close to affine in the batch size (weights and optimizer states, plus activations per sample), so
+three small trials (1, 2, 4 by default) predict the boundary; one trial confirms it and one just above brackets
+it; a trial that runs out of memory or over the limit turns the search into a bisection, which also serves when
+the prediction is off. The search stops once the boundary is known to within `tolerance` (5%).
+
+Pure Python: the trials are run by a callable the caller provides.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One real training step at `size` samples (forward, backward, optimizer step)."""
+
+    size: int
+    out_of_memory: bool
+    peak_bytes: float | None = None  # the peak the limit applies to (reserved on a GPU)
+    peak_allocated_bytes: float | None = None
+    seconds: float | None = None
+    tokens: int = 0
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds and not self.out_of_memory else None
+
+    def fits(self, limit: float | None) -> bool:
+        return not self.out_of_memory and (
+            limit is None or self.peak_bytes is None or self.peak_bytes <= limit
+        )
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+
+
+@dataclass
+class Search:
+    """What the search found: every trial in order, the largest size that fits, the smallest that does not."""
+
+    trials: list[Trial]
+    boundary: int
+    first_failing: int | None
+    predicted: int | None
+    limit: float | None
+
+    @property
+    def sizes_tried(self) -> list[int]:
+        return [trial.size for trial in self.trials]
+
+
+def find_boundary(
+    run: Callable[[int], Trial],
+    limit: float | None,
+    max_size: int,
+    tolerance: float = 0.05,
+    start: tuple[int, ...] = (1, 2, 4),
+    max_trials: int = 16,
+) -> Search:
+    """Search for the largest size in `[1, max_size]` whose trial fits under `limit` bytes.
+
+    Raises:
+        ValueError: if one sample does not fit (the boundary would be 0).
+    """
+    trials: list[Trial] = []
+    largest_fitting, smallest_failing, predicted = 0, None, None
+
+    def attempt(size: int) -> bool:
+        nonlocal largest_fitting, smallest_failing
+        trial = run(size)
+        trials.append(trial)
+        if trial.fits(limit):
+            largest_fitting = max(largest_fitting, size)
+            return True
+        smallest_failing = size if smallest_failing is None else min(smallest_failing, size)
+        return False
+
+    for size in start:
+        if size > max_size or not attempt(size):
+            break
+    tried: set[int] = set()
+    while len(trials) < max_trials and largest_fitting < max_size:
+        if _bracketed(largest_fitting, smallest_failing, tolerance) or smallest_failing == 1:
+            break
+        estimate = predict_boundary(trials, limit)
+        if smallest_failing is None:  # growing: the prediction first, then steps of at least `tolerance`
+            if estimate is not None and estimate > largest_fitting and predicted is None:
+                candidate = estimate  # the first prediction, however close
+            elif estimate is None and (limit is None or not math.isfinite(limit)):
+                candidate = 2 * max(largest_fitting, 1)  # no memory limit to aim at: double until it fails
+            else:
+                candidate = max(
+                    largest_fitting + 1, math.ceil(largest_fitting * (1 + tolerance)), estimate or 0
+                )
+            candidate = min(candidate, max_size)
+        else:  # bracketed: the secant through the two largest readings, kept to the middle half of the bracket
+            estimate = predict_boundary(trials, limit, secant=True)
+            quarter = (smallest_failing - largest_fitting) // 4
+            low, high = largest_fitting + max(1, quarter), smallest_failing - max(1, quarter)
+            candidate = (largest_fitting + smallest_failing) // 2 if estimate is None else estimate
+            candidate = min(max(candidate, low), high)
+        if predicted is None:
+            predicted = estimate
+        tried.add(candidate)
+        attempt(candidate)
+    if largest_fitting == 0:
+        raise ValueError(
+            "One sample per micro-batch does not fit"
+            + (f" under the limit of {limit / 2**30:.1f} GiB" if limit else "")
+            + ": enable gradient checkpointing, load the model in 4-bit, use an 8-bit or paged optimizer, or "
+            "shorten the sequences."
+        )
+    return Search(trials, largest_fitting, smallest_failing, predicted, limit)
+
+
+def _bracketed(largest_fitting: int, smallest_failing: int | None, tolerance: float) -> bool:
+    if smallest_failing is None or largest_fitting == 0:
+        return False
+    return smallest_failing <= max(largest_fitting + 1, math.ceil(largest_fitting * (1 + tolerance)))
+
+
+def predict_boundary(trials: list[Trial], limit: float | None, secant: bool = False) -> int | None:
+    """The largest size an affine fit of peak bytes against size puts under `limit`.
+
+    Every trial that ran is a point, those over the limit included; out-of-memory trials have no reading. With
+    `secant`, only the two largest sizes count: near the boundary, where growth may be faster than affine.
+    """
+    points = sorted(
+        (t.size, t.peak_bytes) for t in trials if not t.out_of_memory and t.peak_bytes is not None
+    )
+    if secant:
+        points = points[-2:]
+    if limit is None or not math.isfinite(limit) or len({size for size, _ in points}) < 2:
+        return None
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    if slope <= 0:
+        return None
+    return math.floor((limit - (mean_y - slope * mean_x)) / slope)
+
+
+def recommend(trials: list[Trial], limit: float | None, within: float = 0.02, largest: bool = False) -> int:
+    """The smallest measured size within `within` of the best tokens/s, or the largest that fits with `largest`."""
+    fitting = [t for t in trials if t.fits(limit) and t.tokens_per_second is not None]
+    if not fitting:
+        raise ValueError("No trial fitted, so there is nothing to recommend.")
+    if largest:
+        return max(t.size for t in fitting)
+    best = max(t.tokens_per_second for t in fitting)
+    return min(t.size for t in fitting if t.tokens_per_second >= best * (1 - within))
+
+
+def split_effective_batch(micro_batch_size: int, effective_batch_size: int, gpus: int) -> tuple[int, int]:
+    """A `(per_device_train_batch_size, gradient_accumulation_steps)` pair for the effective batch.
+
+    The per-device size is at most `micro_batch_size` and divides the per-GPU share, so the effective batch is
+    exact: the largest such divisor.
+
+    Raises:
+        ValueError: if `effective_batch_size` is not divisible by `gpus`.
+    """
+    if effective_batch_size % gpus:
+        lower = effective_batch_size // gpus * gpus
+        options = f"{lower} or {lower + gpus}" if lower else str(gpus)
+        raise ValueError(
+            f"effective batch {effective_batch_size} is not divisible by {gpus} GPUs: every GPU must take the same "
+            f"share. Use {options}."
+        )
+    share = effective_batch_size // gpus
+    per_device = max(d for d in range(1, min(micro_batch_size, share) + 1) if share % d == 0)
+    return per_device, share // per_device

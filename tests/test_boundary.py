@@ -1,0 +1,91 @@
+import math
+
+import pytest
+
+from adaptive_batch.boundary import Trial, find_boundary, predict_boundary, recommend, split_effective_batch
+
+GIB = 2**30
+
+
+def device(base_gib, per_sample_gib, capacity_gib, extra_per_sample_gib=0.0, tokens_per_second=None):
+    """A fake device: peak = base + per_sample * size (+ a superlinear term); OOM above the capacity."""
+    calls = []
+
+    def run(size):
+        calls.append(size)
+        peak = (base_gib + per_sample_gib * size + extra_per_sample_gib * size * size / 100) * GIB
+        if peak > capacity_gib * GIB:
+            return Trial(size, out_of_memory=True, tokens=size * 1024)
+        speed = tokens_per_second(size) if tokens_per_second else 1000.0
+        return Trial(size, False, peak, peak * 0.97, seconds=size * 1024 / speed, tokens=size * 1024)
+
+    return run, calls
+
+
+def test_affine_memory_is_found_in_five_trials():
+    run, calls = device(base_gib=5.0, per_sample_gib=0.9, capacity_gib=139)
+    limit = 0.95 * 139 * GIB  # keep 5% of the device free
+    search = find_boundary(run, limit, max_size=4096)
+    exact = math.floor((0.95 * 139 - 5.0) / 0.9)
+    assert calls == [1, 2, 4, exact, math.ceil(exact * 1.05)]
+    assert search.boundary == exact and search.predicted == exact
+    assert search.first_failing == math.ceil(exact * 1.05)
+
+
+def test_a_superlinear_device_is_bisected_to_within_five_percent():
+    run, calls = device(base_gib=5.0, per_sample_gib=0.9, capacity_gib=139, extra_per_sample_gib=0.5)
+    limit = 0.95 * 139 * GIB
+    search = find_boundary(run, limit, max_size=4096)
+    true_boundary = max(s for s in range(1, 200) if (5 + 0.9 * s + 0.005 * s * s) <= 0.95 * 139)
+    assert search.boundary <= true_boundary
+    assert search.boundary >= true_boundary / 1.05
+    assert calls[:3] == [1, 2, 4] and len(calls) <= 8, calls
+
+
+def test_out_of_memory_without_readings_doubles_then_bisects():
+    run, calls = device(base_gib=1.0, per_sample_gib=1.0, capacity_gib=40.5)
+
+    def no_readings(size):
+        trial = run(size)
+        return Trial(trial.size, trial.out_of_memory, None, None, trial.seconds, trial.tokens)
+
+    search = find_boundary(no_readings, limit=None, max_size=1000)
+    assert calls == [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38]
+    assert search.boundary == 38 and search.first_failing == 40  # the true one is 39: within 5%
+
+
+def test_the_search_stops_at_the_largest_size_asked_for():
+    run, calls = device(base_gib=1.0, per_sample_gib=0.1, capacity_gib=100)
+    search = find_boundary(run, 95 * GIB, max_size=32)
+    assert search.boundary == 32 and calls == [1, 2, 4, 32]
+
+
+def test_one_sample_that_does_not_fit_is_an_error():
+    run, _ = device(base_gib=50.0, per_sample_gib=1.0, capacity_gib=40)
+    with pytest.raises(ValueError, match="One sample per micro-batch does not fit under the limit of 38.0 GiB"):
+        find_boundary(run, 38 * GIB, max_size=64)
+
+
+def test_predict_boundary_needs_two_sizes_and_a_limit():
+    trials = [Trial(1, False, 2 * GIB), Trial(2, False, 3 * GIB)]
+    assert predict_boundary(trials, 10 * GIB) == 9
+    assert predict_boundary(trials[:1], 10 * GIB) is None
+    assert predict_boundary(trials, None) is None
+
+
+def test_recommend_the_smallest_size_within_two_percent_of_the_best():
+    speeds = {1: 3035, 2: 6148, 4: 7496, 8: 8124, 16: 8351, 32: 8474, 64: 8586}
+    trials = [Trial(s, False, 1.0, 1.0, seconds=s * 1024 / v, tokens=s * 1024) for s, v in speeds.items()]
+    assert recommend(trials, limit=None) == 32  # 8,474 >= 98% of 8,586 > 8,351
+    assert recommend(trials, limit=None, within=0.03) == 16
+    assert recommend(trials, limit=None, largest=True) == 64
+    assert recommend(trials + [Trial(128, True)], limit=None, largest=True) == 64
+
+
+def test_split_effective_batch_keeps_it_exact():
+    assert split_effective_batch(16, 64, 1) == (16, 4)
+    assert split_effective_batch(24, 64, 1) == (16, 4)  # 24 does not divide 64: the largest size below that does
+    assert split_effective_batch(16, 96, 2) == (16, 3)
+    assert split_effective_batch(128, 64, 2) == (32, 1)
+    with pytest.raises(ValueError, match="effective batch 48 is not divisible by 5 GPUs.*Use 45 or 50"):
+        split_effective_batch(8, 48, 5)
