@@ -62,7 +62,8 @@ def test_the_search_stops_at_the_largest_size_asked_for():
 
 def test_one_sample_that_does_not_fit_is_an_error():
     run, _ = device(base_gib=50.0, per_sample_gib=1.0, capacity_gib=40)
-    with pytest.raises(ValueError, match="One sample per micro-batch does not fit under the limit of 38.0 GiB"):
+    message = "One sample per micro-batch does not fit under the limit of 38.0 GiB"
+    with pytest.raises(ValueError, match=message):
         find_boundary(run, 38 * GIB, max_size=64)
 
 
@@ -84,7 +85,7 @@ def test_recommend_the_smallest_size_within_two_percent_of_the_best():
 
 def test_split_effective_batch_keeps_it_exact():
     assert split_effective_batch(16, 64, 1) == (16, 4)
-    assert split_effective_batch(24, 64, 1) == (16, 4)  # 24 does not divide 64: the largest size below that does
+    assert split_effective_batch(24, 64, 1) == (16, 4)  # 24 does not divide 64: the largest divisor below it
     assert split_effective_batch(16, 96, 2) == (16, 3)
     assert split_effective_batch(128, 64, 2) == (32, 1)
     with pytest.raises(ValueError, match="effective batch 48 is not divisible by 5 GPUs.*Use 45 or 50"):

@@ -19,8 +19,8 @@ def model_dir(tmp_path_factory, tokenizer):
     return path
 
 
-def run_cli(capsys, *argv):
-    code = main(["probe", *map(str, argv)])
+def run_cli(capsys, model_dir, options: str):
+    code = main(["probe", str(model_dir), *options.split()])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -49,11 +49,11 @@ def test_the_probe_leaves_the_model_and_the_random_state_as_found(tokenizer):
 
 
 def test_cli_probe_of_a_4bit_lora_model_on_the_cpu(capsys, model_dir, probe_cache):
-    code, out, err = run_cli(
-        capsys, model_dir, "--seq-len", 32, "--cpu", "--memory-budget", 0.05, "--dtype", "fp32",
-        "--load-in-4bit", "--lora-r", 4, "--lora-target", "q_proj,v_proj", "--optim", "paged_adamw_8bit",
-        "--effective-batch", 48, "--json",
+    options = (
+        "--seq-len 32 --cpu --memory-budget 0.05 --dtype fp32 --load-in-4bit --lora-r 4 "
+        "--lora-target q_proj,v_proj --optim paged_adamw_8bit --effective-batch 48 --json"
     )
+    code, out, err = run_cli(capsys, model_dir, options)
     assert code == 0, err
     result = json.loads(out)
     limit = 0.05 * 2**30
@@ -68,9 +68,8 @@ def test_cli_probe_of_a_4bit_lora_model_on_the_cpu(capsys, model_dir, probe_cach
     assert per_device * accumulation == 48 and per_device <= result["recommended"]
     assert result["setup"]["lora"] == {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
     assert result["setup"]["quantization"]["load_in_4bit"] == "True"
-    assert json.loads((probe_cache / result["cache_file"].rsplit("/", 1)[-1]).read_text())["32"]["boundary"] == (
-        result["boundary"]
-    )
+    cached = json.loads((probe_cache / result["cache_file"].rsplit("/", 1)[-1]).read_text())
+    assert cached["32"]["boundary"] == result["boundary"]
 
 
 def test_adaptive_batch_starts_at_the_probed_size(capsys, make_trainer, tokenizer, tmp_path, rows):
@@ -78,8 +77,8 @@ def test_adaptive_batch_starts_at_the_probed_size(capsys, make_trainer, tokenize
 
     path = tmp_path / "base"
     tiny_llama(tokenizer).save_pretrained(path)
-    code, out, _ = run_cli(capsys, path, "--seq-len", 32, "--cpu", "--memory-budget", 0.02, "--dtype", "fp32",
-                           "--no-gradient-checkpointing", "--json")
+    options = "--seq-len 32 --cpu --memory-budget 0.02 --dtype fp32 --no-gradient-checkpointing --json"
+    code, out, _ = run_cli(capsys, path, options)
     assert code == 0
     recommended = json.loads(out)["recommended"]
     from transformers import AutoModelForCausalLM
@@ -87,27 +86,35 @@ def test_adaptive_batch_starts_at_the_probed_size(capsys, make_trainer, tokenize
     model = AutoModelForCausalLM.from_pretrained(path)
     model.config.use_cache = False
     dataset = Dataset.from_list(rows[:64])
-    trainer = make_trainer([AdaptiveBatch()], model=model, dataset=dataset, per_device_train_batch_size=2,
-                           gradient_accumulation_steps=32)
+    trainer = make_trainer(
+        [AdaptiveBatch()],
+        model=model,
+        dataset=dataset,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=32,
+    )
     assert trainer._adaptive_batch.controller.size == min(recommended, 64)
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    "model, options, message",
     [
-        (["{dir}", "--seq-len", "16"], "no CUDA device; pass --cpu --memory-budget"),
-        (["{dir}", "--seq-len", "16", "--cpu"], "--cpu needs --memory-budget"),
-        (["/nonexistent", "--seq-len", "16", "--cpu", "--memory-budget", "1"], "does not exist"),
-        (["{dir}", "--seq-len", "4096", "--cpu", "--memory-budget", "1"], "exceeds the model's max_position"),
-        (["{dir}", "--seq-len", "16", "--cpu", "--memory-budget", "1", "--lora-r", "4", "--lora-target", "qkv"],
-         "--lora-target qkv matches no module of this model; its linear layers are"),
-        (["{dir}", "--seq-len", "16", "--cpu", "--memory-budget", "1", "--headroom", "1.5"], "--headroom 1.5"),
+        ("tiny", "--seq-len 16", "no CUDA device; pass --cpu --memory-budget"),
+        ("tiny", "--seq-len 16 --cpu", "--cpu needs --memory-budget"),
+        ("/nonexistent", "--seq-len 16 --cpu --memory-budget 1", "does not exist"),
+        ("tiny", "--seq-len 4096 --cpu --memory-budget 1", "exceeds the model's max_position"),
+        (
+            "tiny",
+            "--seq-len 16 --cpu --memory-budget 1 --lora-r 4 --lora-target qkv",
+            "--lora-target qkv matches no module of this model; its linear layers are",
+        ),
+        ("tiny", "--seq-len 16 --cpu --memory-budget 1 --headroom 1.5", "--headroom 1.5"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_code_1(capsys, model_dir, argv, message):
+def test_bad_input_is_one_line_and_exit_code_1(capsys, model_dir, model, options, message):
     if "no CUDA" in message and torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    code, out, err = run_cli(capsys, *[a.replace("{dir}", str(model_dir)) for a in argv])
+    code, out, err = run_cli(capsys, model_dir if model == "tiny" else model, options)
     assert code == 1 and out == ""
     assert err.count("\n") == 1 and err.startswith("adaptive-batch: error:") and message in err
 
