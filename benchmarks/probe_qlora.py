@@ -18,6 +18,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from base_model import save_random_llama  # noqa: E402
 
 
 def main():
@@ -27,27 +30,9 @@ def main():
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-probe")
     options = parser.parse_args()
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from adaptive_batch.cli import main as cli
 
-    path = os.path.join(options.workdir, "llama-2-7b-shape")
-    config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        use_cache=False,
-    )
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        LlamaForCausalLM(config).save_pretrained(path)
-    torch.set_default_dtype(torch.float32)
-    torch.cuda.empty_cache()
+    path = save_random_llama(os.path.join(options.workdir, "llama-2-7b-shape"))
 
     argv = [
         "probe",

@@ -30,16 +30,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
-LLAMA2_7B = dict(
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    vocab_size=32000,
-    max_position_embeddings=4096,
-)
+from base_model import LLAMA2_7B, save_random_llama  # noqa: E402
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -59,24 +53,15 @@ def sync():
 def build_model(tiny: bool, workdir: str):
     """The base model as a user loads it: 4-bit NF4 from a saved checkpoint, then LoRA through peft."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
 
-    config = LlamaConfig(**(TINY if tiny else LLAMA2_7B), use_cache=False)
-    path = os.path.join(workdir, "llama-base")
+    shape = TINY if tiny else LLAMA2_7B
     started = time.perf_counter()
+    path = save_random_llama(os.path.join(workdir, "llama-base"), shape, on_gpu=not tiny)
+    config = LlamaConfig(**shape, use_cache=False)
     if tiny:
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path)
     else:
-        torch.set_default_dtype(torch.bfloat16)
-        with torch.device("cuda"):
-            base = LlamaForCausalLM(config)
-        torch.set_default_dtype(torch.float32)
-        base.save_pretrained(path)
-        del base
-        gc.collect()
-        torch.cuda.empty_cache()
         quantization = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
@@ -186,12 +171,16 @@ def run_config(model, dataset, seq_len, per_device, accumulation, steps, adaptiv
         result["controller"] = controller.state_dict()
         settled = [i for i, m in enumerate(result["micro_batch_size_per_step"]) if m == controller.size]
         # steady state: the steps after the last one that still explored
+        sizes = result["micro_batch_size_per_step"]
         first_steady = next(
-            i
-            for i in range(len(logs))
-            if all(m == controller.size for m in result["micro_batch_size_per_step"][i:])
+            (
+                i
+                for i in range(len(logs))
+                if not controller.exploring and all(m == controller.size for m in sizes[i:])
+            ),
+            None,
         )
-        steady = seconds[max(first_steady, 1) :]
+        steady = seconds[max(first_steady, 1) :] if first_steady is not None else []
         result["first_steady_step"] = first_steady
         result["tokens_per_second_steady"] = (
             effective * seq_len * len(steady) / sum(steady) if steady else None

@@ -1,0 +1,42 @@
+"""The model the GPU benchmarks train: a Llama-2-7B shape with random weights (speed and memory do not depend on
+the values), created in bf16 on the GPU and saved, so that each benchmark loads it as a user's run would."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+LLAMA2_7B = dict(
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)
+
+
+def save_random_llama(path: str, shape: dict = LLAMA2_7B, on_gpu: bool = True) -> str:
+    """Create a random `LlamaForCausalLM` of `shape` (bf16 on the GPU, float32 on the CPU) and save it at `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shape, use_cache=False)
+    torch.manual_seed(0)
+    if on_gpu:
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    else:
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    del model
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return os.fspath(path)
