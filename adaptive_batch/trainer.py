@@ -246,10 +246,9 @@ class Session:
             self.plan, config.rule, starting, nominal_steps(self.budget.samples, starting)
         )
         self.clock.check()
-        start = self._probed_start() if config.auto else config.micro_batch_size
-        if self.controller is None:
+        if self.controller is None:  # built once: a second train() keeps what the first one learned
             self.controller = MicroBatchController(
-                start,
+                self._probed_start() if config.auto else config.micro_batch_size,
                 auto=config.auto,
                 max_size=config.max_micro_batch_size,
                 row_limit=self.plan.max_rows_per_rank,
