@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from .plan import nearest_multiples
+
 
 @dataclass(frozen=True)
 class Trial:
@@ -166,11 +168,9 @@ def split_effective_batch(micro_batch_size: int, effective_batch_size: int, gpus
         ValueError: if `effective_batch_size` is not divisible by `gpus`.
     """
     if effective_batch_size % gpus:
-        lower = effective_batch_size // gpus * gpus
-        options = f"{lower} or {lower + gpus}" if lower else str(gpus)
         raise ValueError(
             f"effective batch {effective_batch_size} is not divisible by {gpus} GPUs: every GPU must take the same "
-            f"share. Use {options}."
+            f"share. Use {nearest_multiples(effective_batch_size, gpus)}."
         )
     share = effective_batch_size // gpus
     per_device = max(d for d in range(1, min(micro_batch_size, share) + 1) if share % d == 0)

@@ -203,17 +203,21 @@ def build_plan(
     )
 
 
+def nearest_multiples(value: int, divisor: int) -> str:
+    """The multiples of `divisor` around `value`, as a fix to suggest: 'Use 45 or 50'."""
+    lower = value // divisor * divisor
+    return f"{lower} or {lower + divisor}" if lower else str(divisor)
+
+
 def _where(progress: Progress) -> str:
     return f"step {progress.step} ({progress.samples_seen:,} samples seen, fraction {progress.fraction:.3f})"
 
 
 def _check_fits(effective: int, world_size: int, dataset_size: int, progress: Progress) -> None:
     if effective % world_size:
-        lower = effective // world_size * world_size
-        options = f"{lower} or {lower + world_size}" if lower else f"{world_size}"
         raise ValueError(
             f"The effective batch {effective} at {_where(progress)} is not divisible by world_size={world_size}: "
-            f"every rank must take the same share. Use {options}."
+            f"every rank must take the same share. Use {nearest_multiples(effective, world_size)}."
         )
     if effective > dataset_size:
         raise ValueError(

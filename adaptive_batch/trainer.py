@@ -19,13 +19,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import numbers
 from typing import TYPE_CHECKING
 
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer
 
-from . import report
+from . import lengths, report
 from .config import AdaptiveBatchConfig
 from .lr import SampleClock, nominal_steps
 from .memory import memory_limit
@@ -263,7 +262,7 @@ class Session:
         from .probe import cached_micro_batch_size, describe_setup
 
         trainer, args = self.trainer, self.trainer.args
-        seq_len = getattr(args, "max_length", None) or _dataset_max_length(trainer.train_dataset)
+        seq_len = getattr(args, "max_length", None) or lengths.longest(trainer.train_dataset)
         if seq_len is None or not hasattr(trainer.model, "config"):
             return self.per_device_train_batch_size
         setup = describe_setup(trainer.model, args.optim, bool(args.gradient_checkpointing))
@@ -415,13 +414,20 @@ class Session:
             schedule_text=describe(config.resolved_schedule(self.default_effective_batch_size)),
             micro_batch_text=micro + "; shrinks and retries the step on out-of-memory",
             plain_steps=self._plain_trainer_steps(),
-            tokens=_dataset_tokens(self.trainer.train_dataset, self.budget.samples),
+            tokens=self._budget_tokens(),
             rule_text=config.lr_scaling
             if isinstance(config.lr_scaling, str)
             else describe(config.lr_scaling),
             accumulation_text=self._accumulation_text(),
         )
         logger.info("%s", report.format_rows("AdaptiveBatch plan", rows))
+
+    def _budget_tokens(self) -> int | None:
+        """Tokens the budget covers, when the dataset's token counts can be read cheaply."""
+        total = lengths.total_tokens(self.trainer.train_dataset)
+        if total is None:
+            return None
+        return round(total * self.budget.samples / len(self.trainer.train_dataset))
 
     def _accumulation_text(self) -> str:
         """Micro-batches per step: known now for a fixed size, decided while training for 'auto'."""
@@ -465,28 +471,6 @@ def _is_hf_dataset(dataset) -> bool:
     except ImportError:
         return False
     return isinstance(dataset, datasets.Dataset)
-
-
-def _dataset_max_length(dataset) -> int | None:
-    """The longest `input_ids` of a `datasets.Dataset`, counted in Arrow (None for other datasets)."""
-    if not _is_hf_dataset(dataset) or "input_ids" not in dataset.column_names or len(dataset) == 0:
-        return None
-    import pyarrow.compute as pc
-
-    return pc.max(pc.list_value_length(dataset.data.column("input_ids"))).as_py()
-
-
-def _dataset_tokens(dataset, budget_samples: int) -> int | None:
-    """Tokens the budget covers, when a `datasets.Dataset` has `input_ids` to count cheaply (in Arrow)."""
-    if not _is_hf_dataset(dataset) or "input_ids" not in dataset.column_names or len(dataset) == 0:
-        return None
-    import pyarrow.compute as pc
-
-    column = dataset.data.column("input_ids")
-    total = pc.sum(pc.list_value_length(column)).as_py()
-    if not isinstance(total, numbers.Integral):
-        return None
-    return round(total * budget_samples / len(dataset))
 
 
 def find_trainer_on_stack(callback) -> Trainer | None:

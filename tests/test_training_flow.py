@@ -171,3 +171,21 @@ def test_the_callback_class_itself_is_accepted(make_trainer):
     trainer = make_trainer([AdaptiveBatch], num_rows=16)
     trainer.train()
     assert step_logs(trainer)[-1]["adaptive_batch/samples_seen"] == 16
+
+
+def test_the_plan_table_is_logged_when_training_starts(make_trainer, rows, caplog):
+    from datasets import Dataset
+
+    trainer = make_trainer(
+        [AdaptiveBatch(schedule=PhaseSchedule([4, 8], boundaries=[0.5]))],
+        dataset=Dataset.from_list(rows[:40]),
+        num_train_epochs=2,
+    )
+    with caplog.at_level("INFO", logger="adaptive_batch"):
+        trainer.train()
+    table = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("AdaptiveBatch plan"))
+    tokens = 2 * sum(len(r["input_ids"]) for r in rows[:40])
+    assert f"tokens                           {tokens:,} (non-padding)" in table
+    assert "optimizer steps                  15 (the plain Trainer: 10)" in table
+    assert "effective batch                  4 -> 8 (phases start at 0.5 fraction)" in table
+    assert "samples                          80 from num_train_epochs=2 x 40 samples" in table
