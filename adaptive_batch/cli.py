@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import __version__, report
+from . import __version__, lengths, report
 from .lr import SampleClock, lr_scale, nominal_steps, resolve_rule
 from .plan import Budget, build_plan
 from .schedule import PhaseSchedule, Progress, as_schedule, describe
@@ -329,12 +329,7 @@ def _dataset_facts(options) -> tuple[int, int | None]:
                     f"--dataset {path} is a DatasetDict without a 'train' split: {sorted(dataset)}."
                 )
             dataset = dataset["train"]
-        tokens = None
-        if "input_ids" in dataset.column_names:
-            import pyarrow.compute as pc
-
-            tokens = pc.sum(pc.list_value_length(dataset.data.column("input_ids"))).as_py()
-        return len(dataset), tokens
+        return len(dataset), lengths.total_tokens(dataset)
     records = _read_records(path)
     if not records:
         raise ValueError(f"--dataset {path} holds no records.")

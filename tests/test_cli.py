@@ -106,3 +106,13 @@ def test_unknown_option_values_exit_through_argparse(capsys):
         main(["plan", "--dataset-size", "100", "--lr-scaling", "cubic"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'cubic'" in capsys.readouterr().err
+
+
+def test_plan_reads_token_counts_from_a_saved_dataset(capsys, tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6]]}).save_to_disk(str(tmp_path / "saved"))
+    code, out, _ = run(
+        capsys, "plan", "--dataset", str(tmp_path / "saved"), "--per-device", "1", "--epochs", "2", "--json"
+    )
+    assert code == 0 and json.loads(out)["tokens"] == 12
