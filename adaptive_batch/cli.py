@@ -222,17 +222,7 @@ def _print_probe(result: dict) -> None:
 
     lines = [f"{'size':>6} {'fits':>5} {'peak GiB':>9} {'allocated':>9} {'tokens/s':>10}"]
     for trial in result["trials"]:
-        fits = (
-            "OOM"
-            if trial["out_of_memory"]
-            else (
-                "yes"
-                if trial["peak_bytes"] is None
-                or result["limit_bytes"] is None
-                or trial["peak_bytes"] <= result["limit_bytes"]
-                else "over"
-            )
-        )
+        fits = "OOM" if trial["out_of_memory"] else "yes" if trial["fits"] else "over"
         speed = f"{trial['tokens_per_second']:,.0f}" if trial["tokens_per_second"] else "-"
         lines.append(
             f"{trial['size']:>6} {fits:>5} {format_gib(trial['peak_bytes']):>9} "

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 
+def is_hf_dataset(dataset) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(dataset, datasets.Dataset)
+
+
 def input_ids_lengths(dataset):
     """The length of every row's `input_ids` as an Arrow array, or `None` when they cannot be read cheaply.
 

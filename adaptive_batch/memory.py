@@ -45,12 +45,16 @@ def synchronize(device: torch.device) -> None:
 
 
 class Stopwatch:
-    """Wall time and peak allocated memory of one micro-batch, synchronised with the device at both ends."""
+    """Wall time and peak allocated (and reserved) memory of a block, synchronised with the device at both ends.
+
+    When the block raises, nothing is read: `seconds` stays 0 and the peaks `None`.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.seconds = 0.0
         self.peak_bytes: float | None = None
+        self.peak_reserved_bytes: float | None = None
 
     def __enter__(self) -> Stopwatch:
         synchronize(self.device)
@@ -66,6 +70,7 @@ class Stopwatch:
         self.seconds = time.perf_counter() - self._start
         if self.device.type == "cuda":
             self.peak_bytes = float(torch.cuda.max_memory_allocated(self.device))
+            self.peak_reserved_bytes = float(torch.cuda.max_memory_reserved(self.device))
 
 
 def memory_limit(device: torch.device, headroom: float) -> float | None:

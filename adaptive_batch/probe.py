@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .boundary import Search, Trial, find_boundary, recommend, split_effective_batch
-from .memory import is_out_of_memory, release_memory, synchronize
+from .memory import Stopwatch, is_out_of_memory, memory_limit, release_memory
 
 CACHE_ENV = "ADAPTIVE_BATCH_CACHE"
 
@@ -129,7 +129,7 @@ def probe(
         setup=setup or {},
         seq_len=seq_len,
         limit_bytes=limit,
-        trials=[t.to_dict() for t in sorted(trials, key=lambda t: t.size)],
+        trials=[{**t.to_dict(), "fits": t.fits(limit)} for t in sorted(trials, key=lambda t: t.size)],
         boundary=search.boundary,
         first_failing=search.first_failing,
         predicted=search.predicted,
@@ -167,33 +167,26 @@ class _TrialRunner:
         ids = torch.randint(0, self.vocab_size, (size, self.seq_len), generator=self.generator).to(
             self.device
         )
-        meter = _PeakMeter() if self.device.type == "cpu" else None
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        out_of_memory, seconds = False, None
-        synchronize(self.device)
-        started = time.perf_counter()
+        meter = _PeakMeter() if self.device.type == "cpu" else contextlib.nullcontext()
+        stopwatch = Stopwatch(self.device)
+        out_of_memory = False
         try:
-            with meter if meter is not None else contextlib.nullcontext(), self._autocast():
+            with stopwatch, meter, self._autocast():
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
                 self.optimizer.step()
             del loss
-            synchronize(self.device)
-            seconds = time.perf_counter() - started
         except Exception as error:  # noqa: BLE001 - only allocation failures are a result, the rest re-raised
             if not is_out_of_memory(error):
                 raise
             out_of_memory = True
         self.optimizer.zero_grad(set_to_none=True)
         del ids
-        peak = allocated = None
-        if self.device.type == "cuda":
-            peak = float(torch.cuda.max_memory_reserved(self.device))
-            allocated = float(torch.cuda.max_memory_allocated(self.device))
-        elif meter is not None:
+        peak, allocated = stopwatch.peak_reserved_bytes, stopwatch.peak_bytes
+        if isinstance(meter, _PeakMeter) and not out_of_memory:
             peak = allocated = self.baseline + meter.peak
         release_memory(self.device)
+        seconds = None if out_of_memory else stopwatch.seconds
         return Trial(size, out_of_memory, peak, allocated, seconds, size * self.seq_len)
 
     def _autocast(self):
@@ -255,16 +248,11 @@ def _throughput_sizes(search: Search) -> list[int]:
 
 
 def _limit(device: torch.device, headroom: float, memory_budget: float | None) -> float | None:
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        return (
-            total * (1.0 - headroom)
-            if memory_budget is None
-            else min(memory_budget, total * (1.0 - headroom))
-        )
-    if memory_budget is None:
+    """Bytes a step may use: the device less `headroom` on a GPU (and at most `memory_budget`), the budget on a CPU."""
+    device_limit = memory_limit(device, headroom)
+    if device_limit is None and memory_budget is None:
         raise ValueError("On the CPU a probe needs memory_budget: the bytes a training step may use.")
-    return memory_budget
+    return min(x for x in (device_limit, memory_budget) if x is not None)
 
 
 def _make_optimizer(model: torch.nn.Module, optim: str, learning_rate: float):

@@ -135,8 +135,8 @@ class MicroBatchRunner:
                 if not is_out_of_memory(error):
                     raise
                 out_of_memory = True
-            real, padded = batch.tokens(start, max(own, 1)) if timed else (0, 0)
-            report = [float(out_of_memory), stopwatch.seconds, stopwatch.peak_bytes or 0.0, real, padded]
+            real = batch.tokens(start, max(own, 1))[0] if timed else 0
+            report = [float(out_of_memory), stopwatch.seconds, stopwatch.peak_bytes or 0.0, real]
             if self.distributed:
                 report = _all_reduce(report, self.device, dist.ReduceOp.MAX)
             if report[0]:

@@ -312,7 +312,7 @@ class Session:
             self.plan, seed=seed, rank=self.rank, shuffle=args.train_sampling_strategy != "sequential"
         )
         dataset, collator = trainer.train_dataset, trainer.data_collator
-        if _is_hf_dataset(dataset):
+        if lengths.is_hf_dataset(dataset):
             dataset = trainer._remove_unused_columns(dataset, description="training")
         else:
             collator = trainer._get_collator_with_removed_columns(collator, description="training")
@@ -463,14 +463,6 @@ class _WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         self.seed_worker(worker_id, num_workers=self.num_workers, rank=self.rank)
-
-
-def _is_hf_dataset(dataset) -> bool:
-    try:
-        import datasets
-    except ImportError:
-        return False
-    return isinstance(dataset, datasets.Dataset)
 
 
 def find_trainer_on_stack(callback) -> Trainer | None:
