@@ -5,6 +5,10 @@ three small trials (1, 2, 4 by default) predict the boundary; one trial confirms
 it; a trial that runs out of memory or over the limit turns the search into a bisection, which also serves when
 the prediction is off. The search stops once the boundary is known to within `tolerance` (5%).
 
+Step time is close to affine in the size too, once the device is busy, so tokens/s rises towards a plateau: the
+smallest size within 2% of the best is predicted from the same trials and confirmed by one more
+([`next_throughput_size`]).
+
 Pure Python: the trials are run by a callable the caller provides.
 """
 
@@ -27,15 +31,19 @@ class Trial:
     peak_allocated_bytes: float | None = None
     seconds: float | None = None
     tokens: int = 0
+    stopped: bool = False  # stopped as soon as its memory passed the limit: `peak_bytes` is a lower bound
 
     @property
     def tokens_per_second(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds and not self.out_of_memory else None
+        return self.tokens / self.seconds if self.seconds and self.ran else None
+
+    @property
+    def ran(self) -> bool:
+        """Whether the step ran to the end, so that its peak memory and time are readings."""
+        return not self.out_of_memory and not self.stopped
 
     def fits(self, limit: float | None) -> bool:
-        return not self.out_of_memory and (
-            limit is None or self.peak_bytes is None or self.peak_bytes <= limit
-        )
+        return self.ran and (limit is None or self.peak_bytes is None or self.peak_bytes <= limit)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_second": self.tokens_per_second}
@@ -129,12 +137,11 @@ def _bracketed(largest_fitting: int, smallest_failing: int | None, tolerance: fl
 def predict_boundary(trials: list[Trial], limit: float | None, secant: bool = False) -> int | None:
     """The largest size an affine fit of peak bytes against size puts under `limit`.
 
-    Every trial that ran is a point, those over the limit included; out-of-memory trials have no reading. With
+    Every trial that ran is a point, those over the limit included; out-of-memory and stopped trials have no
+    reading. With
     `secant`, only the two largest sizes count: near the boundary, where growth may be faster than affine.
     """
-    points = sorted(
-        (t.size, t.peak_bytes) for t in trials if not t.out_of_memory and t.peak_bytes is not None
-    )
+    points = sorted((t.size, t.peak_bytes) for t in trials if t.ran and t.peak_bytes is not None)
     if secant:
         points = points[-2:]
     if limit is None or not math.isfinite(limit) or len({size for size, _ in points}) < 2:
@@ -156,6 +163,54 @@ def recommend(trials: list[Trial], limit: float | None, within: float = 0.02, la
         return max(t.size for t in fitting)
     best = max(t.tokens_per_second for t in fitting)
     return min(t.size for t in fitting if t.tokens_per_second >= best * (1 - within))
+
+
+def next_throughput_size(
+    trials: list[Trial], limit: float | None, within: float = 0.02, granule: int = 8
+) -> int | None:
+    """The next size to time so that [`recommend`] finds the smallest size within `within` of the best, or `None`.
+
+    An affine fit of step time against size (t = a + c x size, on the trials of 4 samples and more, where the device
+    is busy) predicts the smallest size whose tokens/s is within `within` of the best measured; it is rounded up to
+    a multiple of `granule` (sizes an effective batch splits into evenly) and timed. If the prediction does not
+    exceed the largest size measured to fall short, the gap between that and the smallest size within is halved.
+    `None` when the candidate is no smaller than the smallest size already within.
+    """
+    fitting = [t for t in trials if t.fits(limit) and t.tokens_per_second is not None]
+    if not fitting:
+        return None
+    best = max(t.tokens_per_second for t in fitting)
+    good = min(t.size for t in fitting if t.tokens_per_second >= best * (1 - within))
+    short = max((t.size for t in fitting if t.size < good), default=0)
+    candidate = _predicted_within(trials, best * (1 - within))
+    if candidate is None or candidate <= short:
+        candidate = (short + good) // 2
+    if candidate >= 2 * granule:
+        candidate = math.ceil(candidate / granule) * granule
+    if candidate >= good or candidate <= short or candidate in {t.size for t in trials}:
+        return None
+    return candidate
+
+
+def _predicted_within(trials: list[Trial], target: float) -> int | None:
+    """The smallest size an affine fit of step time puts at `target` tokens/s or more; `None` without a fit."""
+    timed = [t for t in trials if t.tokens_per_second is not None]
+    busy = [t for t in timed if t.size >= 4]
+    points = busy if len({t.size for t in busy}) >= 2 else timed
+    if len({t.size for t in points}) < 2:
+        return None
+    mean_x = sum(t.size for t in points) / len(points)
+    mean_y = sum(t.seconds for t in points) / len(points)
+    slope = sum((t.size - mean_x) * (t.seconds - mean_y) for t in points) / sum(
+        (t.size - mean_x) ** 2 for t in points
+    )
+    fixed = mean_y - slope * mean_x
+    tokens_per_sample = points[0].tokens / points[0].size
+    # size x tokens_per_sample / (fixed + slope x size) >= target, solved for size
+    denominator = tokens_per_sample - target * slope
+    if denominator <= 0:
+        return None
+    return max(1, math.ceil(target * fixed / denominator))
 
 
 def split_effective_batch(micro_batch_size: int, effective_batch_size: int, gpus: int) -> tuple[int, int]:

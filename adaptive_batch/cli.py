@@ -224,9 +224,10 @@ def _print_probe(result: dict) -> None:
     for trial in result["trials"]:
         fits = "OOM" if trial["out_of_memory"] else "yes" if trial["fits"] else "over"
         speed = f"{trial['tokens_per_second']:,.0f}" if trial["tokens_per_second"] else "-"
+        more = ">" if trial["stopped"] else ""  # stopped at the limit: the peak it reached by then
         lines.append(
-            f"{trial['size']:>6} {fits:>5} {format_gib(trial['peak_bytes']):>9} "
-            f"{format_gib(trial['peak_allocated_bytes']):>9} {speed:>10}"
+            f"{trial['size']:>6} {fits:>5} {more + format_gib(trial['peak_bytes']):>9} "
+            f"{more + format_gib(trial['peak_allocated_bytes']):>9} {speed:>10}"
         )
     print("\n".join(lines))
     print(
@@ -253,7 +254,7 @@ def _progress():
     except ImportError:
 
         def report(trial):
-            print(f"trial {trial.size}: {'out of memory' if trial.out_of_memory else 'ran'}", file=sys.stderr)
+            print(f"trial {trial.size}: {_outcome(trial)}", file=sys.stderr)
 
         yield report
         return
@@ -264,11 +265,14 @@ def _progress():
         def report(trial):
             progress.update(
                 task,
-                description=f"probing: last trial {trial.size} "
-                f"({'out of memory' if trial.out_of_memory else 'ran'})",
+                description=f"probing: last trial {trial.size} ({_outcome(trial)})",
             )
 
         yield report
+
+
+def _outcome(trial) -> str:
+    return "out of memory" if trial.out_of_memory else "stopped over the limit" if trial.stopped else "ran"
 
 
 def _print_plan(result: dict) -> None:

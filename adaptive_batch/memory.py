@@ -26,9 +26,11 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(message in str(error) for message in OOM_MESSAGES)
 
 
-def release_memory(device: torch.device) -> None:
-    """Collect garbage and return cached blocks to the device, after the references to a failed step are gone."""
-    gc.collect()
+def release_memory(device: torch.device, collect: bool = True) -> None:
+    """Return cached blocks to the device, after collecting the garbage a failed step leaves (unless `collect` is
+    False: a step that ended normally freed its tensors already, and collecting a large model's objects is slow)."""
+    if collect:
+        gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     elif device.type == "xpu":

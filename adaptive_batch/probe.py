@@ -35,10 +35,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .boundary import Search, Trial, find_boundary, recommend, split_effective_batch
+from .boundary import Trial, find_boundary, next_throughput_size, recommend, split_effective_batch
 from .memory import Stopwatch, is_out_of_memory, memory_limit, release_memory
 
 CACHE_ENV = "ADAPTIVE_BATCH_CACHE"
+THROUGHPUT_TRIALS = 3  # trials after the search, to find the smallest size near the best speed
 
 
 @dataclass
@@ -104,7 +105,7 @@ def probe(
     snapshot = _Snapshot(model)
     optimizer = _make_optimizer(model, optim, learning_rate)
     vocab_size = _vocab_size(model)
-    runner = _TrialRunner(model, optimizer, seq_len, vocab_size, device, autocast_dtype)
+    runner = _TrialRunner(model, optimizer, seq_len, vocab_size, device, autocast_dtype, limit)
     try:
         runner.run(1)  # warm-up: kernels, allocator, lazy initialisation; not reported
         trials: list[Trial] = []
@@ -117,8 +118,12 @@ def probe(
             return trial
 
         search = find_boundary(run, limit, max_size=max_size)
-        for size in _throughput_sizes(search):  # powers of two below the boundary not timed yet
-            run(size)
+        if not largest:
+            for _ in range(THROUGHPUT_TRIALS):
+                size = next_throughput_size(trials, limit)
+                if size is None:
+                    break
+                run(size)
     finally:
         del optimizer
         runner.close()
@@ -151,12 +156,18 @@ def probe(
 
 
 class _TrialRunner:
-    """Runs one training step at a given size and reads its time and peak memory."""
+    """Runs one training step at a given size and reads its time and peak memory.
 
-    def __init__(self, model, optimizer, seq_len, vocab_size, device, autocast_dtype):
+    A step whose memory passes `limit` is stopped there (the rest of it would only confirm that the size does not
+    fit): on a GPU a forward pre-hook on every module reads the reserved bytes (with gradient checkpointing the
+    backward pass runs the forwards again, so it is watched too), on the CPU the byte meter checks every op.
+    """
+
+    def __init__(self, model, optimizer, seq_len, vocab_size, device, autocast_dtype, limit):
         self.model, self.optimizer = model, optimizer
         self.seq_len, self.vocab_size, self.device = seq_len, vocab_size, device
         self.autocast_dtype = autocast_dtype
+        self.limit = limit if limit is not None and math.isfinite(limit) else None
         self.generator = torch.Generator().manual_seed(0)
         self.baseline = _live_bytes(model, optimizer) if device.type == "cpu" else 0.0
         self.was_training = model.training
@@ -167,15 +178,18 @@ class _TrialRunner:
         ids = torch.randint(0, self.vocab_size, (size, self.seq_len), generator=self.generator).to(
             self.device
         )
-        meter = _PeakMeter() if self.device.type == "cpu" else contextlib.nullcontext()
+        cpu = self.device.type == "cpu"
+        meter = _PeakMeter(None if self.limit is None else self.limit - self.baseline) if cpu else None
         stopwatch = Stopwatch(self.device)
-        out_of_memory = False
+        out_of_memory = stopped = False
         try:
-            with stopwatch, meter, self._autocast():
+            with stopwatch, meter if cpu else self._stop_over_limit(), self._autocast():
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
                 self.optimizer.step()
             del loss
+        except _OverLimit:
+            stopped = True
         except Exception as error:  # noqa: BLE001 - only allocation failures are a result, the rest re-raised
             if not is_out_of_memory(error):
                 raise
@@ -183,11 +197,32 @@ class _TrialRunner:
         self.optimizer.zero_grad(set_to_none=True)
         del ids
         peak, allocated = stopwatch.peak_reserved_bytes, stopwatch.peak_bytes
-        if isinstance(meter, _PeakMeter) and not out_of_memory:
+        if cpu and not out_of_memory:
             peak = allocated = self.baseline + meter.peak
-        release_memory(self.device)
-        seconds = None if out_of_memory else stopwatch.seconds
-        return Trial(size, out_of_memory, peak, allocated, seconds, size * self.seq_len)
+        elif stopped:  # the stopwatch reads nothing when its block raises
+            peak = float(torch.cuda.max_memory_reserved(self.device))
+            allocated = float(torch.cuda.max_memory_allocated(self.device))
+        # a step cut short leaves tensors in the traceback's reference cycles: collect those
+        release_memory(self.device, collect=out_of_memory or stopped)
+        seconds = None if out_of_memory or stopped else stopwatch.seconds
+        return Trial(size, out_of_memory, peak, allocated, seconds, size * self.seq_len, stopped)
+
+    @contextlib.contextmanager
+    def _stop_over_limit(self):
+        if self.limit is None or self.device.type != "cuda":
+            yield
+            return
+        device, limit = self.device, self.limit
+
+        def check(module, args):
+            if torch.cuda.memory_reserved(device) > limit:
+                raise _OverLimit
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(check)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -198,11 +233,17 @@ class _TrialRunner:
         self.model.train(self.was_training)
 
 
-class _PeakMeter(TorchDispatchMode):
-    """Peak bytes of the tensors that ops create while active (CPU has no allocator statistics)."""
+class _OverLimit(Exception):
+    """A trial's memory passed the limit."""
 
-    def __init__(self):
+
+class _PeakMeter(TorchDispatchMode):
+    """Peak bytes of the tensors that ops create while active (CPU has no allocator statistics); raises
+    `_OverLimit` once they pass `budget`."""
+
+    def __init__(self, budget: float | None = None):
         super().__init__()
+        self.budget = budget
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
@@ -212,6 +253,8 @@ class _PeakMeter(TorchDispatchMode):
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
                 self._track(value)
+        if self.budget is not None and self.current > self.budget:
+            raise _OverLimit
         return out
 
     def _track(self, tensor: torch.Tensor) -> None:
@@ -235,16 +278,6 @@ def _live_bytes(model: torch.nn.Module, optimizer) -> float:
     for state in optimizer.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return float(sum(t.numel() * t.element_size() for t in tensors))
-
-
-def _throughput_sizes(search: Search) -> list[int]:
-    timed = {t.size for t in search.trials if not t.out_of_memory}
-    sizes, size = [], 8
-    while size < search.boundary:
-        if size not in timed:
-            sizes.append(size)
-        size *= 2
-    return sizes
 
 
 def _limit(device: torch.device, headroom: float, memory_budget: float | None) -> float | None:

@@ -2,7 +2,14 @@ import math
 
 import pytest
 
-from adaptive_batch.boundary import Trial, find_boundary, predict_boundary, recommend, split_effective_batch
+from adaptive_batch.boundary import (
+    Trial,
+    find_boundary,
+    next_throughput_size,
+    predict_boundary,
+    recommend,
+    split_effective_batch,
+)
 
 GIB = 2**30
 
@@ -81,6 +88,28 @@ def test_recommend_the_smallest_size_within_two_percent_of_the_best():
     assert recommend(trials, limit=None, within=0.03) == 16
     assert recommend(trials, limit=None, largest=True) == 64
     assert recommend(trials + [Trial(128, True)], limit=None, largest=True) == 64
+
+
+def timed(size, seconds, peak=1.0):
+    return Trial(size, False, peak, peak, seconds=seconds, tokens=size * 1024)
+
+
+def test_the_throughput_trial_is_the_smallest_size_predicted_within_two_percent():
+    # the H200 probe at 1,024 tokens: 1, 2 and 4, the boundary 98, and 103 stopped over the limit
+    trials = [timed(1, 0.429), timed(2, 0.680), timed(4, 0.776), timed(98, 10.895)]
+    trials.append(Trial(103, False, 133 * GIB, 100 * GIB, stopped=True, tokens=103 * 1024))
+    # step time 0.345 + 0.1077 x size: 98% of 98's 9,210 tokens/s is reached at 59.6, rounded up to 64
+    assert next_throughput_size(trials, limit=132 * GIB) == 64
+    assert next_throughput_size(trials + [timed(64, 7.237)], limit=132 * GIB) is None  # 64 is within: done
+    # 64 measured short of 98%: halve the gap between it and 98, rounded up to a multiple of 8
+    assert next_throughput_size(trials + [timed(64, 7.6)], limit=132 * GIB) == 88
+
+
+def test_the_throughput_trial_is_left_out_when_no_smaller_size_can_be_within():
+    flat = [timed(size, 0.01 * size) for size in (1, 2, 4)]  # no fixed cost: every size is as fast
+    assert recommend(flat, limit=None) == 1
+    assert next_throughput_size(flat, limit=None) is None
+    assert next_throughput_size([Trial(1, True)], limit=None) is None
 
 
 def test_split_effective_batch_keeps_it_exact():

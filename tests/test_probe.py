@@ -35,6 +35,24 @@ def test_the_sizes_tried_against_a_model_that_runs_out_of_memory_above_five(toke
     assert report.recommended in (1, 2, 4, 5)
 
 
+def test_a_trial_over_the_limit_is_stopped_there(tokenizer):
+    model = tiny_llama(tokenizer)
+
+    def peaks(report):
+        return {t["size"]: t["peak_bytes"] for t in report.trials}
+
+    full = peaks(probe(model, seq_len=64, memory_budget=math.inf, max_size=8, largest=True))
+    limit = (full[4] + full[8]) / 2  # 4 fits, 8 does not
+    report = probe(model, seq_len=64, memory_budget=limit, max_size=16)
+    assert 4 <= report.boundary < 8
+    assert all(t["peak_bytes"] <= limit for t in report.trials if t["fits"])
+    over = [t for t in report.trials if t["stopped"]]
+    assert over and all(not t["fits"] and t["seconds"] is None for t in over)
+    for trial in over:  # stopped on passing the limit, short of the peak the whole step reaches
+        whole = peaks(probe(model, seq_len=64, memory_budget=math.inf, max_size=trial["size"], largest=True))
+        assert limit < trial["peak_bytes"] < whole[trial["size"]]
+
+
 def test_the_probe_leaves_the_model_and_the_random_state_as_found(tokenizer):
     model = tiny_llama(tokenizer)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

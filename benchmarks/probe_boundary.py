@@ -1,0 +1,439 @@
+"""Issue 3's benchmark: `adaptive-batch probe` against the true boundary, against `auto_find_batch_size`, and in
+training, on a QLoRA Llama-2-7B shape (NF4, double quantisation, bf16 compute, LoRA r=16 on q/v, gradient
+checkpointing, paged_adamw_8bit) at one sequence length.
+
+Four phases, each in its own process (so that one phase's cached memory cannot shape the next one's readings):
+
+1. probe: `adaptive-batch probe MODEL ... --json`, timed with and without loading the model;
+2. auto_find: the plain Trainer with `auto_find_batch_size=True` from `--auto-find-start` samples per device (512 x
+   1024 / seq_len by default: the same tokens at every length), until its first good step; the time it loses is
+   from its first step's start to the start of the step that succeeded (failed tries and restarts);
+3. exhaustive: every size from 95% to 108% of the probe's boundary, each a trial exactly as the probe runs it (a
+   real forward, backward and optimizer step under the same limit): the true boundary is the largest size of
+   that window below which every size fits;
+4. train: the plain Trainer for `--steps` steps at the recommended size and at the boundary (accumulation 1):
+   the time of each step, its peak reserved and allocated memory, and whether any step ran out of memory.
+
+Writes OUT/probe_boundary_<seq_len>.json after every phase and prints a table at the end:
+
+    python3 benchmarks/probe_boundary.py --out $OUT --seq-len 1024 --steps 10     # on the H200
+    python benchmarks/probe_boundary.py --out /tmp/out --seq-len 64 --steps 2 --tiny  # a CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=512,
+    max_position_embeddings=4096,
+)
+TINY_BUDGET_GIB = 0.05
+LORA = {"r": 16, "alpha": 32, "targets": ["q_proj", "v_proj"]}
+HEADROOM = 0.05
+
+
+def probe_argv(options, model_dir: str) -> list[str]:
+    argv = [
+        "probe",
+        model_dir,
+        "--seq-len",
+        str(options.seq_len),
+        "--load-in-4bit",
+        "--lora-r",
+        str(LORA["r"]),
+    ]
+    argv += ["--lora-alpha", str(LORA["alpha"]), "--lora-target", ",".join(LORA["targets"])]
+    argv += ["--headroom", str(HEADROOM), "--effective-batch", "64", "--no-cache", "--json"]
+    if options.tiny:
+        argv += [
+            "--cpu",
+            "--memory-budget",
+            str(TINY_BUDGET_GIB),
+            "--dtype",
+            "fp32",
+            "--optim",
+            "adamw_torch",
+        ]
+    else:
+        argv += ["--optim", "paged_adamw_8bit"]
+    return argv
+
+
+def device_and_dtype(options):
+    import torch
+
+    if options.tiny:
+        return torch.device("cpu"), torch.float32
+    return torch.device("cuda", 0), torch.bfloat16
+
+
+def load(options, model_dir: str):
+    from adaptive_batch.probe import load_model
+
+    device, dtype = device_and_dtype(options)
+    model = load_model(
+        model_dir, dtype, True, LORA["r"], LORA["alpha"], LORA["targets"], True, options.seq_len, device
+    )
+    return model, device, dtype
+
+
+def limit_bytes(device) -> float:
+    from adaptive_batch.memory import memory_limit
+
+    return memory_limit(device, HEADROOM) if device.type == "cuda" else TINY_BUDGET_GIB * 2**30
+
+
+def memory_now(device) -> dict:
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    return {
+        "peak_reserved_bytes": float(torch.cuda.max_memory_reserved(device)),
+        "peak_allocated_bytes": float(torch.cuda.max_memory_allocated(device)),
+    }
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- phases (each runs in its own process) -----------------------------------------------------------------------
+
+
+def phase_probe(options, model_dir: str, _inputs: dict) -> dict:
+    from adaptive_batch.cli import main as cli
+
+    argv = probe_argv(options, model_dir)
+    started = time.perf_counter()
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = cli(argv)
+    wall = time.perf_counter() - started
+    if code != 0:
+        raise RuntimeError(f"adaptive-batch probe exited {code}")
+    result = json.loads(stdout.getvalue())
+    result["command"] = "adaptive-batch " + " ".join(argv)
+    result["wall_seconds_including_model_load"] = wall
+    return result
+
+
+def random_dataset(seq_len: int, rows: int, vocab_size: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (rows, seq_len), generator=generator)
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return rows
+
+        def __getitem__(self, i):
+            return {"input_ids": ids[i], "labels": ids[i], "attention_mask": torch.ones_like(ids[i])}
+
+    return Rows()
+
+
+def trainer_for(options, model, device, per_device: int, steps: int, dataset, callbacks, **extra):
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    args = TrainingArguments(
+        output_dir=os.path.join(options.workdir, "trainer"),
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=1,
+        max_steps=steps,
+        learning_rate=2e-4,
+        lr_scheduler_type="constant",
+        optim="adamw_torch" if options.tiny else "paged_adamw_8bit",
+        bf16=not options.tiny,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        use_cpu=device.type == "cpu",
+        seed=0,
+        **extra,
+    )
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=default_data_collator,
+        callbacks=callbacks,
+    )
+
+
+class Marks:
+    """Times of the Trainer's events, the device synchronised at each, with the batch size the Trainer ran."""
+
+    def __init__(self, device):
+        import torch
+        from transformers import TrainerCallback
+
+        marks = self
+        self.events: list[dict] = []
+        self.trainer = None
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                synchronize(device)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                marks.add("step_begin")
+
+            def on_step_end(self, args, state, control, **kwargs):
+                synchronize(device)
+                marks.add("step_end", **memory_now(device))
+
+        self.callback = Callback()
+
+    def add(self, event: str, **extra) -> None:
+        size = getattr(self.trainer, "_train_batch_size", None)
+        self.events.append({"event": event, "time": time.perf_counter(), "batch_size": size, **extra})
+
+
+def phase_auto_find(options, model_dir: str, _inputs: dict) -> dict:
+    model, device, _ = load(options, model_dir)
+    start = options.auto_find_start or max(1, 512 * 1024 // options.seq_len)
+    marks = Marks(device)
+    dataset = random_dataset(options.seq_len, start, model.config.vocab_size)
+    trainer = trainer_for(
+        options, model, device, start, 1, dataset, [marks.callback], auto_find_batch_size=True
+    )
+    marks.trainer = trainer
+    called = time.perf_counter()
+    trainer.train()
+    events = marks.events
+    end = next(i for i, e in enumerate(events) if e["event"] == "step_end")
+    good = max(i for i in range(end) if events[i]["event"] == "step_begin")
+    begins = [e for e in events[:end] if e["event"] == "step_begin"]
+    return {
+        "start": start,
+        "sizes_tried": [e["batch_size"] for e in begins],
+        "settled_at": events[good]["batch_size"],
+        "lost_seconds": events[good]["time"] - begins[0]["time"],
+        "seconds_to_first_step_start": begins[0]["time"] - called,
+        "good_step_seconds": events[end]["time"] - events[good]["time"],
+        "good_step_memory": {k: v for k, v in events[end].items() if k.startswith("peak")},
+        "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+    }
+
+
+def phase_exhaustive(options, model_dir: str, inputs: dict) -> dict:
+    from adaptive_batch.probe import _make_optimizer, _TrialRunner
+
+    boundary = inputs["probe"]["boundary"]
+    low, high = max(1, math.floor(0.95 * boundary)), math.ceil(1.08 * boundary)
+    model, device, dtype = load(options, model_dir)
+    limit = limit_bytes(device)
+    optimizer = _make_optimizer(model, "adamw_torch" if options.tiny else "paged_adamw_8bit", 2e-4)
+    autocast = dtype if dtype != __import__("torch").float32 else None
+    runner = _TrialRunner(model, optimizer, options.seq_len, model.config.vocab_size, device, autocast, limit)
+    started = time.perf_counter()
+    runner.run(1)  # warm-up, as the probe does
+    trials = [runner.run(size) for size in range(low, high + 1)]
+    fits = {t.size: t.fits(limit) for t in trials}
+    true = max((s for s in fits if all(fits[r] for r in range(low, s + 1))), default=None)
+    return {
+        "window": [low, high],
+        "limit_bytes": limit,
+        "trials": [{**t.to_dict(), "fits": fits[t.size]} for t in trials],
+        "true_boundary": true,
+        "monotone": all(not fits[s] for s in fits if true is not None and s > true),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def phase_train(options, model_dir: str, inputs: dict) -> dict:
+    probe = inputs["probe"]
+    model, device, _ = load(options, model_dir)
+    limit = limit_bytes(device)
+    runs = {}
+    for name, size in (("recommended", probe["recommended"]), ("boundary", probe["boundary"])):
+        if size in [r["size"] for r in runs.values()]:
+            runs[name] = {**next(r for r in runs.values() if r["size"] == size)}
+            continue
+        marks = Marks(device)
+        dataset = random_dataset(options.seq_len, size * options.steps, model.config.vocab_size)
+        trainer = trainer_for(options, model, device, size, options.steps, dataset, [marks.callback])
+        marks.trainer = trainer
+        error = None
+        try:
+            trainer.train()
+        except Exception as exc:  # an OOM is the result being measured
+            error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        begins = [e["time"] for e in marks.events if e["event"] == "step_begin"]
+        ends = [e for e in marks.events if e["event"] == "step_end"]
+        seconds = [end["time"] - begin for begin, end in zip(begins, ends)]
+        timed = seconds[1:] or seconds
+        reserved = [e.get("peak_reserved_bytes") for e in ends]
+        runs[name] = {
+            "size": size,
+            "steps_done": len(ends),
+            "error": error,
+            "step_seconds": seconds,
+            "tokens_per_second_after_first_step": size * options.seq_len * len(timed) / sum(timed)
+            if timed
+            else None,
+            "peak_reserved_bytes_per_step": reserved,
+            "peak_allocated_bytes_per_step": [e.get("peak_allocated_bytes") for e in ends],
+            "max_reserved_within_limit": all(r is None or r <= limit for r in reserved),
+        }
+        del trainer
+        import gc
+
+        import torch
+
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"limit_bytes": limit, "steps": options.steps, "runs": runs}
+
+
+PHASES = {
+    "probe": phase_probe,
+    "auto_find": phase_auto_find,
+    "exhaustive": phase_exhaustive,
+    "train": phase_train,
+}
+
+
+# -- the driver --------------------------------------------------------------------------------------------------
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=10, help="training steps at each of the two sizes")
+    parser.add_argument("--auto-find-start", type=int, help="auto_find_batch_size's first per-device size")
+    parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset, in order")
+    parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
+    parser.add_argument("--tiny", action="store_true", help="a CPU dry run on a tiny model")
+    parser.add_argument(
+        "--resume", help="an earlier run's JSON whose phases the later ones read (the probe's)"
+    )
+    parser.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one phase in this process
+    parser.add_argument("--inputs", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    model_dir = os.path.join(options.workdir, "tiny-llama" if options.tiny else "llama-2-7b-shape")
+
+    if options.phase:
+        inputs = json.loads(open(options.inputs).read())
+        result = PHASES[options.phase](options, model_dir, inputs)
+        print("RESULT " + json.dumps(result, default=str))
+        return
+
+    from base_model import LLAMA2_7B, save_random_llama
+
+    os.makedirs(options.out, exist_ok=True)
+    out_path = os.path.join(options.out, f"probe_boundary_{options.seq_len}.json")
+    earlier = options.resume or out_path
+    report = json.loads(open(earlier).read()) if os.path.exists(earlier) else {}
+    report.update(environment(options))
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        save_random_llama(model_dir, TINY if options.tiny else LLAMA2_7B, on_gpu=not options.tiny)
+    for phase in options.phases.split(","):
+        inputs_path = os.path.join(options.workdir, "inputs.json")
+        with open(inputs_path, "w") as f:
+            json.dump(report, f, default=str)
+        argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--phase", phase]
+        started = time.perf_counter()
+        done = subprocess.run(argv + ["--inputs", inputs_path], capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            report[phase] = {"error": done.stderr[-3000:], "returncode": done.returncode}
+        else:
+            report[phase] = json.loads(lines[-1][len("RESULT ") :])
+        report[phase]["process_seconds"] = time.perf_counter() - started
+        report.setdefault("commands", {})[phase] = report["command"]
+        with open(out_path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        print(f"{phase}: {report[phase]['process_seconds']:.0f} s", flush=True)
+    print(summary(report))
+
+
+def environment(options) -> dict:
+    import platform
+
+    import torch
+    import transformers
+
+    return {
+        "seq_len": options.seq_len,
+        "command": "python3 benchmarks/probe_boundary.py " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name(0)
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def summary(report: dict) -> str:
+    lines = [f"sequence length {report['seq_len']}"]
+    probe, auto, exhaustive, train = (
+        report.get(k, {}) for k in ("probe", "auto_find", "exhaustive", "train")
+    )
+    if "boundary" in probe:
+        lines.append(
+            f"probe: boundary {probe['boundary']} (first failing {probe['first_failing']}), recommended "
+            f"{probe['recommended']}, {probe['seconds']:.1f} s ({probe['wall_seconds_including_model_load']:.1f} s "
+            f"with loading), sizes {[t['size'] for t in probe['trials']]}"
+        )
+    if "lost_seconds" in auto:
+        ratio = (
+            probe["seconds"] / auto["lost_seconds"]
+            if "seconds" in probe and auto["lost_seconds"]
+            else math.nan
+        )
+        lines.append(
+            f"auto_find_batch_size: from {auto['start']}, tried {auto['sizes_tried']}, lost "
+            f"{auto['lost_seconds']:.1f} s; probe / lost = {ratio:.2f}"
+        )
+    if "true_boundary" in exhaustive:
+        true = exhaustive["true_boundary"]
+        off = abs(probe["boundary"] - true) / true if true else math.nan
+        lines.append(
+            f"exhaustive {exhaustive['window']}: true boundary {true} (monotone {exhaustive['monotone']}); "
+            f"the probe's is {off:.1%} off"
+        )
+    for name, run in train.get("runs", {}).items():
+        peak = max((r for r in run["peak_reserved_bytes_per_step"] if r), default=0) / 2**30
+        speed = run["tokens_per_second_after_first_step"] or 0
+        lines.append(
+            f"train {name} {run['size']}: {run['steps_done']} steps, error {run['error']}, {speed:,.0f} tokens/s, "
+            f"max reserved {peak:.1f} GiB, within limit {run['max_reserved_within_limit']}"
+        )
+    for phase in ("probe", "auto_find", "exhaustive", "train"):
+        if "error" in report.get(phase, {}) and "returncode" in report[phase]:
+            lines.append(f"{phase} FAILED: {report[phase]['error'][-800:]}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
