@@ -29,7 +29,7 @@ class Trial:
     out_of_memory: bool
     peak_bytes: float | None = None  # the peak the limit applies to (reserved on a GPU)
     peak_allocated_bytes: float | None = None
-    seconds: float | None = None
+    seconds: float | None = None  # the step's time; for a stopped trial, the time until it stopped
     tokens: int = 0
     stopped: bool = False  # stopped as soon as its memory passed the limit: `peak_bytes` is a lower bound
 
@@ -168,25 +168,28 @@ def recommend(trials: list[Trial], limit: float | None, within: float = 0.02, la
 def next_throughput_size(
     trials: list[Trial], limit: float | None, within: float = 0.02, granule: int = 8
 ) -> int | None:
-    """The next size to time so that [`recommend`] finds the smallest size within `within` of the best, or `None`.
+    """The next size to time so that [`recommend`] finds a small size within `within` of the best, or `None`.
 
     An affine fit of step time against size (t = a + c x size, on the trials of 4 samples and more, where the device
-    is busy) predicts the smallest size whose tokens/s is within `within` of the best measured; it is rounded up to
-    a multiple of `granule` (sizes an effective batch splits into evenly) and timed. If the prediction does not
-    exceed the largest size measured to fall short, the gap between that and the smallest size within is halved.
-    `None` when the candidate is no smaller than the smallest size already within.
+    is busy) predicts the smallest size whose tokens/s is within `within` of the best measured; it is rounded to the
+    nearest multiple of `granule` (sizes an effective batch splits into evenly) and timed. If it falls short, the refit
+    predicts the next one; a prediction outside the gap between the largest size that fell short and the smallest
+    size within halves that gap instead. `None` once a size smaller than the largest one timed is within (the search
+    stops at the first success: each trial near the boundary costs a large step).
     """
     fitting = [t for t in trials if t.fits(limit) and t.tokens_per_second is not None]
     if not fitting:
         return None
     best = max(t.tokens_per_second for t in fitting)
     good = min(t.size for t in fitting if t.tokens_per_second >= best * (1 - within))
+    if good < max(t.size for t in fitting):
+        return None
     short = max((t.size for t in fitting if t.size < good), default=0)
     candidate = _predicted_within(trials, best * (1 - within))
-    if candidate is None or candidate <= short:
+    if candidate is None or not short < candidate < good:
         candidate = (short + good) // 2
     if candidate >= 2 * granule:
-        candidate = math.ceil(candidate / granule) * granule
+        candidate = round(candidate / granule) * granule
     if candidate >= good or candidate <= short or candidate in {t.size for t in trials}:
         return None
     return candidate

@@ -61,6 +61,7 @@ class ProbeReport:
     effective_batch_size: int | None = None
     gpus: int = 1
     seconds: float = 0.0
+    warm_up_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -107,7 +108,9 @@ def probe(
     vocab_size = _vocab_size(model)
     runner = _TrialRunner(model, optimizer, seq_len, vocab_size, device, autocast_dtype, limit)
     try:
-        runner.run(1)  # warm-up: kernels, allocator, lazy initialisation; not reported
+        warm_up = runner.run(
+            1
+        )  # kernels, allocator, lazy initialisation: its time and memory are not readings
         trials: list[Trial] = []
 
         def run(size: int) -> Trial:
@@ -143,6 +146,7 @@ def probe(
         boundary_tokens=search.boundary * seq_len,
         gpus=gpus,
         seconds=time.perf_counter() - started,
+        warm_up_seconds=warm_up.seconds or 0.0,
     )
     if effective_batch_size is not None:
         report.effective_batch_size = effective_batch_size
@@ -182,6 +186,7 @@ class _TrialRunner:
         meter = _PeakMeter(None if self.limit is None else self.limit - self.baseline) if cpu else None
         stopwatch = Stopwatch(self.device)
         out_of_memory = stopped = False
+        started = time.perf_counter()
         try:
             with stopwatch, meter if cpu else self._stop_over_limit(), self._autocast():
                 loss = model(input_ids=ids, labels=ids).loss
@@ -202,9 +207,10 @@ class _TrialRunner:
         elif stopped:  # the stopwatch reads nothing when its block raises
             peak = float(torch.cuda.max_memory_reserved(self.device))
             allocated = float(torch.cuda.max_memory_allocated(self.device))
+        until_stopped = time.perf_counter() - started
         # a step cut short leaves tensors in the traceback's reference cycles: collect those
         release_memory(self.device, collect=out_of_memory or stopped)
-        seconds = None if out_of_memory or stopped else stopwatch.seconds
+        seconds = None if out_of_memory else until_stopped if stopped else stopwatch.seconds
         return Trial(size, out_of_memory, peak, allocated, seconds, size * self.seq_len, stopped)
 
     @contextlib.contextmanager

@@ -370,6 +370,7 @@ def main():
         else:
             report[phase] = json.loads(lines[-1][len("RESULT ") :])
         report[phase]["process_seconds"] = time.perf_counter() - started
+        report[phase]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         report.setdefault("commands", {})[phase] = report["command"]
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -98,11 +98,15 @@ def test_the_throughput_trial_is_the_smallest_size_predicted_within_two_percent(
     # the H200 probe at 1,024 tokens: 1, 2 and 4, the boundary 98, and 103 stopped over the limit
     trials = [timed(1, 0.429), timed(2, 0.680), timed(4, 0.776), timed(98, 10.895)]
     trials.append(Trial(103, False, 133 * GIB, 100 * GIB, stopped=True, tokens=103 * 1024))
-    # step time 0.345 + 0.1077 x size: 98% of 98's 9,210 tokens/s is reached at 59.6, rounded up to 64
+    # step time 0.345 + 0.1077 x size: 98% of 98's 9,210 tokens/s is reached at 59.6, rounded to 64
     assert next_throughput_size(trials, limit=132 * GIB) == 64
     assert next_throughput_size(trials + [timed(64, 7.237)], limit=132 * GIB) is None  # 64 is within: done
-    # 64 measured short of 98%: halve the gap between it and 98, rounded up to a multiple of 8
+    # 64 measured short of 98%: the refit (0.428 + 0.1083 x size) predicts 84.1, rounded to 88
     assert next_throughput_size(trials + [timed(64, 7.6)], limit=132 * GIB) == 88
+    assert next_throughput_size(trials + [timed(64, 7.6), timed(88, 9.8)], limit=132 * GIB) is None
+    # 90 far short: the refit puts the size within at 224, outside the gap 90-98, which is halved instead (94 -> 96)
+    far = [timed(4, 0.776), timed(98, 10.895), timed(90, 10.9)]
+    assert next_throughput_size(far, limit=132 * GIB) == 96
 
 
 def test_the_throughput_trial_is_left_out_when_no_smaller_size_can_be_within():
