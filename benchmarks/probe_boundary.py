@@ -272,8 +272,13 @@ def phase_train(options, model_dir: str, inputs: dict) -> dict:
     probe = inputs["probe"]
     model, device, _ = load(options, model_dir)
     limit = limit_bytes(device)
-    runs = {}
-    for name, size in (("recommended", probe["recommended"]), ("boundary", probe["boundary"])):
+    runs = {
+        name: run
+        for name, run in inputs.get("train", {}).get("runs", {}).items()
+        if run["size"] == probe[name]
+    }
+    for name in options.train_sizes.split(","):
+        size = probe[name]
         if size in [r["size"] for r in runs.values()]:
             runs[name] = {**next(r for r in runs.values() if r["size"] == size)}
             continue
@@ -302,6 +307,7 @@ def phase_train(options, model_dir: str, inputs: dict) -> dict:
             "peak_reserved_bytes_per_step": reserved,
             "peak_allocated_bytes_per_step": [e.get("peak_allocated_bytes") for e in ends],
             "max_reserved_within_limit": all(r is None or r <= limit for r in reserved),
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         del trainer
         import gc
@@ -330,6 +336,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10, help="training steps at each of the two sizes")
+    parser.add_argument(
+        "--train-sizes", default="recommended,boundary", help="which of the probe's sizes to train at"
+    )
     parser.add_argument("--auto-find-start", type=int, help="auto_find_batch_size's first per-device size")
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset, in order")
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
