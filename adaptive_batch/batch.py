@@ -73,6 +73,33 @@ class StepBatch:
         real = int(self.lengths[index].sum()) if self.lengths is not None else size * self.seq_len
         return real, padded
 
+    def token_chunks(self, budget: int, row_cap: int | None = None) -> list[int]:
+        """Micro-batch sizes that cut the step's rows (longest first) into as few as hold `budget` padded tokens each.
+
+        A micro-batch's padded tokens are its rows x the length `take` pads them to (its longest row's kept length,
+        or `seq_len` when padding cannot be cut). Each micro-batch takes as many rows as fit, at most `row_cap`; a
+        row longer than `budget` runs alone. The budget is then lowered to the least that gives as few micro-batches,
+        which lowers the peak without adding a micro-batch.
+
+        Example: rows of 30, 20, 20, 10, 10 and 10 tokens with a budget of 60 give 1, 2, 3 (30, 40 and 30 padded
+        tokens), where taking as many rows as fit gives 2, 3, 1 (60, 60 and 10).
+        """
+        lengths = self._padded_lengths()
+        count = len(_greedy_chunks(lengths, budget, row_cap))
+        # the least budget that still gives `count` micro-batches (a smaller budget never gives fewer)
+        low, high = 1, budget
+        while low < high:
+            middle = (low + high) // 2
+            if len(_greedy_chunks(lengths, middle, row_cap)) <= count:
+                high = middle
+            else:
+                low = middle + 1
+        return _greedy_chunks(lengths, low, row_cap)
+
+    def longest_row(self) -> int:
+        """Padded tokens of a micro-batch holding only the longest row."""
+        return max(self._padded_lengths())
+
     def real_tokens(self) -> int:
         if self.seq_len is None:
             return self.rows
@@ -90,14 +117,44 @@ class StepBatch:
                     return False
         return True
 
-    def _kept_length(self, index: torch.Tensor) -> int:
-        used = self.mask[index].bool()
+    def _padded_lengths(self) -> list[int]:
+        """The length `take` pads each row to when it runs alone, in longest-first order; a micro-batch's is the
+        largest of its rows'."""
+        if self.seq_len is None:
+            return [1] * self.rows
+        if not self.trimmable:
+            return [self.seq_len] * self.rows
+        used = self._used()
+        positions = torch.arange(1, self.seq_len + 1, device=used.device)
+        return (used * positions).amax(dim=1).clamp_min(1)[self.order].tolist()
+
+    def _used(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Positions a row attends to or has a label at (the rest is padding that may be cut)."""
+        used = (self.mask if index is None else self.mask[index]).bool()
         for key in LABEL_KEYS:
             labels = self.batch.get(key)
             if isinstance(labels, torch.Tensor):
-                used = used | (labels[index] != IGNORE_INDEX)
-        columns = used.any(dim=0).nonzero()
+                used = used | ((labels if index is None else labels[index]) != IGNORE_INDEX)
+        return used
+
+    def _kept_length(self, index: torch.Tensor) -> int:
+        columns = self._used(index).any(dim=0).nonzero()
         return int(columns[-1]) + 1 if len(columns) else 1
+
+
+def _greedy_chunks(lengths: list[int], budget: int, row_cap: int | None) -> list[int]:
+    """Cut `lengths` in order: each chunk takes rows while rows x its longest row stays within `budget`."""
+    sizes, start = [], 0
+    while start < len(lengths):
+        size, longest = 1, lengths[start]
+        while start + size < len(lengths) and (row_cap is None or size < row_cap):
+            longer = max(longest, lengths[start + size])
+            if (size + 1) * longer > budget:
+                break
+            size, longest = size + 1, longer
+        sizes.append(size)
+        start += size
+    return sizes
 
 
 def _count_rows(batch: Mapping[str, Any]) -> int:

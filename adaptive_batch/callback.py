@@ -46,6 +46,11 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         micro_batch_size: `"auto"` (start at `per_device_train_batch_size`, double while tokens/s improve by
             `growth_margin`) or a fixed `int`. Either shrinks and retries the step on out-of-memory.
         max_micro_batch_size: never put more samples than this in one micro-batch.
+        max_tokens_per_micro_batch: cut each step by padded tokens instead (variable-length data): as few
+            micro-batches of at most this many tokens (rows x the length they are padded to) as the rows' lengths
+            allow, longest rows first; a longer row runs alone. An `int` `micro_batch_size` caps the rows of a
+            micro-batch; nothing is explored, and an out-of-memory error halves the budget. Take it from
+            `adaptive-batch probe`: the recommended size x seq_len.
         lr_scaling: `"none"`, `"sqrt"` (Adam family), `"linear"` (SGD) or a callable
             `(effective, starting) -> multiplier`: how the learning rate follows the effective batch, relative to
             the starting one, on top of the user's scheduler.
@@ -73,6 +78,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         schedule=None,
         micro_batch_size: int | str = "auto",
         max_micro_batch_size: int | None = None,
+        max_tokens_per_micro_batch: int | None = None,
         lr_scaling="none",
         growth_margin: float = 0.01,
         memory_headroom: float = 0.10,
@@ -81,6 +87,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             schedule=schedule,
             micro_batch_size=micro_batch_size,
             max_micro_batch_size=max_micro_batch_size,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch,
             lr_scaling=lr_scaling,
             growth_margin=growth_margin,
             memory_headroom=memory_headroom,

@@ -30,6 +30,14 @@ class AdaptiveBatchConfig:
     max_micro_batch_size: int | None = field(
         default=None, metadata={"help": "Never put more samples than this in one micro-batch."}
     )
+    max_tokens_per_micro_batch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Cut each step by padded tokens (rows x padded length) instead: as few micro-batches of at "
+            "most this many tokens as the rows' lengths allow; a longer row runs alone. An int micro_batch_size "
+            "then caps the rows per micro-batch. Halves on OOM."
+        },
+    )
     lr_scaling: str | LRRule = field(
         default="none",
         metadata={
@@ -65,6 +73,11 @@ class AdaptiveBatchConfig:
             raise ValueError(
                 f"micro_batch_size={self.micro_batch_size} exceeds max_micro_batch_size={self.max_micro_batch_size};"
                 f" use micro_batch_size<={self.max_micro_batch_size}."
+            )
+        if self.max_tokens_per_micro_batch is not None and not _positive_int(self.max_tokens_per_micro_batch):
+            raise ValueError(
+                f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch!r} must be a positive int (padded "
+                "tokens per micro-batch) or None, e.g. 16384: adaptive-batch probe's recommended size x seq_len."
             )
         self.rule = resolve_rule(self.lr_scaling)
         if not isinstance(self.growth_margin, numbers.Real) or not 0 <= self.growth_margin < 1:

@@ -8,6 +8,10 @@ and is timed, while the rest of the step uses the best size known so far, so fin
 not one step per size. An out-of-memory error caps the size for good and halves it; the
 step is then run again from its first micro-batch.
 
+With a token budget (`max_tokens`) there is nothing to explore: each step is cut into as few micro-batches of at most
+that many padded tokens as its rows' lengths allow (`StepBatch.token_chunks`), and an out-of-memory error halves the
+budget for good.
+
 All decisions depend only on the measurements fed in and the rows left in the step, so ranks that are fed the same
 (all-reduced) measurements make the same decisions and run the same number of micro-batches.
 
@@ -52,6 +56,8 @@ class MicroBatchController:
             trial whose first one is already `DECISIVE` times the margin faster than the size before is kept at once.
         memory_limit: bytes a micro-batch's peak may reach; with two measured sizes a trial predicted to exceed it
             (peak memory is close to affine in tokens) is not run.
+        max_tokens: cut steps by this many padded tokens per micro-batch instead; `start` (capped by `max_size`
+            and `row_limit`) is then the most rows a micro-batch holds, and `auto` is ignored.
     """
 
     def __init__(
@@ -63,6 +69,7 @@ class MicroBatchController:
         growth_margin: float = 0.01,
         repeats: int = 2,
         memory_limit: float | None = None,
+        max_tokens: int | None = None,
     ):
         limit = min(x for x in (max_size, row_limit) if x is not None) if (max_size or row_limit) else None
         self.size = max(1, min(start, limit) if limit else start)
@@ -71,9 +78,13 @@ class MicroBatchController:
         self.growth_margin = growth_margin
         self.repeats = repeats
         self.memory_limit = memory_limit
-        self.trial: int | None = self.size if auto else None
+        self.max_tokens = max_tokens
+        self.trial: int | None = self.size if auto and max_tokens is None else None
         self.trial_left = repeats
-        self.settled_because = None if auto else "fixed by micro_batch_size"
+        if max_tokens is not None:
+            self.settled_because = "cut by max_tokens_per_micro_batch"
+        else:
+            self.settled_because = None if auto else "fixed by micro_batch_size"
         self.throughput: dict[int, float] = {}
         self.memory_points: list[tuple[float, float]] = []  # (tokens in the micro-batch, peak bytes)
         self.oom_sizes: list[int] = []
@@ -107,22 +118,26 @@ class MicroBatchController:
         if self.trial_left == 0 or self._clearly_faster(size):
             self._decide(size, tokens / size)
 
-    def on_out_of_memory(self, size: int) -> None:
+    def on_out_of_memory(self, size: int, padded_tokens: int | None = None) -> None:
         """A micro-batch of `size` ran out of memory: never use `size` or more again, fall back, retry the step.
+
+        With a token budget, the micro-batch held `padded_tokens`, and the budget becomes at most half of that.
 
         Raises:
             MicroBatchTooLargeError: if `size` is 1.
         """
         self.oom_sizes.append(size)
-        if size > self.size:  # a trial above the last size known to run: go back to it
-            self._settle(f"{size} ran out of memory")
-            return
         if size == 1:
             raise MicroBatchTooLargeError(
                 "one sample per micro-batch runs out of memory", list(self.oom_sizes)
             )
-        self.size = size // 2
-        self._settle(f"{size} ran out of memory")
+        if self.max_tokens is not None:
+            self.max_tokens = min(self.max_tokens, padded_tokens // 2)
+        elif size > self.size:  # a trial above the last size known to run: go back to it
+            self._settle(f"{size} ran out of memory")
+        else:
+            self.size = size // 2
+            self._settle(f"{size} ran out of memory")
 
     # -- decisions ---------------------------------------------------------------------------------------------
 
@@ -175,6 +190,7 @@ class MicroBatchController:
             "throughput": {str(size): value for size, value in self.throughput.items()},
             "memory_points": [list(point) for point in self.memory_points],
             "oom_sizes": list(self.oom_sizes),
+            "max_tokens": self.max_tokens,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -185,6 +201,8 @@ class MicroBatchController:
         self.throughput = {int(size): float(value) for size, value in state["throughput"].items()}
         self.memory_points = [(float(t), float(p)) for t, p in state["memory_points"]]
         self.oom_sizes = [int(size) for size in state["oom_sizes"]]
+        max_tokens = state.get("max_tokens")  # absent from checkpoints written before token budgets
+        self.max_tokens = None if max_tokens is None else int(max_tokens)
 
 
 def predict_peak(points: list[tuple[float, float]], tokens: float) -> float:

@@ -6,16 +6,18 @@ gradient accumulation, so their losses add up to the loss of the whole step. A l
 `Trainer.current_gradient_accumulation_steps`, which the Trainer divides such a loss by.
 
 Under DDP every rank runs the same sequence of micro-batch sizes, computed from the largest share of any rank (a
-rank with one sample fewer runs its last micro-batch one row short, or a row that adds nothing). Gradients stay
-local (`no_sync`) until the step is done; after each micro-batch the ranks exchange an out-of-memory flag, so that
-one rank's failure makes all of them run the step again, smaller; then the gradients are averaged once, as DDP
-would have.
+rank with one sample fewer runs its last micro-batch one row short, or a row that adds nothing). With a token budget
+each rank cuts its own rows by their lengths, and a rank with fewer micro-batches than another runs rows that add
+nothing until all have run as many. Gradients stay local (`no_sync`) until the step is done; after each micro-batch
+the ranks exchange an out-of-memory flag, so that one rank's failure makes all of them run the step again, smaller;
+then the gradients are averaged once, as DDP would have.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +58,7 @@ class MicroBatchRunner:
         self.world_size = world_size
         self.device = trainer.args.device
         self.last = StepStats()
+        self.warned_long_row = False
 
     @property
     def distributed(self) -> bool:
@@ -76,25 +79,34 @@ class MicroBatchRunner:
         batch = StepBatch(inputs)
         if batch.rows not in (max_rows, max_rows - 1):
             raise RuntimeError(f"Step batch of {batch.rows} rows where the plan gives {max_rows} per rank.")
-        weights = _loss_weights(batch, self.trainer)
+        step = _Step(inner_step, model, batch, num_items_in_batch, _loss_weights(batch, self.trainer))
         metrics = _TrlMetrics(self.trainer)
         was_exploring = self.controller.exploring
         retries = 0
         while True:
-            outcome = self._attempt(inner_step, model, batch, num_items_in_batch, max_rows, weights)
+            outcome = self._attempt(step, max_rows)
             if outcome.failed_size is None:
                 break
             retries += 1
             self._forget_attempt(model, metrics)
             try:
-                self.controller.on_out_of_memory(outcome.failed_size)
+                self.controller.on_out_of_memory(outcome.failed_size, outcome.failed_tokens)
             except MicroBatchTooLargeError as error:
                 raise MicroBatchTooLargeError(_too_large_message(batch, self.device), error.tried) from None
-            logger.warning(
-                "Out of memory at micro-batch %d; running the step again at %d.",
-                outcome.failed_size,
-                self.controller.size,
-            )
+            if self.controller.max_tokens is not None:
+                logger.warning(
+                    "Out of memory at a micro-batch of %d rows and %d padded tokens; running the step again with "
+                    "max_tokens_per_micro_batch=%d.",
+                    outcome.failed_size,
+                    outcome.failed_tokens,
+                    self.controller.max_tokens,
+                )
+            else:
+                logger.warning(
+                    "Out of memory at micro-batch %d; running the step again at %d.",
+                    outcome.failed_size,
+                    self.controller.size,
+                )
         real_tokens = batch.real_tokens()
         if self.distributed:
             real_tokens = int(_all_reduce([real_tokens], self.device, dist.ReduceOp.SUM)[0])
@@ -107,8 +119,25 @@ class MicroBatchRunner:
             release_memory(self.device)
         return outcome.loss
 
-    def _attempt(self, inner_step, model, batch: StepBatch, num_items, max_rows: int, weights) -> _Outcome:
-        trainer, controller = self.trainer, self.controller
+    def warn_long_row(self, length: int) -> None:
+        """Say, once per run, that a row longer than the token budget runs alone (a row cannot be split)."""
+        if self.warned_long_row:
+            return
+        self.warned_long_row = True
+        budget = self.controller.max_tokens
+        logger.warning(
+            "A row of %d tokens is longer than max_tokens_per_micro_batch=%d, so it runs alone in its micro-batch, "
+            "above the budget (a row cannot be split). Raise max_tokens_per_micro_batch to at least %d, or lower "
+            "max_length.",
+            length,
+            budget,
+            length,
+        )
+
+    def _attempt(self, step: _Step, max_rows: int) -> _Outcome:
+        if self.controller.max_tokens is not None:
+            return self._attempt_by_tokens(step)
+        controller, batch = self.controller, step.batch
         outcome = _Outcome(loss=torch.zeros((), device=self.device))
         start = 0
         remaining = max_rows
@@ -117,24 +146,7 @@ class MicroBatchRunner:
             own = min(size, batch.rows - start)
             timed = controller.needs_timing(size)
             stopwatch = Stopwatch(self.device)
-            out_of_memory = False
-            try:
-                with stopwatch if timed else contextlib.nullcontext(), trainer.accelerator.no_sync(model):
-                    if own > 0:
-                        chunk = batch.take(start, own)
-                        trainer.current_gradient_accumulation_steps = weights.divisor(batch, start, own)
-                    else:  # a rank with one sample fewer: a row that adds nothing (a mean loss is divided by inf)
-                        chunk = batch.dummy(count_items=num_items is not None)
-                        trainer.current_gradient_accumulation_steps = float("inf")
-                    loss = inner_step(model, chunk, num_items)
-                    del chunk
-                if own > 0:
-                    outcome.loss += loss.detach()
-                del loss
-            except Exception as error:  # noqa: BLE001 - only allocation failures are handled, the rest re-raised
-                if not is_out_of_memory(error):
-                    raise
-                out_of_memory = True
+            out_of_memory = self._micro_batch(step, start, own, outcome, stopwatch if timed else None)
             real = batch.tokens(start, max(own, 1))[0] if timed else 0
             report = [float(out_of_memory), stopwatch.seconds, stopwatch.peak_bytes or 0.0, real]
             if self.distributed:
@@ -152,6 +164,59 @@ class MicroBatchRunner:
             outcome.largest = max(outcome.largest, size)
         return outcome
 
+    def _attempt_by_tokens(self, step: _Step) -> _Outcome:
+        """Micro-batches of at most `max_tokens` padded tokens, cut by this rank's own row lengths."""
+        batch, budget = step.batch, self.controller.max_tokens
+        sizes = batch.token_chunks(budget, self.controller.size)
+        longest = batch.longest_row()
+        if longest > budget:
+            self.warn_long_row(longest)
+        count = len(sizes)
+        if self.distributed:  # every micro-batch exchanges the out-of-memory flag: all ranks run as many
+            count = int(_all_reduce([count], self.device, dist.ReduceOp.MAX)[0])
+        outcome = _Outcome(loss=torch.zeros((), device=self.device))
+        start = 0
+        for index in range(count):
+            own = sizes[index] if index < len(sizes) else 0
+            out_of_memory = self._micro_batch(step, start, own, outcome)
+            # the fewest rows and padded tokens of a micro-batch that ran out on any rank: MAX of their negatives
+            report = [-math.inf, -math.inf]
+            if out_of_memory:
+                rows = own or 1  # a row that adds nothing is one row
+                report = [-rows, -batch.tokens(start if own else batch.rows - 1, rows)[1]]
+            if self.distributed:
+                report = _all_reduce(report, self.device, dist.ReduceOp.MAX)
+            if report[0] > -math.inf:
+                outcome.failed_size, outcome.failed_tokens = int(-report[0]), int(-report[1])
+                return outcome
+            start += own
+            outcome.chunks += 1
+            outcome.largest = max(outcome.largest, own)
+        return outcome
+
+    def _micro_batch(self, step: _Step, start: int, own: int, outcome: _Outcome, stopwatch=None) -> bool:
+        """Forward and backward of `own` rows from `start` (none: a row that adds nothing), timed by `stopwatch` if
+        given, the loss added to `outcome`. Returns whether it ran out of memory."""
+        trainer, batch = self.trainer, step.batch
+        try:
+            with stopwatch or contextlib.nullcontext(), trainer.accelerator.no_sync(step.model):
+                if own > 0:
+                    chunk = batch.take(start, own)
+                    trainer.current_gradient_accumulation_steps = step.weights.divisor(batch, start, own)
+                else:  # a rank with fewer rows: a row that adds nothing (a mean loss is divided by inf)
+                    chunk = batch.dummy(count_items=step.num_items is not None)
+                    trainer.current_gradient_accumulation_steps = float("inf")
+                loss = step.inner_step(step.model, chunk, step.num_items)
+                del chunk
+            if own > 0:
+                outcome.loss += loss.detach()
+            del loss
+        except Exception as error:  # noqa: BLE001 - only allocation failures are handled, the rest re-raised
+            if not is_out_of_memory(error):
+                raise
+            return True
+        return False
+
     def _forget_attempt(self, model, metrics: _TrlMetrics) -> None:
         """Undo a failed attempt: gradients back to none (as at the start of a step), TRL metrics back, memory freed."""
         model.zero_grad(set_to_none=True)
@@ -167,11 +232,23 @@ class MicroBatchRunner:
 
 
 @dataclass
+class _Step:
+    """What every micro-batch of one step goes through `training_step` with."""
+
+    inner_step: InnerStep
+    model: torch.nn.Module
+    batch: StepBatch
+    num_items: object
+    weights: _LossWeights
+
+
+@dataclass
 class _Outcome:
     loss: torch.Tensor
     chunks: int = 0
     largest: int = 0
     failed_size: int | None = None
+    failed_tokens: int | None = None  # padded tokens of the failed micro-batch, when cut by a token budget
 
 
 class _LossWeights:

@@ -4,7 +4,8 @@
 - `train_tokenizer(texts)`: a small byte-level BPE tokenizer trained on the spot.
 - `tiny_llama(tokenizer)`: a randomly initialised Llama with a 64-wide hidden layer.
 - `token_dataset(tokenizer, texts)`: tokenised rows of varying length, ready for a causal-LM collator.
-- `FakeOutOfMemory`: makes a model raise the real `torch.OutOfMemoryError` above a number of rows per forward.
+- `FakeOutOfMemory`: makes a model raise the real `torch.OutOfMemoryError` above a number of rows (or tokens) per
+  forward.
 """
 
 from __future__ import annotations
@@ -78,45 +79,60 @@ def token_dataset(tokenizer, texts: list[str], max_length: int = 64) -> list[dic
 
 
 class FakeOutOfMemory:
-    """Raise `torch.OutOfMemoryError` from a model's forward (or backward) when a micro-batch has too many rows.
+    """Raise `torch.OutOfMemoryError` from a model's forward (or backward) when a micro-batch has too many rows or
+    tokens.
 
     Args:
         model: the model to watch (any `nn.Module` called with `input_ids`).
-        max_rows: the largest number of rows that "fits".
+        max_rows: the largest number of rows that "fits" (`None`: any).
         in_backward: raise during the backward pass instead of the forward.
         only_after_calls: let this many oversized forwards pass first (an OOM that appears late, e.g. after
             fragmentation).
+        max_tokens: the largest number of tokens, rows x length as padded, that "fits" (`None`: any).
 
     Attributes:
         sizes: the rows of every forward the model was called with, in order (oversized ones included).
+        tokens: the rows x length of every forward, in the same order.
+        raised: the rows of every forward that raised.
     """
 
     def __init__(
-        self, model: torch.nn.Module, max_rows: int, in_backward: bool = False, only_after_calls: int = 0
+        self,
+        model: torch.nn.Module,
+        max_rows: int | None,
+        in_backward: bool = False,
+        only_after_calls: int = 0,
+        max_tokens: int | None = None,
     ):
         self.max_rows = max_rows
+        self.max_tokens = max_tokens
         self.in_backward = in_backward
         self.passes_left = only_after_calls
         self.sizes: list[int] = []
+        self.tokens: list[int] = []
         self.raised: list[int] = []
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        rows = int(input_ids.shape[0])
+        rows, tokens = int(input_ids.shape[0]), input_ids.numel()
         self.sizes.append(rows)
-        if rows <= self.max_rows or not torch.is_grad_enabled():
+        self.tokens.append(tokens)
+        fits = (self.max_rows is None or rows <= self.max_rows) and (
+            self.max_tokens is None or tokens <= self.max_tokens
+        )
+        if fits or not torch.is_grad_enabled():
             return output
         if self.passes_left > 0:
             self.passes_left -= 1
             return output
         self.raised.append(rows)
         if not self.in_backward:
-            raise torch.OutOfMemoryError(f"CUDA out of memory (fake: {rows} rows > {self.max_rows}).")
+            raise torch.OutOfMemoryError(f"CUDA out of memory (fake: {rows} rows of {tokens} tokens).")
 
         def explode(grad):
             raise torch.OutOfMemoryError(
-                f"CUDA out of memory in backward (fake: {rows} rows > {self.max_rows})."
+                f"CUDA out of memory in backward (fake: {rows} rows of {tokens} tokens)."
             )
 
         values = (

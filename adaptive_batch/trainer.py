@@ -245,16 +245,24 @@ class Session:
             self.plan, config.rule, starting, nominal_steps(self.budget.samples, starting)
         )
         self.clock.check()
+        by_tokens = config.max_tokens_per_micro_batch is not None
         if self.controller is None:  # built once: a second train() keeps what the first one learned
+            if not config.auto:
+                start = config.micro_batch_size
+            else:  # with a token budget the start is the row cap: "auto" caps rows only by max_micro_batch_size
+                start = self.plan.max_rows_per_rank if by_tokens else self._probed_start()
             self.controller = MicroBatchController(
-                self._probed_start() if config.auto else config.micro_batch_size,
+                start,
                 auto=config.auto,
                 max_size=config.max_micro_batch_size,
                 row_limit=self.plan.max_rows_per_rank,
                 growth_margin=config.growth_margin,
                 memory_limit=memory_limit(args.device, config.memory_headroom),
+                max_tokens=config.max_tokens_per_micro_batch,
             )
         self.controller.row_limit = self.plan.max_rows_per_rank
+        if by_tokens and config.auto:  # no row cap but max_micro_batch_size, under a plan that may be new
+            self.controller.size = min(config.max_micro_batch_size or math.inf, self.plan.max_rows_per_rank)
         self.runner = MicroBatchRunner(trainer, self.controller, self.world_size)
 
     def _probed_start(self) -> int:
@@ -282,12 +290,20 @@ class Session:
         self.tokens_seen, self.last_step = 0, -1  # a resumed run restores both from the checkpoint
         if self.trainer.args.should_log:
             self._log_plan()
+        self._check_longest_row()
         args = self.trainer.args
         args.gradient_accumulation_steps = 1
         try:
             yield
         finally:
             args.gradient_accumulation_steps = self.gradient_accumulation_steps
+
+    def _check_longest_row(self) -> None:
+        """Warn before any compute when the dataset holds a row longer than the token budget (it will run alone)."""
+        budget = self.controller.max_tokens
+        longest = lengths.longest(self.trainer.train_dataset) if budget is not None else None
+        if longest is not None and longest > budget:
+            self.runner.warn_long_row(longest)
 
     def initial_training_values(self) -> tuple:
         """What `Trainer.set_initial_training_values` returns, from the plan: the loop sees one epoch of all steps.
@@ -400,19 +416,12 @@ class Session:
 
     def _log_plan(self) -> None:
         config = self.config
-        micro = (
-            f"auto: starts at {self.controller.size}, doubles while tokens/s gain > {config.growth_margin:.0%}"
-            if config.auto and self.controller.exploring
-            else f"{self.controller.size}" + ("" if config.auto else " (fixed)")
-        )
-        if config.max_micro_batch_size:
-            micro += f", at most {config.max_micro_batch_size}"
         rows = report.plan_rows(
             self.plan,
             self.clock,
             self.budget,
             schedule_text=describe(config.resolved_schedule(self.default_effective_batch_size)),
-            micro_batch_text=micro + "; shrinks and retries the step on out-of-memory",
+            micro_batch_text=self._micro_batch_text(),
             plain_steps=self._plain_trainer_steps(),
             tokens=self._budget_tokens(),
             rule_text=config.lr_scaling
@@ -422,6 +431,22 @@ class Session:
         )
         logger.info("%s", report.format_rows("AdaptiveBatch plan", rows))
 
+    def _micro_batch_text(self) -> str:
+        config, controller = self.config, self.controller
+        if controller.max_tokens is not None:
+            text = f"cut by a token budget of {controller.max_tokens:,} padded tokens (rows x padded length)"
+            if controller.size < self.plan.max_rows_per_rank:
+                text += f", at most {controller.size} rows"
+            return text + "; the budget halves and the step retries on out-of-memory"
+        micro = (
+            f"auto: starts at {controller.size}, doubles while tokens/s gain > {config.growth_margin:.0%}"
+            if config.auto and controller.exploring
+            else f"{controller.size}" + ("" if config.auto else " (fixed)")
+        )
+        if config.max_micro_batch_size:
+            micro += f", at most {config.max_micro_batch_size}"
+        return micro + "; shrinks and retries the step on out-of-memory"
+
     def _budget_tokens(self) -> int | None:
         """Tokens the budget covers, when the dataset's token counts can be read cheaply."""
         total = lengths.total_tokens(self.trainer.train_dataset)
@@ -430,7 +455,9 @@ class Session:
         return round(total * self.budget.samples / len(self.trainer.train_dataset))
 
     def _accumulation_text(self) -> str:
-        """Micro-batches per step: known now for a fixed size, decided while training for 'auto'."""
+        """Micro-batches per step: known now for a fixed size, decided while training for 'auto' or a token budget."""
+        if self.controller.max_tokens is not None:
+            return f"as many as the rows' lengths need (the user's: {self.gradient_accumulation_steps})"
         if self.config.auto:
             return f"samples per rank per step / micro-batch (the user's: {self.gradient_accumulation_steps})"
         size = self.controller.size

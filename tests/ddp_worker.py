@@ -1,6 +1,9 @@
 """Run by test_ddp.py, under torchrun (2 ranks, gloo) or alone: a short run whose results the test compares.
 
-usage: ddp_worker.py OUTPUT_DIR {trainer,sft} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
+usage: ddp_worker.py OUTPUT_DIR {trainer,sft,tokens} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
+
+With `tokens`, rows of 3 to 24 tokens are cut by a token budget of MICRO_BATCH_SIZE, every micro-batch is recorded,
+and the fake out-of-memory error comes above 30 tokens instead of 1 row.
 """
 
 import json
@@ -42,8 +45,30 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         disable_tqdm=True,
         ddp_backend="gloo" if world_size > 1 else None,
     )
-    callback = AdaptiveBatch(schedule=PhaseSchedule([4, 8], boundaries=[0.5]), micro_batch_size=int(micro))
-    if kind == "trainer":
+    schedule = PhaseSchedule([4, 8], boundaries=[0.5])
+    if kind == "tokens":
+        callback = AdaptiveBatch(schedule=schedule, max_tokens_per_micro_batch=int(micro))
+    else:
+        callback = AdaptiveBatch(schedule=schedule, micro_batch_size=int(micro))
+    micro_batches = []  # (optimizer step, rows, padded length, label tokens), as training_step gets them
+
+    class Recording(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            rows, length = inputs["input_ids"].shape
+            labels = int((inputs["labels"] != -100).sum())
+            micro_batches.append((self.state.global_step, rows, length, labels))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    if kind == "tokens":
+        rows = token_dataset(tokenizer, texts[:43], max_length=24)
+        trainer = Recording(
+            model=model,
+            args=TrainingArguments(**common),
+            train_dataset=[{"input_ids": r["input_ids"][: 3 + (7 * i) % 22]} for i, r in enumerate(rows)],
+            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+            callbacks=[callback],
+        )
+    elif kind == "trainer":
         trainer = Trainer(
             model=model,
             args=TrainingArguments(**common),
@@ -63,7 +88,10 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
             callbacks=[callback],
         )
     rank = trainer.args.process_index
-    watcher = FakeOutOfMemory(trainer.model, max_rows=1) if fake_oom_rank == str(rank) else None
+    watcher = None
+    if fake_oom_rank == str(rank):
+        limits = dict(max_rows=None, max_tokens=30) if kind == "tokens" else dict(max_rows=1)
+        watcher = FakeOutOfMemory(trainer.model, **limits)
     trainer.train()
     result = {
         "rank": rank,
@@ -71,6 +99,8 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         "plan": trainer._adaptive_batch.plan.fingerprint(),
         "logs": [log for log in trainer.state.log_history if "loss" in log],
         "raised": watcher.raised if watcher else [],
+        "micro_batches": micro_batches,
+        "max_tokens": trainer._adaptive_batch.controller.max_tokens,
     }
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

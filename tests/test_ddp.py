@@ -1,5 +1,5 @@
 """Invariants 1, 2 and 6 under DDP: two CPU processes (gloo) train exactly as one process on the same plan, ranks
-with one sample fewer and one rank's out-of-memory error included, and nothing hangs."""
+with one sample fewer, one rank's out-of-memory error and steps cut by a token budget included, and nothing hangs."""
 
 import json
 import os
@@ -74,3 +74,35 @@ def test_one_ranks_out_of_memory_makes_every_rank_retry(tmp_path):
     assert {log["adaptive_batch/micro_batch_size"] for log in ranks[0]["logs"]} == {1}  # rank 0 shrank too
     assert_same_weights(weights[0], weights[1], rtol=1e-14)
     assert_same_weights(weights[0], clean_weights[0], rtol=1e-9)
+
+
+@pytest.mark.parametrize("fake_oom_rank", [None, 1])
+def test_ranks_cut_their_own_rows_by_tokens_and_run_as_many_micro_batches(tmp_path, fake_oom_rank):
+    single, single_weights = launch(tmp_path, "single", "tokens", micro=40, world_size=1)
+    ranks, weights = launch(tmp_path, "ddp", "tokens", micro=40, world_size=2, fake_oom_rank=fake_oom_rank)
+    budget = ranks[0]["max_tokens"]
+    assert ranks[1]["max_tokens"] == budget
+    first = 0  # the first step run at the final budget
+    if fake_oom_rank is None:
+        assert budget == 40
+    else:  # rank 1 ran out above 30 tokens: both ranks halved the budget to half that micro-batch (31 to 40)
+        assert ranks[1]["raised"] and not ranks[0]["raised"] and 15 <= budget <= 20
+        first = 1 + min(step for step, rows, length, _ in ranks[1]["micro_batches"] if rows * length > 30)
+    steps = range(first, len(ranks[0]["logs"]))
+    counts, cuts = (
+        [],
+        [],
+    )  # per rank and step: micro-batches run, and the rows of those with labels (its own cut)
+    for rank in ranks:
+        by_step = [[m[1:] for m in rank["micro_batches"] if m[0] == k] for k in steps]
+        assert all(rows == 1 or rows * length <= budget for step in by_step for rows, length, _ in step)
+        counts.append([len(step) for step in by_step])
+        cuts.append([[rows for rows, _, labels in step if labels] for step in by_step])
+    assert counts[0] == counts[1]  # every micro-batch exchanges the OOM flag: as many on every rank
+    assert [max(len(a), len(b)) for a, b in zip(*cuts)] == counts[0]
+    assert any(a != b for a, b in zip(*cuts))  # the ranks' rows differ in length, and so do their cuts
+    assert any(len(a) != len(b) for a, b in zip(*cuts))  # the rank with fewer ran rows that add nothing
+    key = "adaptive_batch/tokens_seen"
+    assert [log[key] for log in ranks[0]["logs"]] == [log[key] for log in single[0]["logs"]]
+    assert_same_weights(weights[0], weights[1], rtol=1e-14)
+    assert_same_weights(weights[0], single_weights[0], rtol=1e-9)

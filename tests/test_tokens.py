@@ -1,0 +1,388 @@
+"""Cutting steps by a token budget (`max_tokens_per_micro_batch`): micro-batches hold at most that many padded
+tokens, their row counts vary with the lengths, an out-of-memory error halves the budget, and training is the same
+as one whole batch per step."""
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from conftest import assert_close_parameters, parameters
+from transformers import Trainer
+
+from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
+from adaptive_batch.batch import IGNORE_INDEX, StepBatch
+from adaptive_batch.microbatch import MicroBatchController
+from adaptive_batch.testing import FakeOutOfMemory
+
+BUDGET = 64
+
+
+def padded_batch(lengths: list[int], left: bool = False) -> dict[str, torch.Tensor]:
+    """A collated causal-LM batch of rows with these real lengths, padded to the longest (right, or left)."""
+    width = max(lengths)
+    positions = torch.arange(width)
+    mask = torch.stack([positions < n for n in lengths]).long()
+    if left:
+        mask = mask.flip(1)
+    input_ids = torch.randint(2, 100, (len(lengths), width)) * mask
+    labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def padded_tokens(batch: StepBatch, sizes: list[int]) -> list[int]:
+    """Tokens of each micro-batch as `take` builds it, counted on the tensors themselves."""
+    counts, start = [], 0
+    for size in sizes:
+        counts.append(batch.take(start, size)["input_ids"].numel())
+        start += size
+    return counts
+
+
+def fewest_micro_batches(batch: StepBatch, budget: int, row_cap: int | None) -> int:
+    """Brute force over every way to cut the longest-first order into consecutive micro-batches."""
+    best = [0] + [batch.rows + 1] * batch.rows  # best[i]: fewest micro-batches for the first i rows
+    for end in range(1, batch.rows + 1):
+        for start in range(end):
+            size = end - start
+            tokens = batch.take(start, size)["input_ids"].numel()
+            if (size == 1 or tokens <= budget) and (row_cap is None or size <= row_cap):
+                best[end] = min(best[end], best[start] + 1)
+    return best[batch.rows]
+
+
+# -- cutting one step ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "budget, row_cap, expected, tokens",
+    [
+        (60, None, [1, 2, 3], [30, 40, 30]),  # as many as fit would give 2, 3, 1 (60, 60, 10)
+        (100, None, [2, 4], [60, 80]),  # as many as fit would give 3, 3 (90, 30)
+        (1000, None, [6], [180]),
+        (1000, 4, [2, 4], [60, 80]),
+        (1000, 2, [2, 2, 2], [60, 40, 20]),
+        (25, None, [1, 1, 1, 2, 1], [30, 20, 20, 20, 10]),  # the row of 30 runs alone
+    ],
+)
+def test_a_step_is_cut_into_the_fewest_micro_batches_with_the_lowest_peak(budget, row_cap, expected, tokens):
+    batch = StepBatch(padded_batch([10, 30, 10, 20, 10, 20]))
+    sizes = batch.token_chunks(budget, row_cap)
+    assert sizes == expected
+    assert padded_tokens(batch, sizes) == tokens
+    starts = [0, *itertools.accumulate(sizes)][:-1]
+    assert [batch.tokens(start, size)[1] for start, size in zip(starts, sizes)] == tokens
+
+
+def test_the_budget_holds_for_any_lengths_and_no_cut_has_fewer_micro_batches():
+    generator = random.Random(0)
+    torch.manual_seed(0)
+    for _ in range(60):
+        lengths = [generator.randint(1, 40) for _ in range(generator.randint(1, 12))]
+        batch = StepBatch(padded_batch(lengths))
+        budget = generator.randint(1, 200)
+        row_cap = generator.choice([None, 1, 2, 3, 5])
+        sizes = batch.token_chunks(budget, row_cap)
+        assert sum(sizes) == len(lengths)
+        for size, tokens in zip(sizes, padded_tokens(batch, sizes)):
+            assert size == 1 or tokens <= budget, (lengths, budget, sizes)
+            assert row_cap is None or size <= row_cap
+        assert len(sizes) == fewest_micro_batches(batch, budget, row_cap), (lengths, budget, row_cap)
+
+
+def test_a_row_longer_than_the_budget_runs_alone():
+    batch = StepBatch(padded_batch([10, 50, 10, 10]))
+    assert batch.longest_row() == 50
+    sizes = batch.token_chunks(40)
+    assert sizes == [1, 3]
+    assert padded_tokens(batch, sizes) == [50, 30]
+
+
+def test_left_padding_that_cannot_be_cut_counts_the_whole_length():
+    batch = StepBatch(padded_batch([10, 30, 10, 20, 10, 20], left=True))
+    assert not batch.trimmable
+    sizes = batch.token_chunks(70)
+    assert sizes == [2, 2, 2]
+    assert padded_tokens(batch, sizes) == [60, 60, 60]
+
+
+# -- settings and state ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, -64, 64.0, "4096", True])
+def test_a_budget_that_is_not_a_positive_int_is_refused(value):
+    with pytest.raises(ValueError) as error:
+        AdaptiveBatch(max_tokens_per_micro_batch=value)
+    message = str(error.value)
+    assert message.startswith(f"max_tokens_per_micro_batch={value!r} must be a positive int")
+    assert "e.g. 16384" in message and "\n" not in message
+
+
+def test_the_controller_holds_the_budget_and_halves_it_on_out_of_memory():
+    controller = MicroBatchController(start=8, row_limit=8, max_tokens=BUDGET)
+    assert not controller.exploring and controller.settled_because == "cut by max_tokens_per_micro_batch"
+    controller.on_out_of_memory(4, padded_tokens=60)
+    assert controller.max_tokens == 30
+    controller.on_out_of_memory(2, padded_tokens=64)  # never raised again by a larger failure
+    assert controller.max_tokens == 30
+    saved = json.loads(json.dumps(controller.state_dict()))
+    restored = MicroBatchController(start=8, row_limit=8, max_tokens=BUDGET)
+    restored.load_state_dict(saved)
+    assert restored.max_tokens == 30 and restored.oom_sizes == [4, 2]
+    with pytest.raises(MicroBatchTooLargeError) as error:
+        controller.on_out_of_memory(1, padded_tokens=20)
+    assert error.value.tried == [4, 2, 1]
+
+
+def test_a_checkpoint_from_before_token_budgets_still_loads():
+    old = MicroBatchController(start=4, auto=False).state_dict()
+    del old["max_tokens"]
+    controller = MicroBatchController(start=4, auto=False, max_tokens=BUDGET)
+    controller.load_state_dict(old)
+    assert controller.max_tokens is None
+
+
+# -- training --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def varied(rows):
+    """Rows cut to lengths from 3 to 32 tokens, well mixed, so that steps hold rows of very different lengths."""
+    return [{"input_ids": row["input_ids"][: 3 + (11 * i) % 30]} for i, row in enumerate(rows[:48])]
+
+
+class Recording(Trainer):
+    """Records (optimizer step, rows, padded length, label tokens) of every micro-batch its training_step gets."""
+
+    micro_batches: list
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        rows, length = inputs["input_ids"].shape
+        labels = int((inputs["labels"] != IGNORE_INDEX).sum())
+        self.micro_batches.append((self.state.global_step, rows, length, labels))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def train(make_trainer, varied, callbacks=(), **overrides):
+    settings = dict(
+        dataset=varied,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        num_train_epochs=2,
+        train_sampling_strategy="sequential",
+        dtype=torch.float64,
+        trainer_class=Recording,
+    )
+    trainer = make_trainer(callbacks, **{**settings, **overrides})
+    trainer.micro_batches = []
+    trainer.train()
+    return trainer
+
+
+def step_logs(trainer):
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+def test_training_by_tokens_is_the_plain_trainer_with_whole_steps(make_trainer, varied):
+    plain = train(make_trainer, varied)
+    cut = train(make_trainer, varied, [AdaptiveBatch(max_tokens_per_micro_batch=BUDGET)])
+    assert {rows for _, rows, _, _ in plain.micro_batches} == {8}
+    assert all(rows == 1 or rows * length <= BUDGET for _, rows, length, _ in cut.micro_batches)
+    assert len({rows for _, rows, _, _ in cut.micro_batches}) >= 3  # the lengths decide the rows
+    per_step = [[rows for step, rows, _, _ in cut.micro_batches if step == k] for k in range(12)]
+    assert [sum(rows) for rows in per_step] == [8] * 12
+    logs = step_logs(cut)
+    assert [log["adaptive_batch/micro_batch_size"] for log in logs] == [max(rows) for rows in per_step]
+    assert [log["adaptive_batch/accumulation_steps"] for log in logs] == [len(rows) for rows in per_step]
+    assert [log["adaptive_batch/effective_batch_size"] for log in logs] == [8] * 12
+    assert_close_parameters(parameters(cut.model), parameters(plain.model), rtol=1e-10)
+
+
+def test_an_int_micro_batch_size_caps_the_rows(make_trainer, varied):
+    trainer = train(
+        make_trainer, varied, [AdaptiveBatch(max_tokens_per_micro_batch=1000, micro_batch_size=3)]
+    )
+    per_step = [[rows for step, rows, _, _ in trainer.micro_batches if step == k] for k in range(12)]
+    # 1,000 tokens would hold the whole step; of 3 micro-batches, the one of the longest rows is the smaller
+    assert per_step == [[2, 3, 3]] * 12
+
+
+class MeanLossModel(torch.nn.Module):
+    """A model whose loss is its own mean over the label tokens: no `num_items_in_batch` reaches it. It scores every
+    labelled position (no shift), so the step's mean is over exactly the label tokens the weights count."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        logits = self.inner(input_ids=input_ids, attention_mask=attention_mask).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+        )
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("mean_loss", [False, True])
+def test_the_gradient_of_a_step_cut_by_tokens_is_the_whole_batch_gradient(
+    make_trainer, tokenizer, varied, mean_loss
+):
+    from adaptive_batch.testing import tiny_llama
+
+    model = MeanLossModel(tiny_llama(tokenizer)) if mean_loss else tiny_llama(tokenizer)
+    trainer = make_trainer(
+        [AdaptiveBatch(max_tokens_per_micro_batch=BUDGET)],
+        model=model,
+        dataset=varied,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=1,
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    num_items = None if mean_loss else (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    extra = {} if mean_loss else {"num_items_in_batch": num_items}
+    loss = model(**batch, **extra)["loss"]
+    loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    step_loss = trainer.training_step(model, batch, num_items)
+    sizes = StepBatch(batch).token_chunks(BUDGET)
+    assert len(set(sizes)) > 1 and trainer._adaptive_batch.runner.last.accumulation_steps == len(sizes)
+    if not mean_loss:
+        assert torch.isclose(step_loss, loss.detach(), rtol=1e-5)
+    assert_close_parameters({n: p.grad for n, p in model.named_parameters()}, expected)
+
+
+def test_the_plan_says_the_micro_batch_is_cut_by_the_token_budget(make_trainer, varied, caplog):
+    trainer = make_trainer(
+        [AdaptiveBatch(max_tokens_per_micro_batch=4096, micro_batch_size=4)],
+        dataset=varied,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        max_steps=1,
+    )
+    with caplog.at_level("INFO", logger="adaptive_batch"):
+        trainer.train()
+    table = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("AdaptiveBatch plan"))
+    micro = next(line for line in table.splitlines() if line.strip().startswith("micro-batch "))
+    assert micro.split(maxsplit=1)[1] == (
+        "cut by a token budget of 4,096 padded tokens (rows x padded length), at most 4 rows; the budget halves "
+        "and the step retries on out-of-memory"
+    )
+    assert "accumulation               as many as the rows' lengths need (the user's: 1)" in table
+
+
+def test_a_row_longer_than_the_budget_is_warned_about_once(make_trainer, varied, caplog):
+    with caplog.at_level("WARNING", logger="adaptive_batch"):
+        trainer = train(make_trainer, varied, [AdaptiveBatch(max_tokens_per_micro_batch=20)])
+    warnings = [
+        r.getMessage() for r in caplog.records if "longer than max_tokens_per_micro_batch" in r.getMessage()
+    ]
+    assert len(warnings) == 1
+    longest_in_first_step = max(len(row["input_ids"]) for row in varied[:8])
+    assert warnings[0].startswith(
+        f"A row of {longest_in_first_step} tokens is longer than max_tokens_per_micro_batch=20"
+    )
+    assert "Raise max_tokens_per_micro_batch" in warnings[0] and "lower max_length" in warnings[0]
+    assert all(rows == 1 or rows * length <= 20 for _, rows, length, _ in trainer.micro_batches)
+    assert any(rows == 1 and length > 20 for _, rows, length, _ in trainer.micro_batches)
+
+
+def test_a_dataset_row_longer_than_the_budget_is_warned_about_before_training(make_trainer, varied, caplog):
+    from datasets import Dataset
+
+    forwards = []
+    trainer = make_trainer(
+        [AdaptiveBatch(max_tokens_per_micro_batch=20)],
+        dataset=Dataset.from_list(varied),
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+    )
+    trainer.model.register_forward_hook(lambda *args: forwards.append(len(caplog.records)))
+    with caplog.at_level("WARNING", logger="adaptive_batch"):
+        trainer.train()
+    warned = [
+        i for i, r in enumerate(caplog.records) if "longer than max_tokens_per_micro_batch" in r.getMessage()
+    ]
+    assert len(warned) == 1 and warned[0] < forwards[0]  # before the first forward
+    assert caplog.records[warned[0]].getMessage().startswith("A row of 32 tokens")
+
+
+# -- out of memory ---------------------------------------------------------------------------------------------------
+
+
+def test_out_of_memory_halves_the_budget_and_the_result_is_unchanged(make_trainer, varied):
+    trainer = make_trainer(
+        [AdaptiveBatch(max_tokens_per_micro_batch=128)],
+        dataset=varied,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        num_train_epochs=2,
+        train_sampling_strategy="sequential",
+        dtype=torch.float64,
+    )
+    fits = 84  # the first micro-batch of the first step (84 tokens) fits, the second (85) does not
+    first_step = StepBatch(next(iter(trainer.get_train_dataloader())))
+    sizes = first_step.token_chunks(128)
+    tokens = padded_tokens(first_step, sizes)
+    failing = next(i for i, count in enumerate(tokens) if count > fits)
+    assert failing == 1
+    watcher = FakeOutOfMemory(trainer.model, max_rows=None, max_tokens=fits)
+    trainer.train()
+
+    halved = trainer._adaptive_batch.controller.max_tokens
+    assert watcher.raised == [sizes[failing]]
+    assert watcher.tokens[: failing + 1] == tokens[: failing + 1]
+    assert halved == tokens[failing] // 2 <= 64
+    assert max(watcher.tokens[failing + 1 :]) <= halved  # the step ran again from its first micro-batch
+    assert sum(watcher.sizes[failing + 1 :]) == 2 * len(varied)  # every sample once per epoch, none twice
+    plain = train(make_trainer, varied)
+    # the halved budget runs rows of 32 tokens alone, as micro_batch_size=1 does: float64 rounding that Adam's
+    # division by tiny second moments magnifies to about 3e-9 over the run (the step gradients agree to 1e-15)
+    assert_close_parameters(parameters(trainer.model), parameters(plain.model), rtol=1e-8)
+    # the failed attempt left nothing behind: the same as a run at the halved budget from the start, bit for bit
+    from_start = train(make_trainer, varied, [AdaptiveBatch(max_tokens_per_micro_batch=halved)])
+    for (name, a), (_, b) in zip(trainer.model.named_parameters(), from_start.model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_the_halved_budget_survives_a_resume(make_trainer, varied, tmp_path):
+    def run(output_dir, fake_oom, resume=None):
+        trainer = make_trainer(
+            [AdaptiveBatch(max_tokens_per_micro_batch=128)],
+            dataset=varied,
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=1,
+            num_train_epochs=2,
+            dtype=torch.float64,
+            save_strategy="steps",
+            save_steps=3,
+            output_dir=str(output_dir),
+        )
+        if fake_oom:
+            FakeOutOfMemory(trainer.model, max_rows=None, max_tokens=70)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full", fake_oom=True)
+    halved = full._adaptive_batch.controller.max_tokens
+    assert halved < 70
+    resumed = run(tmp_path / "resumed", fake_oom=False, resume=str(tmp_path / "full" / "checkpoint-6"))
+    assert resumed._adaptive_batch.controller.max_tokens == halved
+    for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_one_row_out_of_memory_is_one_clear_error(make_trainer, varied):
+    trainer = make_trainer(
+        [AdaptiveBatch(max_tokens_per_micro_batch=BUDGET)],
+        dataset=varied,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+    )
+    FakeOutOfMemory(trainer.model, max_rows=None, max_tokens=2)
+    with pytest.raises(MicroBatchTooLargeError, match="One sample per micro-batch") as error:
+        trainer.train()
+    assert error.value.tried[-1] == 1 and all(rows > 1 for rows in error.value.tried[:-1])
+    assert trainer.state.global_step == 0
