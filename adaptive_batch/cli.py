@@ -235,6 +235,10 @@ def _print_probe(result: dict) -> None:
         f"limit {format_gib(result['limit_bytes'])} GiB"
     )
     print(f"recommended: {result['recommended']} ({result['recommended_by']})")
+    print(
+        "variable-length data: AdaptiveBatch(max_tokens_per_micro_batch="
+        f"{result['recommended'] * result['seq_len']})"
+    )
     if result["effective_batch_size"]:
         print(
             f"for an effective batch of {result['effective_batch_size']} on {result['gpus']} GPU(s): "
