@@ -18,6 +18,16 @@ LLAMA2_7B = dict(
     max_position_embeddings=4096,
 )
 
+TINY = dict(  # the same code on the CPU: a dry run of a benchmark
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=512,
+    max_position_embeddings=4096,
+)
+
 
 def save_random_llama(path: str, shape: dict = LLAMA2_7B, on_gpu: bool = True) -> str:
     """Create a random `LlamaForCausalLM` of `shape` (bf16 on the GPU, float32 on the CPU) and save it at `path`."""

@@ -36,15 +36,6 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    vocab_size=512,
-    max_position_embeddings=4096,
-)
 TINY_BUDGET_GIB = 0.05
 LORA = {"r": 16, "alpha": 32, "targets": ["q_proj", "v_proj"]}
 HEADROOM = 0.05
@@ -357,7 +348,7 @@ def main():
         print("RESULT " + json.dumps(result, default=str))
         return
 
-    from base_model import LLAMA2_7B, save_random_llama
+    from base_model import LLAMA2_7B, TINY, save_random_llama
 
     os.makedirs(options.out, exist_ok=True)
     out_path = os.path.join(options.out, f"probe_boundary_{options.seq_len}.json")

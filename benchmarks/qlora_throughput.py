@@ -32,17 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from base_model import LLAMA2_7B, save_random_llama  # noqa: E402
-
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    vocab_size=512,
-    max_position_embeddings=4096,
-)
+from base_model import LLAMA2_7B, TINY, save_random_llama  # noqa: E402
 
 
 def sync():

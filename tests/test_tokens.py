@@ -164,16 +164,17 @@ class Recording(Trainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
 
+SETTINGS = dict(
+    per_device_train_batch_size=8,
+    gradient_accumulation_steps=1,
+    num_train_epochs=2,
+    train_sampling_strategy="sequential",
+    dtype=torch.float64,
+)
+
+
 def train(make_trainer, varied, callbacks=(), **overrides):
-    settings = dict(
-        dataset=varied,
-        per_device_train_batch_size=8,
-        gradient_accumulation_steps=1,
-        num_train_epochs=2,
-        train_sampling_strategy="sequential",
-        dtype=torch.float64,
-        trainer_class=Recording,
-    )
+    settings = dict(SETTINGS, dataset=varied, trainer_class=Recording)
     trainer = make_trainer(callbacks, **{**settings, **overrides})
     trainer.micro_batches = []
     trainer.train()
@@ -313,15 +314,7 @@ def test_a_dataset_row_longer_than_the_budget_is_warned_about_before_training(ma
 
 
 def test_out_of_memory_halves_the_budget_and_the_result_is_unchanged(make_trainer, varied):
-    trainer = make_trainer(
-        [AdaptiveBatch(max_tokens_per_micro_batch=128)],
-        dataset=varied,
-        per_device_train_batch_size=8,
-        gradient_accumulation_steps=1,
-        num_train_epochs=2,
-        train_sampling_strategy="sequential",
-        dtype=torch.float64,
-    )
+    trainer = make_trainer([AdaptiveBatch(max_tokens_per_micro_batch=128)], dataset=varied, **SETTINGS)
     fits = 84  # the first micro-batch of the first step (84 tokens) fits, the second (85) does not
     first_step = StepBatch(next(iter(trainer.get_train_dataloader())))
     sizes = first_step.token_chunks(128)
