@@ -38,7 +38,6 @@ from .boundary import Trial, find_boundary, next_throughput_size, recommend, spl
 from .memory import Stopwatch, is_out_of_memory, memory_limit, release_memory
 
 CACHE_ENV = "ADAPTIVE_BATCH_CACHE"
-WARM_UP_TOKENS = 64
 THROUGHPUT_TRIALS = 3  # trials after the search, to find the smallest size near the best speed
 
 
@@ -108,9 +107,8 @@ def probe(
     vocab_size = _vocab_size(model)
     runner = _TrialRunner(model, optimizer, seq_len, vocab_size, device, autocast_dtype, limit)
     try:
-        warm_up = runner.run(
-            1
-        )  # kernels, allocator, lazy initialisation: its time and memory are not readings
+        # kernels, allocator, optimizer state, lazy initialisation: its time and memory are not readings
+        warm_up = runner.run(1)
         trials: list[Trial] = []
 
         def run(size: int) -> Trial:
@@ -176,11 +174,12 @@ class _TrialRunner:
         self.baseline = _live_bytes(model, optimizer) if device.type == "cpu" else 0.0
         self.was_training = model.training
 
-    def run(self, size: int, seq_len: int | None = None) -> Trial:
+    def run(self, size: int) -> Trial:
         model = self.model
         model.train()
-        seq_len = seq_len or self.seq_len
-        ids = torch.randint(0, self.vocab_size, (size, seq_len), generator=self.generator).to(self.device)
+        ids = torch.randint(0, self.vocab_size, (size, self.seq_len), generator=self.generator).to(
+            self.device
+        )
         cpu = self.device.type == "cpu"
         meter = _PeakMeter(None if self.limit is None else self.limit - self.baseline) if cpu else None
         stopwatch = Stopwatch(self.device)
@@ -210,7 +209,7 @@ class _TrialRunner:
         # a step cut short leaves tensors in the traceback's reference cycles: collect those
         release_memory(self.device, collect=out_of_memory or stopped)
         seconds = None if out_of_memory else until_stopped if stopped else stopwatch.seconds
-        return Trial(size, out_of_memory, peak, allocated, seconds, size * seq_len, stopped)
+        return Trial(size, out_of_memory, peak, allocated, seconds, size * self.seq_len, stopped)
 
     @contextlib.contextmanager
     def _stop_over_limit(self):
