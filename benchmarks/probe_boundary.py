@@ -242,7 +242,7 @@ def phase_exhaustive(options, model_dir: str, inputs: dict) -> dict:
     model, device, dtype = load(options, model_dir)
     limit = limit_bytes(device)
     optimizer = _make_optimizer(model, "adamw_torch" if options.tiny else "paged_adamw_8bit", 2e-4)
-    autocast = dtype if dtype != __import__("torch").float32 else None
+    autocast = None if options.tiny else dtype  # bf16 autocast on the GPU, as the probe's CLI does
     runner = _TrialRunner(model, optimizer, options.seq_len, model.config.vocab_size, device, autocast, limit)
     started = time.perf_counter()
     runner.run(1)  # warm-up, as the probe does
@@ -260,6 +260,8 @@ def phase_exhaustive(options, model_dir: str, inputs: dict) -> dict:
 
 
 def phase_train(options, model_dir: str, inputs: dict) -> dict:
+    from adaptive_batch.memory import release_memory
+
     probe = inputs["probe"]
     model, device, _ = load(options, model_dir)
     limit = limit_bytes(device)
@@ -301,13 +303,7 @@ def phase_train(options, model_dir: str, inputs: dict) -> dict:
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         del trainer
-        import gc
-
-        import torch
-
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_memory(device)
     return {"limit_bytes": limit, "steps": options.steps, "runs": runs}
 
 
