@@ -10,6 +10,7 @@ that holds: right padding, every sequence tensor shaped `[rows, length]`, and la
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -84,7 +85,7 @@ class StepBatch:
         Example: rows of 30, 20, 20, 10, 10 and 10 tokens with a budget of 60 give 1, 2, 3 (30, 40 and 30 padded
         tokens), where taking as many rows as fit gives 2, 3, 1 (60, 60 and 10).
         """
-        lengths = self._padded_lengths()
+        lengths = self.padded_lengths
         count = len(_greedy_chunks(lengths, budget, row_cap))
         # the least budget that still gives `count` micro-batches (a smaller budget never gives fewer)
         low, high = 1, budget
@@ -98,7 +99,7 @@ class StepBatch:
 
     def longest_row(self) -> int:
         """Padded tokens of a micro-batch holding only the longest row."""
-        return max(self._padded_lengths())
+        return max(self.padded_lengths)
 
     def real_tokens(self) -> int:
         if self.seq_len is None:
@@ -117,9 +118,10 @@ class StepBatch:
                     return False
         return True
 
-    def _padded_lengths(self) -> list[int]:
+    @cached_property
+    def padded_lengths(self) -> list[int]:
         """The length `take` pads each row to when it runs alone, in longest-first order; a micro-batch's is the
-        largest of its rows'."""
+        largest of its rows'. Computed once per step batch (each cut and each retry reads it)."""
         if self.seq_len is None:
             return [1] * self.rows
         if not self.trimmable:
