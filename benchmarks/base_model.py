@@ -1,5 +1,6 @@
 """The model the GPU benchmarks train: a Llama-2-7B shape with random weights (speed and memory do not depend on
-the values), created in bf16 on the GPU and saved, so that each benchmark loads it as a user's run would."""
+the values), created in bf16 on the GPU and saved, so that each benchmark loads it as a user's run would; and the
+Trainer of the classic QLoRA recipe they all train it with."""
 
 from __future__ import annotations
 
@@ -50,3 +51,37 @@ def save_random_llama(path: str, shape: dict = LLAMA2_7B, on_gpu: bool = True) -
     if on_gpu:
         torch.cuda.empty_cache()
     return os.fspath(path)
+
+
+def qlora_trainer(model, dataset, callbacks, output_dir, per_device, accumulation, steps, tiny, **extra):
+    """The plain Trainer as a QLoRA script sets it up (paged 8-bit AdamW, bf16, gradient checkpointing, a constant
+    LR); `tiny` runs the same code on the CPU. `extra`: more TrainingArguments."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    args = TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        learning_rate=2e-4,
+        lr_scheduler_type="constant",
+        optim="adamw_torch" if tiny else "paged_adamw_8bit",
+        bf16=not tiny,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        use_cpu=tiny,
+        seed=0,
+        **extra,
+    )
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=default_data_collator,
+        callbacks=callbacks,
+    )

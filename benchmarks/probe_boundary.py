@@ -146,36 +146,11 @@ def random_dataset(seq_len: int, rows: int, vocab_size: int):
     return Rows()
 
 
-def trainer_for(options, model, device, per_device: int, steps: int, dataset, callbacks, **extra):
-    from transformers import Trainer, TrainingArguments, default_data_collator
+def trainer_for(options, model, per_device: int, steps: int, dataset, callbacks, **extra):
+    from base_model import qlora_trainer
 
-    args = TrainingArguments(
-        output_dir=os.path.join(options.workdir, "trainer"),
-        per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=1,
-        max_steps=steps,
-        learning_rate=2e-4,
-        lr_scheduler_type="constant",
-        optim="adamw_torch" if options.tiny else "paged_adamw_8bit",
-        bf16=not options.tiny,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        use_cpu=device.type == "cpu",
-        seed=0,
-        **extra,
-    )
-    return Trainer(
-        model=model,
-        args=args,
-        train_dataset=dataset,
-        data_collator=default_data_collator,
-        callbacks=callbacks,
-    )
+    output_dir = os.path.join(options.workdir, "trainer")
+    return qlora_trainer(model, dataset, callbacks, output_dir, per_device, 1, steps, options.tiny, **extra)
 
 
 class Marks:
@@ -212,9 +187,7 @@ def phase_auto_find(options, model_dir: str, _inputs: dict) -> dict:
     start = options.auto_find_start or max(1, 512 * 1024 // options.seq_len)
     marks = Marks(device)
     dataset = random_dataset(options.seq_len, start, model.config.vocab_size)
-    trainer = trainer_for(
-        options, model, device, start, 1, dataset, [marks.callback], auto_find_batch_size=True
-    )
+    trainer = trainer_for(options, model, start, 1, dataset, [marks.callback], auto_find_batch_size=True)
     marks.trainer = trainer
     called = time.perf_counter()
     trainer.train()
@@ -277,7 +250,7 @@ def phase_train(options, model_dir: str, inputs: dict) -> dict:
             continue
         marks = Marks(device)
         dataset = random_dataset(options.seq_len, size * options.steps, model.config.vocab_size)
-        trainer = trainer_for(options, model, device, size, options.steps, dataset, [marks.callback])
+        trainer = trainer_for(options, model, size, options.steps, dataset, [marks.callback])
         marks.trainer = trainer
         error = None
         try:

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from base_model import LLAMA2_7B, TINY, save_random_llama  # noqa: E402
+from base_model import LLAMA2_7B, TINY, qlora_trainer, save_random_llama  # noqa: E402
 
 
 def sync():
@@ -98,39 +98,21 @@ class StepClock:
 
 
 def run_config(model, dataset, seq_len, per_device, accumulation, steps, adaptive, tiny, workdir):
-    from transformers import Trainer, TrainingArguments, default_data_collator
-
     from adaptive_batch import AdaptiveBatch
 
     clock = StepClock()
     callbacks = [clock.callback]
     if adaptive is not None:
         callbacks.append(AdaptiveBatch(**adaptive))
-    args = TrainingArguments(
-        output_dir=os.path.join(workdir, "trainer"),
-        per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=accumulation,
-        max_steps=steps,
-        learning_rate=2e-4,
-        lr_scheduler_type="constant",
-        optim="adamw_torch" if tiny else "paged_adamw_8bit",
-        bf16=not tiny,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        use_cpu=tiny,
-        seed=0,
-    )
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=dataset,
-        data_collator=default_data_collator,
-        callbacks=callbacks,
+    trainer = qlora_trainer(
+        model,
+        dataset,
+        callbacks,
+        os.path.join(workdir, "trainer"),
+        per_device,
+        accumulation,
+        steps,
+        tiny,
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
