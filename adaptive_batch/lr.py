@@ -2,12 +2,14 @@
 
 The learning rate at step `k` is
 
-    base_lr * base_schedule(virtual_step(k)) * rule(effective_batch(k) / starting_effective_batch)
+    base_lr * base_schedule(virtual_step(k)) * rule(samples_in_step(k) / starting_effective_batch)
 
 where `base_schedule` is the user's scheduler (warmup, decay, ...) built for `nominal_steps` steps of the starting
 effective batch, and `virtual_step(k)` is where step `k` sits on that schedule when progress is counted in samples:
 `nominal_steps * fraction_of_budget_consumed_before(k)`. With a constant batch it is just `k`; when the batch grows,
-warmup and decay keep their shape in data instead of stretching over the (now fewer) steps.
+warmup and decay keep their shape in data instead of stretching over the (now fewer) steps. The rule applies to
+the samples the step actually holds: an epoch's short last step of 8 samples in a phase of 16 gets the multiplier
+for 8.
 
 Rules (Goyal et al. 2017 for linear/SGD; Malladi et al. 2022 for the square root with Adam-family optimizers):
 - `"none"`: the learning rate does not follow the batch;
@@ -87,14 +89,21 @@ class SampleClock:
         return self.plan.starts[step] * self.nominal_steps / self.plan.budget
 
     def scale(self, step: int) -> float:
-        """The LR multiplier at `step`; after the last step, the last step's."""
-        effective = self.plan.scheduled[min(step, self.plan.num_steps - 1)]
-        return lr_scale(self.rule, effective, self.starting_effective_batch_size)
+        """The LR multiplier at `step`, for the samples it holds; after the last step, the last step's."""
+        plan = self.plan
+        step = min(step, plan.num_steps - 1)
+        # steps trained before the plan took over (a plain Trainer's checkpoint) ran at their scheduled batch
+        samples = plan.sizes[step] if step >= plan.done_steps else plan.scheduled[step]
+        return self.multiplier(samples)
+
+    def multiplier(self, samples: int) -> float:
+        """The LR multiplier of a step holding `samples`."""
+        return lr_scale(self.rule, samples, self.starting_effective_batch_size)
 
     def check(self) -> None:
-        """Evaluate the rule at every phase of the plan, so that a bad rule fails before any compute."""
-        for _, _, effective in self.plan.phases():
-            lr_scale(self.rule, effective, self.starting_effective_batch_size)
+        """Evaluate the rule at every step size of the plan, so that a bad rule fails before any compute."""
+        for samples in sorted(set(self.plan.sizes[self.plan.done_steps :])):
+            self.multiplier(samples)
 
 
 def nominal_steps(budget_samples: int, starting_effective_batch_size: int) -> int:

@@ -10,6 +10,9 @@ Rules, as in the plain Trainer:
 - with `drop_last`, that short last step is dropped instead (its positions still count towards the budget);
 - a remainder smaller than the world size cannot give every rank a sample, so it joins the step before it.
 
+A plan may start with steps already trained ([`DoneSteps`]: those of a checkpoint the plain Trainer wrote); the
+schedule takes over where they ended.
+
 Pure Python: no torch, no transformers.
 """
 
@@ -19,6 +22,7 @@ import hashlib
 import math
 from array import array
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .schedule import Progress, Schedule, check_effective_batch_size
 
@@ -49,6 +53,16 @@ class Budget:
         )
 
 
+class DoneSteps(NamedTuple):
+    """Steps trained before the plan takes over: where each started and how many samples it took, where the last
+    one left the sample stream, and the effective batch they were run at."""
+
+    starts: list[int]
+    sizes: list[int]
+    end: int
+    effective_batch_size: int
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """Global samples per optimizer step and where each step starts in the sample stream.
@@ -64,6 +78,7 @@ class StepPlan:
     starts: array
     samples_before_step: array
     notes: tuple[str, ...] = field(default=())
+    done_steps: int = 0  # steps trained before the plan took over (a plain Trainer's checkpoint)
 
     @property
     def num_steps(self) -> int:
@@ -81,7 +96,7 @@ class StepPlan:
 
     @property
     def max_rows_per_rank(self) -> int:
-        return math.ceil(max(self.sizes) / self.world_size)
+        return math.ceil(max(self.sizes[self.done_steps :]) / self.world_size)
 
     def epoch(self, step: int) -> int:
         return self.starts[step] // self.dataset_size
@@ -121,14 +136,25 @@ class StepPlan:
         return digest.hexdigest()[:16]
 
     def phases(self) -> list[tuple[int, int, int]]:
-        """Runs of steps with the same scheduled effective batch, as `(first_step, last_step, effective)`."""
+        """Runs of steps with the same scheduled effective batch, as `(first_step, last_step, effective)`, from the
+        first step the plan runs (steps done before it took over are left out)."""
         runs: list[tuple[int, int, int]] = []
-        for step, effective in enumerate(self.scheduled):
+        for step in range(self.done_steps, self.num_steps):
+            effective = self.scheduled[step]
             if runs and runs[-1][2] == effective:
                 runs[-1] = (runs[-1][0], step, effective)
             else:
                 runs.append((step, step, effective))
         return runs
+
+    def uneven_steps(self) -> list[tuple[int, int, int]]:
+        """Steps that hold other than their scheduled effective batch, as `(step, samples, scheduled)`: an epoch's
+        short last step, or a step that took in a remainder too small for every rank."""
+        return [
+            (step, self.sizes[step], self.scheduled[step])
+            for step in range(self.done_steps, self.num_steps)
+            if self.sizes[step] != self.scheduled[step]
+        ]
 
 
 def build_plan(
@@ -137,8 +163,14 @@ def build_plan(
     budget: Budget | int,
     world_size: int = 1,
     drop_last: bool = False,
+    done: DoneSteps | None = None,
+    unit: str = "samples",
 ) -> StepPlan:
-    """Walk the sample stream from position 0 to the budget and cut it into optimizer steps.
+    """Walk the sample stream from position 0 (or from where `done` steps ended) to the budget and cut it into
+    optimizer steps.
+
+    Args:
+        unit: what one dataset row is, for error messages (e.g. "packed rows" when each holds several examples).
 
     Raises:
         ValueError: before any compute, if the schedule gives an effective batch that is not a positive integer,
@@ -146,13 +178,13 @@ def build_plan(
     """
     budget_samples = budget.samples if isinstance(budget, Budget) else int(budget)
     if dataset_size < 1:
-        raise ValueError(f"The training dataset has {dataset_size} samples; it needs at least one.")
+        raise ValueError(f"The training dataset has {dataset_size} {unit}; it needs at least one.")
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1.")
     if dataset_size < world_size:
         raise ValueError(
-            f"The training dataset has {dataset_size} samples but world_size={world_size}: every rank needs at "
-            f"least one sample per step. Use at most {dataset_size} processes or a larger dataset."
+            f"The training dataset has {dataset_size} {unit} but world_size={world_size}: every rank needs at "
+            f"least one per step. Use at most {dataset_size} processes or a larger dataset."
         )
     if budget_samples < 1:
         raise ValueError(
@@ -162,13 +194,28 @@ def build_plan(
     sizes, scheduled, starts, samples_before = array("q"), array("q"), array("q"), array("q", [0])
     notes: list[str] = []
     position = samples_seen = 0
+    done_count = len(done.sizes) if done else 0
+    if done is not None:
+        if done.end >= budget_samples:
+            raise ValueError(
+                f"The checkpoint's {len(done.sizes)} steps already used {done.end:,} of the budget's "
+                f"{budget_samples:,} samples, so no step is left to train. Raise num_train_epochs / max_steps to "
+                "train further, or start a new run."
+            )
+        for start, size in zip(done.starts, done.sizes):
+            sizes.append(size)
+            scheduled.append(done.effective_batch_size)
+            starts.append(start)
+            samples_seen += size
+            samples_before.append(samples_seen)
+        position = done.end
     while position < budget_samples:
         step = len(sizes)
         progress = Progress(step=step, samples_seen=samples_seen, fraction=position / budget_samples)
         effective = check_effective_batch_size(
             schedule(progress), where=f"The schedule at {_where(progress)}"
         )
-        _check_fits(effective, world_size, dataset_size, progress)
+        _check_fits(effective, world_size, dataset_size, progress, unit)
 
         epoch_left = dataset_size - position % dataset_size
         size = min(effective, epoch_left, budget_samples - position)
@@ -176,7 +223,7 @@ def build_plan(
             position += size  # dataloader_drop_last: the epoch's short last step is not trained on
             continue
         if size < world_size:
-            if sizes and starts[-1] // dataset_size == position // dataset_size:
+            if len(sizes) > done_count and starts[-1] // dataset_size == position // dataset_size:
                 sizes[-1] += size  # too few samples for every rank: join the step before, same epoch
                 samples_before[-1] += size
                 samples_seen += size
@@ -193,13 +240,21 @@ def build_plan(
         position += size
         samples_seen += size
         samples_before.append(samples_seen)
-    if not sizes:
+    if len(sizes) == done_count:
         raise ValueError(
             f"The budget of {budget_samples} samples leaves no optimizer step (drop_last={drop_last}, dataset "
             f"{dataset_size} samples); raise num_train_epochs / max_steps or set dataloader_drop_last=False."
         )
     return StepPlan(
-        dataset_size, budget_samples, world_size, sizes, scheduled, starts, samples_before, tuple(notes)
+        dataset_size,
+        budget_samples,
+        world_size,
+        sizes,
+        scheduled,
+        starts,
+        samples_before,
+        tuple(notes),
+        done_steps=done_count,
     )
 
 
@@ -213,7 +268,7 @@ def _where(progress: Progress) -> str:
     return f"step {progress.step} ({progress.samples_seen:,} samples seen, fraction {progress.fraction:.3f})"
 
 
-def _check_fits(effective: int, world_size: int, dataset_size: int, progress: Progress) -> None:
+def _check_fits(effective: int, world_size: int, dataset_size: int, progress: Progress, unit: str) -> None:
     if effective % world_size:
         raise ValueError(
             f"The effective batch {effective} at {_where(progress)} is not divisible by world_size={world_size}: "
@@ -221,7 +276,7 @@ def _check_fits(effective: int, world_size: int, dataset_size: int, progress: Pr
         )
     if effective > dataset_size:
         raise ValueError(
-            f"The effective batch {effective} at {_where(progress)} exceeds the dataset size {dataset_size}: one "
-            f"optimizer step cannot hold more than one epoch. Use at most "
+            f"The effective batch {effective} at {_where(progress)} exceeds the dataset size {dataset_size} "
+            f"{unit}: one optimizer step cannot hold more than one epoch. Use at most "
             f"{dataset_size // world_size * world_size}."
         )

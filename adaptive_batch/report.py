@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from .lr import SampleClock
 from .plan import Budget, StepPlan
 
@@ -21,7 +23,7 @@ def plan_rows(
     phases = plan.phases()
     world = plan.world_size
     per_rank = " -> ".join(_per_rank(effective, world) for _, _, effective in phases)
-    scales = " -> ".join(f"x{clock.scale(first):.3g}" for first, _, _ in phases)
+    scales = " -> ".join(f"x{clock.multiplier(effective):.3g}" for _, _, effective in phases)
     steps = f"{plan.num_steps:,}"
     if plain_steps is not None and plain_steps != plan.num_steps:
         steps += f" (the plain Trainer: {plain_steps:,})"
@@ -43,8 +45,67 @@ def plan_rows(
     ]
     if len(phases) > 1:
         rows.append(("phases (steps: effective batch)", ", ".join(f"{a}-{b}: {e}" for a, b, e in phases)))
+    uneven = plan.uneven_steps()
+    if uneven:
+        rows.append(("uneven steps", _uneven_text(uneven, clock)))
+    if plan.done_steps:
+        done = plan.done_steps
+        rows.append(
+            (
+                "already trained",
+                f"steps 0-{done - 1} ({plan.samples_before_step[done]:,} samples), by the plain Trainer before the "
+                "checkpoint",
+            )
+        )
     rows.extend(("note", note) for note in plan.notes)
     return rows
+
+
+def _uneven_text(uneven: list[tuple[int, int, int]], clock: SampleClock, shown: int = 4) -> str:
+    """Steps holding other than their scheduled batch, each with the LR multiplier for what it holds."""
+    parts = []
+    for step, samples, scheduled in uneven[:shown]:
+        why = "an epoch's rest" if samples < scheduled else "with a remainder too small for every rank"
+        parts.append(f"step {step}: {samples} of {scheduled} ({why}; LR x{clock.scale(step):.3g})")
+    if len(uneven) > shown:
+        parts.append(f"{len(uneven) - shown} more")
+    return "; ".join(parts)
+
+
+def micro_batch_text(
+    size: int,
+    auto: bool,
+    exploring: bool,
+    growth_margin: float,
+    max_micro_batch_size: int | None,
+    max_tokens: int | None,
+    max_rows_per_rank: int,
+) -> str:
+    """How each step is cut into micro-batches, for the plan table."""
+    if max_tokens is not None:
+        text = f"cut by a token budget of {max_tokens:,} padded tokens (rows x padded length)"
+        if size < max_rows_per_rank:
+            text += f", at most {size} rows"
+        return text + "; the budget halves and the step retries on out-of-memory"
+    if auto and exploring:
+        text = f"auto: starts at {size}, doubles while tokens/s gain > {growth_margin:.0%}"
+    else:
+        text = f"{size}" + ("" if auto else " (fixed)")
+    if max_micro_batch_size:
+        text += f", at most {max_micro_batch_size}"
+    return text + "; shrinks and retries the step on out-of-memory"
+
+
+def accumulation_text(plan: StepPlan, user_accumulation: int, fixed_size: int | None, by_tokens: bool) -> str:
+    """Micro-batches per step: known before training for a fixed size, decided while training otherwise."""
+    if by_tokens:
+        return f"as many as the rows' lengths need (the user's: {user_accumulation})"
+    if fixed_size is None:
+        return f"samples per rank per step / micro-batch (the user's: {user_accumulation})"
+    counts = sorted(
+        {math.ceil(effective // plan.world_size / fixed_size) for _, _, effective in plan.phases()}
+    )
+    return " -> ".join(map(str, counts)) + f" micro-batches of at most {fixed_size}"
 
 
 def format_rows(title: str, rows: list[tuple[str, str]]) -> str:

@@ -1,4 +1,5 @@
 import math
+import time
 from collections import Counter
 
 import pytest
@@ -115,6 +116,37 @@ def test_fingerprint_changes_with_the_cut_and_not_otherwise():
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
 
 
-def test_a_long_plan_builds_quickly():
+def test_a_long_plan_builds_in_time_linear_in_its_steps():
+    # 250,020 steps take about 0.8 s on a 2-core CI machine; a cost quadratic in the steps would take hours
+    started = time.perf_counter()
     plan = build_plan(as_schedule(8), dataset_size=100_003, budget=Budget.from_epochs(20, 100_003))
+    plan.fingerprint(), plan.phases(), plan.uneven_steps()
+    assert time.perf_counter() - started < 30
     assert plan.num_steps == 20 * math.ceil(100_003 / 8)
+
+
+def test_steps_done_before_the_plan_took_over_come_first():
+    from adaptive_batch.plain import PlainBatching
+
+    # the plain Trainer's 8 x 1 on 20 samples: steps of 8, 8, 4 each epoch; 4 of them done (one epoch and a step)
+    done = PlainBatching(20, 8, 1).done_steps(4)
+    assert done == ([0, 8, 16, 20], [8, 8, 4, 8], 28, 8)
+    plan = build_plan(PhaseSchedule([8, 12], boundaries=[0.5]), dataset_size=20, budget=40, done=done)
+    assert plan.done_steps == 4
+    assert list(plan.sizes) == [8, 8, 4, 8, 12]  # from position 28 of 40 (fraction 0.7): one step of 12
+    assert list(plan.starts)[4:] == [28] and plan.num_samples == 40
+    assert plan.phases() == [(4, 4, 12)] and plan.uneven_steps() == []
+    with pytest.raises(ValueError, match="already used 40 of the budget's 40 samples"):
+        build_plan(as_schedule(8), dataset_size=20, budget=40, done=PlainBatching(20, 8, 1).done_steps(6))
+
+
+def test_the_plain_trainers_steps_with_accumulation_ranks_and_drop_last():
+    from adaptive_batch.plain import PlainBatching
+
+    # 44 samples, 4 per device, accumulation 2, 2 ranks: 11 batches, 6 per rank, 3 steps of 16, 16, 12
+    plain = PlainBatching(44, 4, 2, world_size=2)
+    assert plain.steps_per_epoch == 3 and plain.step_sizes(4) == [16, 16, 12, 16]
+    assert plain.position_after(3) == 44 and plain.position_after(4) == 60
+    assert plain.total_steps(num_train_epochs=2.5) == 8 and plain.total_steps(2, max_steps=5) == 5
+    dropped = PlainBatching(44, 8, 1, drop_last=True)  # 5 whole batches, the last 4 samples dropped
+    assert dropped.steps_per_epoch == 5 and dropped.position_after(5) == 44

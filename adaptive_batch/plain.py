@@ -1,0 +1,71 @@
+"""What the plain Trainer does with the user's batch settings: its optimizer steps and the samples each one takes.
+
+Used to show what AdaptiveBatch changes (the plan table's "the plain Trainer: N steps") and to take over from a
+checkpoint the plain Trainer wrote: its steps count as done, and AdaptiveBatch's plan starts where they ended in
+the sample stream.
+
+The plain Trainer cuts each epoch into per-device batches of `per_device_train_batch_size` (the last one short, or
+dropped with `dataloader_drop_last`), deals them out to the ranks, and makes one optimizer step of every
+`gradient_accumulation_steps` batches, the epoch's last step taking whatever batches are left. Under several ranks
+accelerate pads the last round of batches with samples from the epoch's start; those repeats are not counted here
+(a step covers at most the dataset positions that are left in its epoch).
+
+Pure Python: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .plan import DoneSteps
+
+
+@dataclass(frozen=True)
+class PlainBatching:
+    """The user's batch settings, as the plain Trainer applies them to a dataset."""
+
+    dataset_size: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int = 1
+    drop_last: bool = False
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch (the Trainer's `num_update_steps_per_epoch`)."""
+        size, per_device = self.dataset_size, self.per_device_train_batch_size
+        batches = size // per_device if self.drop_last else math.ceil(size / per_device)
+        per_rank = batches // self.world_size if self.drop_last else math.ceil(batches / self.world_size)
+        return max(1, math.ceil(per_rank / self.gradient_accumulation_steps))
+
+    def total_steps(self, num_train_epochs: float, max_steps: int = -1) -> int:
+        """Optimizer steps of the whole run: `max_steps` when set, else `num_train_epochs` epochs of steps."""
+        if max_steps > 0:
+            return max_steps
+        return math.ceil(num_train_epochs * self.steps_per_epoch)
+
+    def step_sizes(self, num_steps: int) -> list[int]:
+        """Samples (dataset positions, all ranks) of the first `num_steps` optimizer steps, epoch after epoch."""
+        effective, per_epoch = self.effective_batch_size, self.steps_per_epoch
+        sizes = []
+        for step in range(num_steps):
+            within = step % per_epoch
+            left = self.dataset_size - within * effective
+            sizes.append(max(0, min(effective, left)))
+        return sizes
+
+    def position_after(self, num_steps: int) -> int:
+        """Dataset positions consumed by the first `num_steps` steps, an epoch's dropped tail included."""
+        epochs, within = divmod(num_steps, self.steps_per_epoch)
+        return epochs * self.dataset_size + min(within * self.effective_batch_size, self.dataset_size)
+
+    def done_steps(self, num_steps: int) -> DoneSteps:
+        """The first `num_steps` steps as a step plan's already-trained prefix."""
+        sizes = self.step_sizes(num_steps)
+        starts = [self.position_after(step) for step in range(num_steps)]
+        return DoneSteps(starts, sizes, self.position_after(num_steps), self.effective_batch_size)
