@@ -10,7 +10,8 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import IntervalStrategy
 
 from .config import AdaptiveBatchConfig
-from .trainer import Session, find_trainer_on_stack, install
+from .session import Session
+from .trainer import find_trainer_on_stack, install
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -56,6 +57,9 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             the starting one, on top of the user's scheduler.
         growth_margin: the tokens/s gain a doubled micro-batch must bring to be kept (default 1%).
         memory_headroom: the share of GPU memory `"auto"` keeps free when predicting whether a size fits.
+
+    One instance may serve several Trainers in turn (a sweep, a notebook cell run twice): each Trainer gets its
+    own plan and state, and the callback follows the Trainer that is training.
 
     The training budget is counted in samples: `num_train_epochs x dataset size`, or `max_steps x starting
     effective batch`; a growing batch shortens the run in steps. `state.epoch` follows data epochs (1.0, 2.0, ...
@@ -111,37 +115,35 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             raise TypeError(
                 "Pass the settings to AdaptiveBatch(...), not to attach(), when calling it on an instance."
             )
-        if self.session is not None:
-            raise ValueError("This AdaptiveBatch is already attached to a Trainer; create one per Trainer.")
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
-        self.session = install(trainer, self)
+        self.session = install(trainer, self.config)
         return self
 
     # -- callback events -------------------------------------------------------------------------------------------
 
     def on_init_end(self, args, state, control, **kwargs):
-        if self.session is None:
-            trainer = find_trainer_on_stack(self)
-            if trainer is None:
-                raise RuntimeError(
-                    "AdaptiveBatch could not find the Trainer being built. Call AdaptiveBatch.attach(trainer) after "
-                    "building it instead of passing AdaptiveBatch() in callbacks."
-                )
-            self.attach(trainer)
+        trainer = find_trainer_on_stack(self)
+        if trainer is None:
+            raise RuntimeError(
+                "AdaptiveBatch could not find the Trainer being built. Call AdaptiveBatch.attach(trainer) after "
+                "building it instead of passing AdaptiveBatch() in callbacks."
+            )
+        self.attach(trainer)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.session is None:
+        if Session.active is None:
             raise RuntimeError(
                 "AdaptiveBatch was added after the Trainer was built (trainer.add_callback), so it cannot plan the "
                 "steps. Use AdaptiveBatch.attach(trainer) instead, before train()."
             )
+        self.session = Session.active
         state.num_train_epochs = self.session.plan.num_epochs
         self._epoch_end_handled_at = None
 
     def on_step_end(self, args, state, control, **kwargs):
         """Make `state.epoch` and epoch-strategy evaluation, saving and logging follow data epochs."""
-        plan, step = self.session.plan, state.global_step - 1
+        plan, step = Session.active.plan, state.global_step - 1
         state.epoch = plan.epoch_after(step)
         if not plan.ends_epoch(step):
             return
@@ -161,5 +163,6 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     # -- checkpoint ------------------------------------------------------------------------------------------------
 
     def state(self) -> dict:
-        checkpoint = self.session.state_dict() if self.session is not None else {}
+        session = Session.active or self.session
+        checkpoint = session.state_dict() if session is not None else {}
         return {"args": {}, "attributes": {"checkpoint": checkpoint}}

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+from .fit import affine
+
 
 class MicroBatchTooLargeError(RuntimeError):
     """One sample per micro-batch still runs out of memory. `tried` holds the sizes that ran out, in order."""
@@ -178,6 +180,15 @@ class MicroBatchController:
             return True
         return predict_peak(self.memory_points, tokens) <= self.memory_limit
 
+    def limit_to(self, max_size: int | None) -> None:
+        """Apply a `max_size` stated after the size was learned (a resumed run): never above it from now on."""
+        if max_size is None:
+            return
+        self.max_size = max_size
+        self.size = min(self.size, max_size)
+        if self.trial is not None and self.trial > max_size:
+            self._settle(f"max_micro_batch_size={max_size}")
+
     # -- checkpoint --------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
@@ -210,10 +221,8 @@ def predict_peak(points: list[tuple[float, float]], tokens: float) -> float:
 
     With fewer than two distinct token counts nothing can be predicted and 0 is returned (assume it fits).
     """
-    xs = [x for x, _ in points]
-    if len(set(xs)) < 2:
+    line = affine(points)
+    if line is None:
         return 0.0
-    mean_x = sum(xs) / len(xs)
-    mean_y = sum(y for _, y in points) / len(points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x in xs)
-    return mean_y + slope * (tokens - mean_x)
+    intercept, slope = line
+    return intercept + slope * tokens

@@ -9,8 +9,11 @@ Under DDP every rank runs the same sequence of micro-batch sizes, computed from 
 rank with one sample fewer runs its last micro-batch one row short, or a row that adds nothing). With a token budget
 each rank cuts its own rows by their lengths, and a rank with fewer micro-batches than another runs rows that add
 nothing until all have run as many. Gradients stay local (`no_sync`) until the step is done; after each micro-batch
-the ranks exchange an out-of-memory flag, so that one rank's failure makes all of them run the step again, smaller;
-then the gradients are averaged once, as DDP would have.
+the ranks exchange a [`MicroBatchReport`] (out of memory or not, and the timings), so that one rank's failure makes
+all of them run the step again, smaller; then the gradients are averaged once, as DDP would have. The same report
+is exchanged before every collective the Trainer or TRL make inside a micro-batch (TRL gathers metrics in
+`compute_loss`): a rank that ran out of memory before such a collective answers there, and every rank leaves the
+micro-batch together instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import compat
 from .batch import IGNORE_INDEX, LABEL_KEYS, StepBatch
 from .memory import Stopwatch, is_out_of_memory, release_memory
 from .microbatch import MicroBatchController, MicroBatchTooLargeError
@@ -41,6 +45,60 @@ class StepStats:
     accumulation_steps: int = 0
     real_tokens: int = 0
     retries: int = 0
+
+
+@dataclass
+class MicroBatchReport:
+    """What the ranks exchange after each micro-batch (and before each collective inside one), combined by MAX.
+
+    Attributes:
+        out_of_memory: a rank ran out of memory.
+        seconds, peak_bytes, real_tokens: the micro-batch's time, peak memory and non-padding tokens, for timed
+            (trial) micro-batches; the largest over ranks. `peak_bytes` is -inf where not measured (CPU).
+        failed_rows, failed_tokens: the rows and padded tokens of the smallest micro-batch that ran out of memory on
+            any rank (sent negated, so MAX gives the smallest); `None` when none did.
+    """
+
+    out_of_memory: bool = False
+    seconds: float = 0.0
+    peak_bytes: float = -math.inf
+    real_tokens: float = 0.0
+    failed_rows: int | None = None
+    failed_tokens: int | None = None
+
+    def to_list(self) -> list[float]:
+        return [
+            float(self.out_of_memory),
+            self.seconds,
+            self.peak_bytes,
+            self.real_tokens,
+            -math.inf if self.failed_rows is None else -float(self.failed_rows),
+            -math.inf if self.failed_tokens is None else -float(self.failed_tokens),
+        ]
+
+    @classmethod
+    def from_list(cls, values: list[float]) -> MicroBatchReport:
+        out_of_memory, seconds, peak, real, rows, tokens = values
+        return cls(
+            bool(out_of_memory),
+            seconds,
+            peak,
+            real,
+            None if rows == -math.inf else int(-rows),
+            None if tokens == -math.inf else int(-tokens),
+        )
+
+    @property
+    def measured_peak(self) -> float | None:
+        return None if self.peak_bytes == -math.inf else self.peak_bytes
+
+
+class PeerOutOfMemory(Exception):
+    """Another rank ran out of memory in this micro-batch; raised on the others at the collective they wait in."""
+
+    def __init__(self, report: MicroBatchReport):
+        super().__init__("another rank ran out of memory")
+        self.report = report
 
 
 class MicroBatchRunner:
@@ -80,31 +138,32 @@ class MicroBatchRunner:
         if batch.rows not in (max_rows, max_rows - 1):
             raise RuntimeError(f"Step batch of {batch.rows} rows where the plan gives {max_rows} per rank.")
         step = _Step(inner_step, model, batch, num_items_in_batch, _loss_weights(batch, self.trainer))
-        metrics = _TrlMetrics(self.trainer)
+        metrics = compat.TrlMetrics(self.trainer)
         was_exploring = self.controller.exploring
         retries = 0
         while True:
             outcome = self._attempt(step, max_rows)
-            if outcome.failed_size is None:
+            if outcome.failed is None:
                 break
             retries += 1
             self._forget_attempt(model, metrics)
+            failed = outcome.failed
             try:
-                self.controller.on_out_of_memory(outcome.failed_size, outcome.failed_tokens)
+                self.controller.on_out_of_memory(failed.failed_rows, failed.failed_tokens)
             except MicroBatchTooLargeError as error:
                 raise MicroBatchTooLargeError(_too_large_message(batch, self.device), error.tried) from None
             if self.controller.max_tokens is not None:
                 logger.warning(
                     "Out of memory at a micro-batch of %d rows and %d padded tokens; running the step again with "
                     "max_tokens_per_micro_batch=%d.",
-                    outcome.failed_size,
-                    outcome.failed_tokens,
+                    failed.failed_rows,
+                    failed.failed_tokens,
                     self.controller.max_tokens,
                 )
             else:
                 logger.warning(
                     "Out of memory at micro-batch %d; running the step again at %d.",
-                    outcome.failed_size,
+                    failed.failed_rows,
                     self.controller.size,
                 )
         real_tokens = batch.real_tokens()
@@ -145,19 +204,13 @@ class MicroBatchRunner:
             size = controller.next_size(remaining)
             own = min(size, batch.rows - start)
             timed = controller.needs_timing(size)
-            stopwatch = Stopwatch(self.device)
-            out_of_memory = self._micro_batch(step, start, own, outcome, stopwatch if timed else None)
-            real = batch.tokens(start, max(own, 1))[0] if timed else 0
-            report = [float(out_of_memory), stopwatch.seconds, stopwatch.peak_bytes or 0.0, real]
-            if self.distributed:
-                report = _all_reduce(report, self.device, dist.ReduceOp.MAX)
-            if report[0]:
-                outcome.failed_size = size
+            report = self._micro_batch(step, start, own, outcome, timed)
+            if report.out_of_memory:
+                report.failed_rows = size  # every rank runs the same sizes: the size that failed somewhere
+                outcome.failed = report
                 return outcome
             if timed:
-                controller.record(
-                    size, report[1], report[3], report[2] if stopwatch.peak_bytes is not None else None
-                )
+                controller.record(size, report.seconds, report.real_tokens, report.measured_peak)
             start += own
             remaining -= size
             outcome.chunks += 1
@@ -172,52 +225,75 @@ class MicroBatchRunner:
         if longest > budget:
             self.warn_long_row(longest)
         count = len(sizes)
-        if self.distributed:  # every micro-batch exchanges the out-of-memory flag: all ranks run as many
+        if self.distributed:  # every micro-batch exchanges a report: all ranks run as many
             count = int(_all_reduce([count], self.device, dist.ReduceOp.MAX)[0])
         outcome = _Outcome(loss=torch.zeros((), device=self.device))
         start = 0
         for index in range(count):
             own = sizes[index] if index < len(sizes) else 0
-            out_of_memory = self._micro_batch(step, start, own, outcome)
-            # the fewest rows and padded tokens of a micro-batch that ran out on any rank: MAX of their negatives
-            report = [-math.inf, -math.inf]
-            if out_of_memory:
-                rows = own or 1  # a row that adds nothing is one row
-                report = [-rows, -batch.tokens(start if own else batch.rows - 1, rows)[1]]
-            if self.distributed:
-                report = _all_reduce(report, self.device, dist.ReduceOp.MAX)
-            if report[0] > -math.inf:
-                outcome.failed_size, outcome.failed_tokens = int(-report[0]), int(-report[1])
+            report = self._micro_batch(step, start, own, outcome)
+            if report.out_of_memory:
+                outcome.failed = report
                 return outcome
             start += own
             outcome.chunks += 1
             outcome.largest = max(outcome.largest, own)
         return outcome
 
-    def _micro_batch(self, step: _Step, start: int, own: int, outcome: _Outcome, stopwatch=None) -> bool:
-        """Forward and backward of `own` rows from `start` (none: a row that adds nothing), timed by `stopwatch` if
-        given, the loss added to `outcome`. Returns whether it ran out of memory."""
+    def _micro_batch(
+        self, step: _Step, start: int, own: int, outcome: _Outcome, timed: bool = False
+    ) -> MicroBatchReport:
+        """Forward and backward of `own` rows from `start` (none: a row that adds nothing), the loss added to
+        `outcome`; timed if `timed`. Returns the report of every rank combined (this rank's alone without DDP)."""
         trainer, batch = self.trainer, step.batch
+        stopwatch = Stopwatch(self.device) if timed else None
+        local = MicroBatchReport()
         try:
-            with stopwatch or contextlib.nullcontext(), trainer.accelerator.no_sync(step.model):
+            with stopwatch or contextlib.nullcontext(), compat.no_sync(trainer, step.model), self._guard():
                 if own > 0:
                     chunk = batch.take(start, own)
-                    trainer.current_gradient_accumulation_steps = step.weights.divisor(batch, start, own)
+                    compat.set_loss_divisor(trainer, step.weights.divisor(batch, start, own))
                 else:  # a rank with fewer rows: a row that adds nothing (a mean loss is divided by inf)
                     chunk = batch.dummy(count_items=step.num_items is not None)
-                    trainer.current_gradient_accumulation_steps = float("inf")
+                    compat.set_loss_divisor(trainer, float("inf"))
                 loss = step.inner_step(step.model, chunk, step.num_items)
                 del chunk
             if own > 0:
                 outcome.loss += loss.detach()
             del loss
+        except PeerOutOfMemory as peer:  # the reports were exchanged where this rank waited
+            return peer.report
         except Exception as error:  # noqa: BLE001 - only allocation failures are handled, the rest re-raised
             if not is_out_of_memory(error):
                 raise
-            return True
-        return False
+            rows = own or 1  # a row that adds nothing is one row
+            local.out_of_memory = True
+            local.failed_rows = rows
+            local.failed_tokens = batch.tokens(start if own else batch.rows - 1, rows)[1]
+        if stopwatch is not None and not local.out_of_memory:
+            local.seconds = stopwatch.seconds
+            local.peak_bytes = stopwatch.peak_bytes if stopwatch.peak_bytes is not None else -math.inf
+            local.real_tokens = batch.tokens(start, max(own, 1))[0]
+        return self._exchange(local)
 
-    def _forget_attempt(self, model, metrics: _TrlMetrics) -> None:
+    def _exchange(self, report: MicroBatchReport) -> MicroBatchReport:
+        if not self.distributed:
+            return report
+        return MicroBatchReport.from_list(_all_reduce(report.to_list(), self.device, dist.ReduceOp.MAX))
+
+    def _guard(self):
+        """Under DDP, an exchange before each collective of the Trainer or TRL inside the micro-batch."""
+        if not self.distributed:
+            return contextlib.nullcontext()
+
+        def check() -> None:
+            report = self._exchange(MicroBatchReport())
+            if report.out_of_memory:
+                raise PeerOutOfMemory(report)
+
+        return compat.before_collectives(self.trainer.accelerator, check)
+
+    def _forget_attempt(self, model, metrics: compat.TrlMetrics) -> None:
         """Undo a failed attempt: gradients back to none (as at the start of a step), TRL metrics back, memory freed."""
         model.zero_grad(set_to_none=True)
         if hasattr(model, "require_forward_param_sync"):
@@ -247,8 +323,9 @@ class _Outcome:
     loss: torch.Tensor
     chunks: int = 0
     largest: int = 0
-    failed_size: int | None = None
-    failed_tokens: int | None = None  # padded tokens of the failed micro-batch, when cut by a token budget
+    failed: MicroBatchReport | None = (
+        None  # the report of the micro-batch that ran out of memory on some rank
+    )
 
 
 class _LossWeights:
@@ -269,42 +346,10 @@ def _loss_weights(batch: StepBatch, trainer) -> _LossWeights:
     for key in LABEL_KEYS:
         labels = batch.batch.get(key)
         if isinstance(labels, torch.Tensor) and labels.dim() == 2:
-            if key == "labels" and getattr(trainer, "_loss_shifts_labels", False):
+            if key == "labels" and compat.loss_shifts_labels(trainer):
                 labels = labels[:, 1:]
             return _LossWeights((labels != IGNORE_INDEX).sum(dim=1))
     return _LossWeights(None)
-
-
-class _TrlMetrics:
-    """TRL's SFTTrainer counts tokens and appends metrics on every `compute_loss` call. A step run again after an
-    out-of-memory error would count them twice, and a row that adds nothing would count its tokens: keep the
-    metrics of the last attempt only, and set the token count to the step's real tokens."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        metrics = getattr(trainer, "_metrics", None)
-        self.lists = metrics.get("train") if isinstance(metrics, dict) else None
-        self.lengths = (
-            {key: len(values) for key, values in self.lists.items()} if self.lists is not None else {}
-        )
-        self.total_tokens = getattr(trainer, "_total_train_tokens", None)
-
-    def restore(self) -> None:
-        if self.lists is not None:
-            for key in list(self.lists):
-                if key in self.lengths:
-                    del self.lists[key][self.lengths[key] :]
-                else:
-                    del self.lists[key]
-        if self.total_tokens is not None:
-            self.trainer._total_train_tokens = self.total_tokens
-
-    def correct(self, real_tokens: int) -> None:
-        if self.total_tokens is None or not isinstance(self.total_tokens, (int, float)):
-            return
-        self.trainer._total_train_tokens = self.total_tokens + real_tokens
-        if self.lists is not None and "num_tokens" in self.lists:
-            self.lists["num_tokens"] = [self.trainer._total_train_tokens]
 
 
 def _all_reduce(values: list[float], device: torch.device, op) -> list[float]:

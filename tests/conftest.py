@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from transformers import Trainer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
@@ -91,12 +92,74 @@ def make_trainer(tokenizer, rows, tmp_path):
     return make
 
 
+# -- comparing runs --------------------------------------------------------------------------------------------------
+#
+# A run that should equal another one exactly (an out-of-memory retry against a run at the final size, a resume
+# against the uninterrupted run) is compared bit for bit: `assert_same_parameters`.
+#
+# Runs that differ in the order of floating-point additions (a step cut into other micro-batches, two ranks against
+# one process) are compared with ORDER_ONLY settings: float64, and SGD, whose update is linear in the gradient, so
+# the rounding differences (about 1e-16 relative) stay that small on any machine. Adam would divide them by the root
+# of tiny second moments: 5e-15 on one machine, 1e-8 on another. Here they come to about 1e-16, while one sample
+# more or less in the run moves the weights by about 6e-3: ORDER_TOLERANCE sits far from both.
+ORDER_ONLY = dict(dtype=torch.float64, optim="sgd", learning_rate=0.1)
+ORDER_TOLERANCE = 1e-10
+
+
 def parameters(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def assert_close_parameters(a: dict, b: dict, rtol: float = 1e-5):
+def assert_close_parameters(a: dict, b: dict, rtol: float = ORDER_TOLERANCE):
     assert a.keys() == b.keys()
     for name in a:
         diff = (a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-12)
         assert diff < rtol, f"{name}: relative difference {diff:.2e}"
+
+
+def assert_same_parameters(a: torch.nn.Module, b: torch.nn.Module):
+    """Bit for bit."""
+    pairs = list(zip(a.named_parameters(), b.named_parameters(), strict=True))
+    for (name, x), (_, y) in pairs:
+        assert torch.equal(x, y), f"{name}: differs by up to {(x - y).abs().max():.2e}"
+
+
+def step_logs(trainer) -> list[dict]:
+    """The training logs of every optimizer step (logging_steps=1)."""
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+def logged(trainer, key: str) -> list:
+    return [log[key] for log in step_logs(trainer)]
+
+
+class Recording(Trainer):
+    """Records every micro-batch its `training_step` gets, as `(optimizer step, rows, padded length, label tokens,
+    the rows' tokens without padding)`, in `micro_batches` (one list per instance)."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        rows, length = inputs["input_ids"].shape
+        labels = int((inputs["labels"] != -100).sum())
+        content = [tuple(r[m.bool()].tolist()) for r, m in zip(inputs["input_ids"], inputs["attention_mask"])]
+        self.__dict__.setdefault("micro_batches", []).append(
+            (self.state.global_step, rows, length, labels, content)
+        )
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class MeanLossModel(torch.nn.Module):
+    """A model whose loss is its own mean over label tokens, so no `num_items_in_batch` reaches it.
+
+    With `shift`, position i predicts label i + 1, as causal LMs do; without, every labelled position is scored.
+    """
+
+    def __init__(self, inner, shift: bool = True):
+        super().__init__()
+        self.inner = inner
+        self.shift = shift
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        logits = self.inner(input_ids=input_ids, attention_mask=attention_mask).logits
+        scored, targets = (logits[:, :-1], labels[:, 1:]) if self.shift else (logits, labels)
+        loss = torch.nn.functional.cross_entropy(scored.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return {"loss": loss, "logits": logits}

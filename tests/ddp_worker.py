@@ -3,7 +3,10 @@
 usage: ddp_worker.py OUTPUT_DIR {trainer,sft,tokens} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
 
 With `tokens`, rows of 3 to 24 tokens are cut by a token budget of MICRO_BATCH_SIZE, every micro-batch is recorded,
-and the fake out-of-memory error comes above 30 tokens instead of 1 row.
+and the fake out-of-memory error comes above 30 tokens instead of 1 row. The fake error is raised in the forward
+pass: with `sft`, before TRL's `compute_loss` gathers its metrics from every rank.
+
+Runs use the ORDER_ONLY settings of conftest (float64, SGD): two ranks and one process add in different orders.
 """
 
 import json
@@ -16,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = None) -> None:
+    from conftest import ORDER_ONLY, Recording
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     from adaptive_batch import AdaptiveBatch, PhaseSchedule
@@ -29,14 +33,15 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
 
     texts = text_corpus()
     tokenizer = train_tokenizer(texts[:1500], vocab_size=384)
-    model = tiny_llama(tokenizer).to(torch.float64)
+    model = tiny_llama(tokenizer).to(ORDER_ONLY["dtype"])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     common = dict(
         output_dir=output_dir,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=4 // world_size,
         num_train_epochs=2,
-        learning_rate=1e-2,
+        learning_rate=ORDER_ONLY["learning_rate"],
+        optim=ORDER_ONLY["optim"],
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -50,15 +55,6 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         callback = AdaptiveBatch(schedule=schedule, max_tokens_per_micro_batch=int(micro))
     else:
         callback = AdaptiveBatch(schedule=schedule, micro_batch_size=int(micro))
-    micro_batches = []  # (optimizer step, rows, padded length, label tokens), as training_step gets them
-
-    class Recording(Trainer):
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            rows, length = inputs["input_ids"].shape
-            labels = int((inputs["labels"] != -100).sum())
-            micro_batches.append((self.state.global_step, rows, length, labels))
-            return super().training_step(model, inputs, num_items_in_batch)
-
     if kind == "tokens":
         rows = token_dataset(tokenizer, texts[:43], max_length=24)
         trainer = Recording(
@@ -93,14 +89,15 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         limits = dict(max_rows=None, max_tokens=30) if kind == "tokens" else dict(max_rows=1)
         watcher = FakeOutOfMemory(trainer.model, **limits)
     trainer.train()
+    session = callback.session
     result = {
         "rank": rank,
         "world_size": trainer.args.world_size,
-        "plan": trainer._adaptive_batch.plan.fingerprint(),
+        "plan": session.plan.fingerprint(),
         "logs": [log for log in trainer.state.log_history if "loss" in log],
         "raised": watcher.raised if watcher else [],
-        "micro_batches": micro_batches,
-        "max_tokens": trainer._adaptive_batch.controller.max_tokens,
+        "micro_batches": [m[:4] for m in getattr(trainer, "micro_batches", [])],
+        "max_tokens": session.controller.max_tokens,
     }
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -136,3 +136,31 @@ def test_a_constant_batch_keeps_any_scheduler(make_trainer, rows):
     )
     trainer.train()
     assert isinstance(trainer.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def test_a_packed_dataset_is_counted_in_packed_rows(tokenizer, texts, tmp_path):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from adaptive_batch.testing import tiny_llama
+
+    args = SFTConfig(
+        output_dir=str(tmp_path),
+        packing=True,
+        packing_strategy="wrapped",
+        max_length=256,
+        per_device_train_batch_size=8,
+        report_to=[],
+        use_cpu=True,
+    )
+    dataset = Dataset.from_dict({"text": texts[:64]})
+    with pytest.raises(
+        ValueError, match=r"exceeds the dataset size \d+ packed rows \(TRL's packing=True puts"
+    ):
+        SFTTrainer(
+            model=tiny_llama(tokenizer),
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[AdaptiveBatch(schedule=64)],
+        )

@@ -6,6 +6,7 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 trl = pytest.importorskip("trl")
+from conftest import assert_same_parameters, logged, step_logs  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, EarlyStoppingCallback  # noqa: E402
@@ -22,7 +23,13 @@ def base_model_dir(tmp_path_factory, tokenizer):
     return path
 
 
-def qlora_trainer(base_model_dir, tokenizer, texts, output_dir, callbacks, **overrides):
+@pytest.fixture(scope="module")
+def long_texts(texts):
+    """Paragraphs longer than max_length tokens: every row is cut to the same length, so no row is padded."""
+    return [text for text in texts if len(text) > 400]
+
+
+def qlora_trainer(base_model_dir, tokenizer, texts, output_dir, callbacks, num_texts=36, **overrides):
     model = AutoModelForCausalLM.from_pretrained(
         base_model_dir,
         quantization_config=BitsAndBytesConfig(
@@ -56,7 +63,7 @@ def qlora_trainer(base_model_dir, tokenizer, texts, output_dir, callbacks, **ove
     return trl.SFTTrainer(
         model=model,
         args=trl.SFTConfig(**settings),
-        train_dataset=Dataset.from_dict({"text": texts[:36]}),
+        train_dataset=Dataset.from_dict({"text": texts[:num_texts]}),
         eval_dataset=Dataset.from_dict({"text": texts[200:208]}),
         processing_class=tokenizer,
         peft_config=LoraConfig(
@@ -67,40 +74,66 @@ def qlora_trainer(base_model_dir, tokenizer, texts, output_dir, callbacks, **ove
 
 
 @pytest.mark.slow
-def test_classic_qlora_sft_script_with_the_one_line(base_model_dir, tokenizer, texts, tmp_path):
-    trainer = qlora_trainer(
-        base_model_dir,
-        tokenizer,
-        texts,
-        tmp_path / "qlora",
-        callbacks=[AdaptiveBatch(), EarlyStoppingCallback(early_stopping_patience=5)],
-    )
-    assert (
-        type(trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer).__name__
-        == "Linear4bit"
-    )
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    trainer.train()
-    logs = [log for log in trainer.state.log_history if "loss" in log]
-    evals = [log for log in trainer.state.log_history if "eval_loss" in log]
-    assert [log["adaptive_batch/effective_batch_size"] for log in logs] == ([8] * 4 + [4]) * 3
-    assert logs[-1]["adaptive_batch/samples_seen"] == 108
+def test_classic_qlora_sft_script_with_the_one_line(base_model_dir, tokenizer, long_texts, tmp_path):
+    def run(callbacks, name):
+        trainer = qlora_trainer(
+            base_model_dir,
+            tokenizer,
+            long_texts,
+            tmp_path / name,
+            callbacks=[*callbacks, EarlyStoppingCallback(early_stopping_patience=5)],
+            train_sampling_strategy="sequential",  # the same samples in the same order in both runs
+            # whole steps only: on an epoch's short step the LR follows samples, the plain Trainer's follows steps
+            num_texts=32,
+        )
+        assert type(trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer).__name__ == (
+            "Linear4bit"
+        )
+        trainer.train()
+        return trainer
+
+    plain = run([], "plain")
+    trainer = run([AdaptiveBatch(micro_batch_size=2)], "adaptive")
+    logs = step_logs(trainer)
+    assert logged(trainer, "adaptive_batch/effective_batch_size") == [8] * 12
+    assert logs[-1]["adaptive_batch/samples_seen"] == 96
     assert logs[-1]["num_tokens"] == logs[-1]["adaptive_batch/tokens_seen"]  # TRL's own count agrees
-    assert [log["epoch"] for log in evals] == [1.0, 2.0, 3.0]
-    assert trainer.state.best_model_checkpoint is not None
-    after = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    assert any(not torch.equal(before[n], after[n]) for n in before)
+    assert [log["epoch"] for log in trainer.state.log_history if "eval_loss" in log] == [1.0, 2.0, 3.0]
+    assert trainer.state.best_model_checkpoint.endswith(plain.state.best_model_checkpoint.rsplit("/", 1)[-1])
+    # the plain SFTTrainer's micro-batches, in its order: the same run, bit for bit
+    for key in ("loss", "num_tokens", "learning_rate"):
+        assert logged(trainer, key) == logged(plain, key), key
+    evals = [
+        [log["eval_loss"] for log in t.state.log_history if "eval_loss" in log] for t in (trainer, plain)
+    ]
+    assert evals[0] == evals[1]
+    assert_same_parameters(trainer.model, plain.model)
+
+
+@pytest.mark.slow
+def test_the_one_line_with_automatic_micro_batches(base_model_dir, tokenizer, texts, tmp_path):
+    trainer = qlora_trainer(
+        base_model_dir, tokenizer, texts, tmp_path / "auto", callbacks=[AdaptiveBatch()], num_train_epochs=1
+    )
+    trainer.train()
+    assert logged(trainer, "adaptive_batch/effective_batch_size") == [8] * 4 + [4]
+    assert len(set(logged(trainer, "adaptive_batch/micro_batch_size"))) > 1  # sizes were tried
+    assert step_logs(trainer)[-1]["num_tokens"] == step_logs(trainer)[-1]["adaptive_batch/tokens_seen"]
 
 
 @pytest.mark.slow
 def test_sft_out_of_memory_retry_counts_tokens_once(base_model_dir, tokenizer, texts, tmp_path):
-    def run(fake_rows):
+    def run(fake_rows, micro_batch_size=8):
         trainer = qlora_trainer(
             base_model_dir,
             tokenizer,
             texts,
             tmp_path / f"oom{fake_rows}",
-            callbacks=[AdaptiveBatch(schedule=PhaseSchedule([4, 8], boundaries=[0.5]), micro_batch_size=8)],
+            callbacks=[
+                AdaptiveBatch(
+                    schedule=PhaseSchedule([4, 8], boundaries=[0.5]), micro_batch_size=micro_batch_size
+                )
+            ],
             num_train_epochs=1,
             eval_strategy="no",
             save_strategy="no",
@@ -113,11 +146,13 @@ def test_sft_out_of_memory_retry_counts_tokens_once(base_model_dir, tokenizer, t
         trainer.train()
         return trainer, watcher
 
-    plain, _ = run(None)
+    at_two, _ = run(None, micro_batch_size=2)
     retried, watcher = run(3)
     assert watcher.raised == [4]  # the first step of 4 fails at 4, then every micro-batch holds 2
-    plain_logs = [log for log in plain.state.log_history if "loss" in log]
-    retried_logs = [log for log in retried.state.log_history if "loss" in log]
-    assert [log["num_tokens"] for log in retried_logs] == [log["num_tokens"] for log in plain_logs]
-    assert [log["adaptive_batch/micro_batch_size"] for log in retried_logs][-1] == 2
-    assert retried_logs[-1]["loss"] == pytest.approx(plain_logs[-1]["loss"], rel=1e-3)
+    assert logged(retried, "adaptive_batch/micro_batch_size") == logged(
+        at_two, "adaptive_batch/micro_batch_size"
+    )
+    # the failed attempt left nothing behind, TRL's token count included: the run at 2 from the start, bit for bit
+    for key in ("num_tokens", "loss"):
+        assert logged(retried, key) == logged(at_two, key), key
+    assert_same_parameters(retried.model, at_two.model)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import logged, step_logs
 from transformers import EarlyStoppingCallback
 from transformers.optimization import get_scheduler
 
@@ -19,10 +20,6 @@ KEYS = [
 ]
 
 
-def step_logs(trainer):
-    return [log for log in trainer.state.log_history if "loss" in log]
-
-
 @pytest.mark.parametrize(
     "scheduler_type", ["linear", "cosine", "constant_with_warmup", "warmup_stable_decay"]
 )
@@ -33,7 +30,7 @@ def test_learning_rate_is_the_base_schedule_at_the_sample_fraction_times_the_rul
     specific = {"num_decay_steps": 4} if scheduler_type == "warmup_stable_decay" else {}
     trainer = make_trainer(
         [AdaptiveBatch(schedule=schedule, lr_scaling="sqrt", micro_batch_size=4)],
-        num_rows=64,
+        num_rows=60,
         num_train_epochs=2,
         lr_scheduler_type=scheduler_type,
         warmup_steps=5,
@@ -42,7 +39,7 @@ def test_learning_rate_is_the_base_schedule_at_the_sample_fraction_times_the_rul
     )
     trainer.train()
     plan = trainer._adaptive_batch.plan
-    nominal = math.ceil(128 / 4)
+    nominal = math.ceil(120 / 4)
     reference = get_scheduler(
         scheduler_type,
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
@@ -51,13 +48,49 @@ def test_learning_rate_is_the_base_schedule_at_the_sample_fraction_times_the_rul
         scheduler_specific_kwargs=specific,
     )
     logs = step_logs(trainer)
-    assert len(logs) == plan.num_steps == 8 + 4 + 4  # 32 samples at 4, 32 at 8, 64 at 16
+    # 4 to a quarter of the 120 samples, 8 to half (epoch 1 ends with 4 of 8), then 16 (epoch 2 ends with 12)
+    sizes = [log["adaptive_batch/effective_batch_size"] for log in logs]
+    assert sizes == list(plan.sizes) == [4] * 8 + [8, 8, 8, 4] + [16, 16, 16, 12]
     for step, log in enumerate(logs):
         fraction = plan.starts[step] / plan.budget
-        scale = math.sqrt(plan.scheduled[step] / 4)
+        scale = math.sqrt(sizes[step] / 4)  # the rule applies to the samples the step holds
         expected = 1e-3 * reference.lr_lambdas[0](fraction * nominal) * scale
         assert log["learning_rate"] == pytest.approx(expected, rel=1e-9, abs=1e-15), step
         assert log["adaptive_batch/lr_scale"] == pytest.approx(scale)
+
+
+def test_a_short_step_gets_the_learning_rate_of_the_samples_it_holds(make_trainer, caplog):
+    trainer = make_trainer(
+        [AdaptiveBatch(schedule=PhaseSchedule([8, 16], boundaries=[0.5]), lr_scaling="linear")],
+        num_rows=40,
+        num_train_epochs=2,
+        lr_scheduler_type="constant",
+    )
+    with caplog.at_level("INFO", logger="adaptive_batch"):
+        trainer.train()
+    table = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("AdaptiveBatch plan"))
+    assert "  uneven steps   " in table and table.endswith("step 7: 8 of 16 (an epoch's rest; LR x1)")
+    sizes = logged(trainer, "adaptive_batch/effective_batch_size")
+    assert sizes == [8] * 5 + [16, 16, 8]  # epoch 2: 40 samples at 16, the last step holds 8
+    assert logged(trainer, "adaptive_batch/lr_scale") == [size / 8 for size in sizes]
+    assert logged(trainer, "learning_rate") == [1e-2 * size / 8 for size in sizes]
+
+
+def test_one_instance_serves_several_trainers_in_turn(make_trainer):
+    callback = AdaptiveBatch(micro_batch_size=4)
+    first = make_trainer([callback], num_rows=32)
+    first.train()
+    second = make_trainer(
+        [callback], num_rows=64, per_device_train_batch_size=2, gradient_accumulation_steps=4
+    )
+    second.train()
+    assert logged(second, "adaptive_batch/effective_batch_size") == [8] * 8
+    assert logged(second, "adaptive_batch/micro_batch_size") == [4] * 8
+    assert logged(second, "epoch") == [(k + 1) / 8 for k in range(8)]
+    assert callback.session.trainer is second
+    first.train()  # the first Trainer again, with its own plan
+    assert logged(first, "adaptive_batch/samples_seen") == [8, 16, 24, 32]
+    assert logged(first, "epoch") == [0.25, 0.5, 0.75, 1.0]
 
 
 def test_max_steps_is_a_sample_budget_when_the_batch_grows(make_trainer):

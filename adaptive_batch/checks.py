@@ -1,0 +1,86 @@
+"""The setups AdaptiveBatch refuses, checked before any compute: each gets one error with the value, the rule and a
+fix."""
+
+from __future__ import annotations
+
+from torch.utils.data import IterableDataset
+from transformers import Trainer
+
+
+def check_trainer(trainer: Trainer) -> None:
+    """Raise, before any compute, for setups whose batches AdaptiveBatch cannot keep exact."""
+    args = trainer.args
+    if args.auto_find_batch_size:
+        raise ValueError(
+            "auto_find_batch_size=True restarts the training loop on OOM and silently changes the effective batch; "
+            "AdaptiveBatch finds the micro-batch inside each step and keeps the effective batch. Set "
+            "auto_find_batch_size=False."
+        )
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError(
+            "DeepSpeed runs its own gradient accumulation, which AdaptiveBatch does not drive yet. Remove the "
+            "deepspeed config, or remove AdaptiveBatch and set the batch sizes by hand."
+        )
+    if getattr(trainer, "is_fsdp_enabled", False):
+        raise ValueError(
+            "FSDP needs a reduce-scatter of gradients that AdaptiveBatch does not do yet. Use DDP (torchrun without "
+            "fsdp), or remove AdaptiveBatch."
+        )
+    parallelism = getattr(trainer.accelerator, "parallelism_config", None)
+    if parallelism is not None and getattr(parallelism, "non_data_parallel_size", 1) > 1:
+        raise ValueError(
+            "Tensor, context or sequence parallelism give ranks the same samples; AdaptiveBatch splits samples "
+            "across all ranks. Use data parallelism only, or remove AdaptiveBatch."
+        )
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"{args.n_gpu} GPUs in one process (torch.nn.DataParallel) are not supported: launch one process per "
+            "GPU with torchrun or accelerate launch, or set CUDA_VISIBLE_DEVICES to one GPU."
+        )
+    accelerator_config = args.accelerator_config
+    if getattr(accelerator_config, "dispatch_batches", None) or getattr(
+        accelerator_config, "split_batches", False
+    ):
+        raise ValueError(
+            "accelerator_config dispatch_batches/split_batches change who loads which samples; AdaptiveBatch gives "
+            "every rank its own share of each step. Leave both unset."
+        )
+    if args.train_sampling_strategy not in ("random", "sequential"):
+        raise ValueError(
+            f"train_sampling_strategy={args.train_sampling_strategy!r}: AdaptiveBatch orders samples itself and "
+            "groups each step's samples by length before cutting micro-batches. Use 'random' (or 'sequential')."
+        )
+    for method in ("get_train_dataloader", "_get_train_sampler"):
+        owner = next(
+            c for c in type(trainer).__mro__ if method in vars(c) and not vars(c).get("_adaptive_batch_mixin")
+        )
+        if owner is not Trainer:
+            raise ValueError(
+                f"{owner.__name__} overrides {method}, which AdaptiveBatch replaces with its step sampler, so your "
+                "version would be skipped. Move that logic into the dataset or data collator, or remove AdaptiveBatch."
+            )
+    if _padding_free(trainer):
+        raise ValueError(
+            "The data collator flattens each batch into one padding-free row, which AdaptiveBatch cannot cut into "
+            "micro-batches by rows. Turn padding-free collation off (TRL: SFTConfig(padding_free=False) and, with "
+            "packing=True, packing_strategy='wrapped'; transformers: a padding collator instead of "
+            "DataCollatorWithFlattening)."
+        )
+    dataset = trainer.train_dataset
+    if dataset is not None and (isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")):
+        raise ValueError(
+            f"The training dataset ({type(dataset).__name__}) has no length, so it has no epochs to plan steps "
+            "over and no random access to draw a step's samples from. Use a map-style dataset (datasets.Dataset "
+            "or a torch Dataset with __len__ and __getitem__)."
+        )
+
+
+def _padding_free(trainer: Trainer) -> bool:
+    from transformers import DataCollatorWithFlattening
+
+    collator = trainer.data_collator
+    return (
+        isinstance(collator, DataCollatorWithFlattening)
+        or bool(getattr(collator, "padding_free", False))
+        or bool(getattr(trainer, "padding_free", False))  # TRL's SFTTrainer, packing with 'bfd' included
+    )

@@ -1,0 +1,405 @@
+"""AdaptiveBatch's state for one Trainer: the plan, the sample clock, the micro-batches, resuming, and the logs.
+
+A `Session` is made when AdaptiveBatch is attached to a Trainer and planned again when `train()` starts (the
+arguments or the dataset may have changed, and a checkpoint may be resumed). While a Trainer is inside `train()`,
+its session is `Session.active`: the callback's events and checkpoint state follow that one, so one AdaptiveBatch
+instance can serve several Trainers in turn (a sweep, a notebook cell run twice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import asdict
+from typing import ClassVar
+
+from torch.utils.data import DataLoader
+from transformers import Trainer
+
+from . import compat, lengths, report
+from .checkpoint import (
+    Adoption,
+    MicroBatchSettings,
+    PlanIdentity,
+    StoredCheckpoint,
+    identity_error,
+    learned_state_applies,
+)
+from .checks import check_trainer
+from .config import AdaptiveBatchConfig
+from .lr import SampleClock, nominal_steps
+from .memory import memory_limit
+from .microbatch import MicroBatchController
+from .plain import PlainBatching
+from .plan import Budget, StepPlan, build_plan
+from .sampler import StepBatchSampler
+from .schedule import Progress, check_effective_batch_size, describe
+from .scheduler import follow_sample_clock
+from .step import MicroBatchRunner
+
+logger = logging.getLogger("adaptive_batch")
+
+
+class Session:
+    """AdaptiveBatch's state for one Trainer. See the module docstring."""
+
+    active: ClassVar[Session | None] = None  # the session whose Trainer is inside train()
+
+    def __init__(self, trainer: Trainer, config: AdaptiveBatchConfig):
+        self.trainer = trainer
+        self.config = config
+        args = trainer.args
+        # the user's settings, read before AdaptiveBatch runs the loop with gradient accumulation 1
+        self.per_device_train_batch_size = args.per_device_train_batch_size
+        self.gradient_accumulation_steps = args.gradient_accumulation_steps
+        self.world_size = max(1, args.world_size)
+        self.rank = args.process_index
+        self.plan: StepPlan | None = None
+        self.clock: SampleClock | None = None
+        self.budget: Budget | None = None
+        self.identity: PlanIdentity | None = None
+        self.adoption: Adoption | None = None
+        self.controller: MicroBatchController | None = None
+        self.runner: MicroBatchRunner | None = None
+        self.tokens_seen = 0
+        self.last_step = -1
+
+    # -- planning ------------------------------------------------------------------------------------------------
+
+    @property
+    def default_effective_batch_size(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    @property
+    def settings(self) -> MicroBatchSettings:
+        config = self.config
+        return MicroBatchSettings(
+            config.micro_batch_size, config.max_micro_batch_size, config.max_tokens_per_micro_batch
+        )
+
+    def prepare(self, checkpoint: StoredCheckpoint | None = None) -> None:
+        """Plan from the current arguments and dataset (and the checkpoint to resume, if any); build the clock and
+        the micro-batch controller. Every refusal happens here, before any compute."""
+        trainer, config, args = self.trainer, self.config, self.trainer.args
+        dataset = trainer.train_dataset
+        if dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        check_trainer(trainer)
+        schedule = config.resolved_schedule(self.default_effective_batch_size)
+        starting = check_effective_batch_size(schedule(Progress(0, 0, 0.0)), where="The schedule at step 0")
+        if args.max_steps > 0:
+            self.budget = Budget.from_max_steps(args.max_steps, starting)
+        else:
+            self.budget = Budget.from_epochs(args.num_train_epochs, len(dataset))
+        self.adoption = self._adoption(checkpoint)
+        done = None
+        if self.adoption is not None:
+            adopted = self.adoption
+            plain = PlainBatching(
+                len(dataset),
+                adopted.per_device_train_batch_size,
+                adopted.gradient_accumulation_steps,
+                adopted.world_size,
+                adopted.drop_last,
+            )
+            done = plain.done_steps(adopted.global_step)
+        self.plan = build_plan(
+            schedule,
+            len(dataset),
+            self.budget,
+            self.world_size,
+            args.dataloader_drop_last,
+            done=done,
+            unit=_dataset_unit(args),
+        )
+        self.clock = SampleClock(
+            self.plan, config.rule, starting, nominal_steps(self.budget.samples, starting)
+        )
+        self.clock.check()
+        self.identity = PlanIdentity(
+            dataset_size=len(dataset),
+            budget_samples=self.budget.samples,
+            drop_last=bool(args.dataloader_drop_last),
+            data_seed=self._data_seed(),
+            shuffle=self._shuffle(),
+            adopted_at_step=self.adoption.global_step if self.adoption else 0,
+            fingerprint=self.plan.fingerprint(),
+        )
+        if checkpoint is not None and checkpoint.state is not None:
+            stored = checkpoint.state.get("plan") or {"fingerprint": checkpoint.state.get("plan_fingerprint")}
+            differences = self.identity.differences(stored)
+            if differences:
+                raise ValueError(identity_error(differences))
+        if self.controller is None or checkpoint is not None:  # a second train() keeps what the first learned
+            self.controller = self._new_controller()
+        self.controller.row_limit = self.plan.max_rows_per_rank
+        if config.max_tokens_per_micro_batch is not None and config.auto:
+            # with a token budget "auto" caps rows only by max_micro_batch_size, under a plan that may be new
+            self.controller.size = min(config.max_micro_batch_size or math.inf, self.plan.max_rows_per_rank)
+        self.runner = MicroBatchRunner(trainer, self.controller, self.world_size)
+        if checkpoint is not None:
+            self._restore(checkpoint)
+
+    def _new_controller(self) -> MicroBatchController:
+        config, args = self.config, self.trainer.args
+        by_tokens = config.max_tokens_per_micro_batch is not None
+        if not config.auto:
+            start = config.micro_batch_size
+        else:  # with a token budget the start is the row cap: "auto" caps rows only by max_micro_batch_size
+            start = self.plan.max_rows_per_rank if by_tokens else self._probed_start()
+        return MicroBatchController(
+            start,
+            auto=config.auto,
+            max_size=config.max_micro_batch_size,
+            row_limit=self.plan.max_rows_per_rank,
+            growth_margin=config.growth_margin,
+            memory_limit=memory_limit(args.device, config.memory_headroom),
+            max_tokens=config.max_tokens_per_micro_batch,
+        )
+
+    def _adoption(self, checkpoint: StoredCheckpoint | None) -> Adoption | None:
+        """How the plan takes over from a plain Trainer's checkpoint: the one resumed now, or the one a resumed
+        AdaptiveBatch checkpoint took over from."""
+        if checkpoint is None:
+            return None
+        if checkpoint.state is not None:
+            stored = checkpoint.state.get("adoption")
+            return Adoption.from_dict(stored) if stored else None
+        if checkpoint.global_step == 0:
+            return None
+        args = self.trainer.args
+        return Adoption(
+            global_step=checkpoint.global_step,
+            # what the plain Trainer recorded; the rest is taken from the arguments of this run
+            per_device_train_batch_size=checkpoint.train_batch_size or self.per_device_train_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            world_size=self.world_size,
+            drop_last=bool(args.dataloader_drop_last),
+        )
+
+    def _probed_start(self) -> int:
+        """Where 'auto' starts: a cached `adaptive-batch probe` result for this setup, else the per-device size.
+        When the cache holds another setup, one line says which field differs."""
+        from .probe_cache import cached_start, describe_setup
+
+        trainer, args = self.trainer, self.trainer.args
+        seq_len = getattr(args, "max_length", None) or lengths.longest(trainer.train_dataset)
+        if seq_len is None or not hasattr(trainer.model, "config"):
+            return self.per_device_train_batch_size
+        setup = describe_setup(trainer.model, args.optim, bool(args.gradient_checkpointing))
+        start = cached_start(setup, seq_len)
+        if start.message is not None:
+            logger.info("%s", start.message)
+        return start.size if start.size is not None else self.per_device_train_batch_size
+
+    def _data_seed(self) -> int:
+        args = self.trainer.args
+        return args.data_seed if args.data_seed is not None else args.seed
+
+    def _shuffle(self) -> bool:
+        return self.trainer.args.train_sampling_strategy != "sequential"
+
+    # -- a run ---------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def training(self, checkpoint: StoredCheckpoint | None):
+        """Around `Trainer.train`: plan (taking the checkpoint into account), log the plan, run the loop with
+        accumulation 1 as the active session, then put the argument back."""
+        if checkpoint is None:
+            self.tokens_seen, self.last_step = 0, -1
+        self.prepare(checkpoint)
+        if self.trainer.args.should_log:
+            logger.info("%s", report.format_rows("AdaptiveBatch plan", self._plan_rows()))
+        self._check_longest_row()
+        args = self.trainer.args
+        args.gradient_accumulation_steps = 1
+        previous, Session.active = Session.active, self
+        try:
+            yield
+        finally:
+            Session.active = previous
+            args.gradient_accumulation_steps = self.gradient_accumulation_steps
+
+    def _check_longest_row(self) -> None:
+        """Warn before any compute when the dataset holds a row longer than the token budget (it will run alone)."""
+        budget = self.controller.max_tokens
+        longest = lengths.longest(self.trainer.train_dataset) if budget is not None else None
+        if longest is not None and longest > budget:
+            self.runner.warn_long_row(longest)
+
+    def initial_training_values(self) -> tuple:
+        """What `Trainer.set_initial_training_values` returns, from the plan: the loop sees one epoch of all steps.
+
+        Data epochs are tracked by the callback (`state.epoch`, epoch-end evaluation and saving).
+        """
+        plan = self.plan
+        return (
+            1,  # num_train_epochs of the loop
+            plan.num_steps,  # num_update_steps_per_epoch
+            plan.dataset_size,  # num_examples
+            plan.num_samples,  # num_train_samples
+            plan.scheduled[plan.done_steps],  # total_train_batch_size (the first scheduled effective batch)
+            plan.num_steps,  # steps_in_epoch
+            plan.num_steps,  # max_steps
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        args = self.trainer.args
+        sampler = StepBatchSampler(self.plan, seed=self._data_seed(), rank=self.rank, shuffle=self._shuffle())
+        dataset, collator = compat.train_dataset_and_collator(
+            self.trainer, self.trainer.train_dataset, self.trainer.data_collator
+        )
+        params = {
+            "batch_sampler": sampler,
+            "collate_fn": collator,
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+        }
+        if args.dataloader_num_workers > 0:
+            from transformers.trainer_utils import seed_worker
+
+            params["persistent_workers"] = args.dataloader_persistent_workers
+            params["prefetch_factor"] = args.dataloader_prefetch_factor
+            params["worker_init_fn"] = _WorkerInit(seed_worker, args.dataloader_num_workers, self.rank)
+        return DataLoader(dataset, **params)
+
+    def wrap_scheduler(self, scheduler, optimizer):
+        batch_changes = (
+            len(set(self.plan.sizes[self.plan.done_steps :])) > 1 or self.config.lr_scaling != "none"
+        )
+        return follow_sample_clock(scheduler, optimizer, self.clock, batch_changes)
+
+    # -- steps ---------------------------------------------------------------------------------------------------
+
+    def training_step(self, inner_step, model, inputs, num_items_in_batch):
+        step = self.trainer.state.global_step
+        loss = self.runner.run(inner_step, model, inputs, num_items_in_batch, self.plan.max_rows(step))
+        self.tokens_seen += self.runner.last.real_tokens
+        self.last_step = step
+        return loss
+
+    def metrics(self) -> dict[str, float]:
+        """The `adaptive_batch/*` values after the last optimizer step."""
+        step = self.last_step
+        last = self.runner.last
+        return {
+            "adaptive_batch/effective_batch_size": self.plan.sizes[step],
+            "adaptive_batch/micro_batch_size": last.micro_batch_size,
+            "adaptive_batch/accumulation_steps": last.accumulation_steps,
+            "adaptive_batch/samples_seen": self.plan.samples_before_step[step + 1],
+            "adaptive_batch/tokens_seen": self.tokens_seen,
+            "adaptive_batch/lr_scale": self.clock.scale(step),
+        }
+
+    def add_metrics(self, logs: dict) -> None:
+        if self.last_step >= 0 and self.trainer.is_in_train and "loss" in logs:
+            logs.update(self.metrics())
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Plain JSON for the checkpoint (see `checkpoint.py`)."""
+        return {
+            "plan": asdict(self.identity) if self.identity else None,
+            "adoption": self.adoption.to_dict() if self.adoption else None,
+            "settings": asdict(self.settings),
+            "tokens_seen": self.tokens_seen,
+            "last_step": self.last_step,
+            "micro_batch": self.controller.state_dict() if self.controller else None,
+            "last_micro_batch_size": self.runner.last.micro_batch_size if self.runner else 0,
+            "last_accumulation_steps": self.runner.last.accumulation_steps if self.runner else 0,
+        }
+
+    def _restore(self, checkpoint: StoredCheckpoint) -> None:
+        """Counters and what the run learned, from the checkpoint, by the rules of `checkpoint.py`."""
+        state = checkpoint.state
+        if state is None:  # written by the plain Trainer: its steps are the plan's done steps
+            self.tokens_seen, self.last_step = 0, checkpoint.global_step - 1
+            logger.warning("%s", self._adoption_message(checkpoint))
+            return
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.last_step = int(state.get("last_step", -1))
+        self.runner.last.micro_batch_size = int(state.get("last_micro_batch_size", 0))
+        self.runner.last.accumulation_steps = int(state.get("last_accumulation_steps", 0))
+        applies, message = learned_state_applies(state.get("settings"), self.settings)
+        if applies and state.get("micro_batch") is not None:
+            self.controller.load_state_dict(state["micro_batch"])
+            self.controller.limit_to(self.config.max_micro_batch_size)
+        logger.info("%s", message)
+
+    def _adoption_message(self, checkpoint: StoredCheckpoint) -> str:
+        plan, steps = self.plan, checkpoint.global_step
+        position = plan.starts[steps] if steps < plan.num_steps else plan.budget
+        samples = plan.samples_before_step[steps]
+        text = (
+            f"{checkpoint.path} was written without AdaptiveBatch: its {steps} steps of the plain Trainer "
+            f"({samples:,} samples at an effective batch of {plan.scheduled[0]}, {position / plan.dataset_size:.3g} "
+            "epochs) count as done, and training goes on from there in AdaptiveBatch's own sample order"
+        )
+        if position % plan.dataset_size == 0:
+            return text + " (it ended on an epoch boundary, so every later epoch sees every sample once)."
+        return text + (
+            ", which cannot replay the plain Trainer's: the rest of this epoch may repeat some of its samples and "
+            "miss others; later epochs see every sample once."
+        )
+
+    # -- logging -------------------------------------------------------------------------------------------------
+
+    def _plan_rows(self) -> list[tuple[str, str]]:
+        config, controller, plan = self.config, self.controller, self.plan
+        by_tokens = controller.max_tokens is not None
+        plain = PlainBatching(
+            plan.dataset_size,
+            self.per_device_train_batch_size,
+            self.gradient_accumulation_steps,
+            self.world_size,
+            bool(self.trainer.args.dataloader_drop_last),
+        )
+        args = self.trainer.args
+        total_tokens = lengths.total_tokens(self.trainer.train_dataset)
+        return report.plan_rows(
+            plan,
+            self.clock,
+            self.budget,
+            schedule_text=describe(config.resolved_schedule(self.default_effective_batch_size)),
+            micro_batch_text=report.micro_batch_text(
+                controller.size,
+                config.auto,
+                controller.exploring,
+                config.growth_margin,
+                config.max_micro_batch_size,
+                controller.max_tokens,
+                plan.max_rows_per_rank,
+            ),
+            plain_steps=plain.total_steps(args.num_train_epochs, args.max_steps),
+            tokens=None
+            if total_tokens is None
+            else round(total_tokens * self.budget.samples / plan.dataset_size),
+            rule_text=config.lr_scaling
+            if isinstance(config.lr_scaling, str)
+            else describe(config.lr_scaling),
+            accumulation_text=report.accumulation_text(
+                plan,
+                self.gradient_accumulation_steps,
+                None if config.auto or by_tokens else controller.size,
+                by_tokens,
+            ),
+        )
+
+
+def _dataset_unit(args) -> str:
+    """What one row of the training dataset is, for messages: TRL's packing puts several examples in each row."""
+    if getattr(args, "packing", False):
+        return "packed rows (TRL's packing=True puts several of your examples into each row of max_length tokens)"
+    return "samples"
+
+
+class _WorkerInit:
+    """Picklable `worker_init_fn` seeding dataloader workers as the Trainer does."""
+
+    def __init__(self, seed_worker, num_workers: int, rank: int):
+        self.seed_worker, self.num_workers, self.rank = seed_worker, num_workers, rank
+
+    def __call__(self, worker_id: int) -> None:
+        self.seed_worker(worker_id, num_workers=self.num_workers, rank=self.rank)
