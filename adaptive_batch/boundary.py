@@ -7,7 +7,10 @@ the prediction is off. The search stops once the boundary is known to within `to
 
 Step time is close to affine in the size too, once the device is busy, so tokens/s rises towards a plateau: the
 smallest size within 2% of the best is predicted from the same trials and confirmed by one more
-([`next_throughput_size`]).
+([`next_throughput_size`]). That confirmation runs the forward pass only: its step time is the forward's scaled by
+the ratio of step to forward time of the largest full step that fits ([`with_estimated_step`]), which is close to
+constant across sizes (the backward and the recomputed forwards grow with the batch as the forward does), and it
+costs a quarter of a step with gradient checkpointing.
 
 Pure Python: the trials are run by a callable the caller provides.
 """
@@ -16,14 +19,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from .fit import affine
 from .plan import nearest_multiples
 
 
 @dataclass(frozen=True)
 class Trial:
-    """One real training step at `size` samples (forward, backward, optimizer step)."""
+    """One real training step at `size` samples (forward, backward, optimizer step), or its forward pass alone."""
 
     size: int
     out_of_memory: bool
@@ -32,15 +36,18 @@ class Trial:
     seconds: float | None = None  # the step's time; for a stopped trial, the time until it stopped
     tokens: int = 0
     stopped: bool = False  # stopped as soon as its memory passed the limit: `peak_bytes` is a lower bound
+    forward_seconds: float | None = None  # the forward pass's share of `seconds` (the loss computed)
+    forward_only: bool = False  # only the forward ran: `seconds` is estimated, the peak is the forward's
 
     @property
     def tokens_per_second(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds and self.ran else None
+        timed = self.seconds and not self.out_of_memory and not self.stopped
+        return self.tokens / self.seconds if timed else None
 
     @property
     def ran(self) -> bool:
         """Whether the step ran to the end, so that its peak memory and time are readings."""
-        return not self.out_of_memory and not self.stopped
+        return not self.out_of_memory and not self.stopped and not self.forward_only
 
     def fits(self, limit: float | None) -> bool:
         return self.ran and (limit is None or self.peak_bytes is None or self.peak_bytes <= limit)
@@ -144,19 +151,41 @@ def predict_boundary(trials: list[Trial], limit: float | None, secant: bool = Fa
     points = sorted((t.size, t.peak_bytes) for t in trials if t.ran and t.peak_bytes is not None)
     if secant:
         points = points[-2:]
-    if limit is None or not math.isfinite(limit) or len({size for size, _ in points}) < 2:
+    line = affine(points)
+    if limit is None or not math.isfinite(limit) or line is None or line[1] <= 0:
         return None
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
-    if slope <= 0:
-        return None
-    return math.floor((limit - (mean_y - slope * mean_x)) / slope)
+    intercept, slope = line
+    return math.floor((limit - intercept) / slope)
+
+
+def _timed_and_fitting(trials: list[Trial], limit: float | None) -> list[Trial]:
+    """Trials with a tokens/s that fit: by their own reading, or, for a forward pass alone, by being no larger than a
+    size whose whole step fitted."""
+    largest = max((t.size for t in trials if t.fits(limit)), default=0)
+    return [
+        t
+        for t in trials
+        if t.tokens_per_second is not None and (t.fits(limit) or (t.forward_only and t.size <= largest))
+    ]
+
+
+def with_estimated_step(trial: Trial, trials: list[Trial], limit: float | None) -> Trial:
+    """A forward-only `trial` with its step time estimated: its forward's time scaled by the ratio of step to
+    forward time of the largest whole step that fits (`seconds` stays `None` without one)."""
+    references = [t for t in trials if t.fits(limit) and t.seconds and t.forward_seconds]
+    if not references or not trial.forward_seconds:
+        return trial
+    reference = max(references, key=lambda t: t.size)
+    ratio = reference.seconds / reference.forward_seconds
+    return replace(trial, seconds=trial.forward_seconds * ratio)
 
 
 def recommend(trials: list[Trial], limit: float | None, within: float = 0.02, largest: bool = False) -> int:
     """The smallest measured size within `within` of the best tokens/s, or the largest that fits with `largest`."""
-    fitting = [t for t in trials if t.fits(limit) and t.tokens_per_second is not None]
+    if largest:
+        fitting = [t for t in trials if t.fits(limit) and t.tokens_per_second is not None]
+    else:
+        fitting = _timed_and_fitting(trials, limit)
     if not fitting:
         raise ValueError("No trial fitted, so there is nothing to recommend.")
     if largest:
@@ -177,7 +206,7 @@ def next_throughput_size(
     size within halves that gap instead. `None` once a size smaller than the largest one timed is within (the search
     stops at the first success: each trial near the boundary costs a large step).
     """
-    fitting = [t for t in trials if t.fits(limit) and t.tokens_per_second is not None]
+    fitting = _timed_and_fitting(trials, limit)
     if not fitting:
         return None
     best = max(t.tokens_per_second for t in fitting)
@@ -200,14 +229,10 @@ def _predicted_within(trials: list[Trial], target: float) -> int | None:
     timed = [t for t in trials if t.tokens_per_second is not None]
     busy = [t for t in timed if t.size >= 4]
     points = busy if len({t.size for t in busy}) >= 2 else timed
-    if len({t.size for t in points}) < 2:
+    line = affine((t.size, t.seconds) for t in points)
+    if line is None:
         return None
-    mean_x = sum(t.size for t in points) / len(points)
-    mean_y = sum(t.seconds for t in points) / len(points)
-    slope = sum((t.size - mean_x) * (t.seconds - mean_y) for t in points) / sum(
-        (t.size - mean_x) ** 2 for t in points
-    )
-    fixed = mean_y - slope * mean_x
+    fixed, slope = line
     tokens_per_sample = points[0].tokens / points[0].size
     # size x tokens_per_sample / (fixed + slope x size) >= target, solved for size
     denominator = tokens_per_sample - target * slope
@@ -233,3 +258,29 @@ def split_effective_batch(micro_batch_size: int, effective_batch_size: int, gpus
     share = effective_batch_size // gpus
     per_device = max(d for d in range(1, min(micro_batch_size, share) + 1) if share % d == 0)
     return per_device, share // per_device
+
+
+def split_reason(micro_batch_size: int, effective_batch_size: int, gpus: int) -> str | None:
+    """Why [`split_effective_batch`] gives a per-device size below `micro_batch_size`; `None` where it does not.
+
+    Example:
+        ```python
+        split_reason(13, 16, 1)
+        # '8 x 2: 8 is the largest size up to the recommended 13 that divides the 16 samples per device evenly
+        #  (13 would leave a remainder of 3)'
+        ```
+    """
+    per_device, accumulation = split_effective_batch(micro_batch_size, effective_batch_size, gpus)
+    if per_device >= micro_batch_size:
+        return None
+    share = effective_batch_size // gpus
+    if share < micro_batch_size:
+        return (
+            f"{per_device} x {accumulation}: the {share} samples per device are fewer than the recommended "
+            f"{micro_batch_size}"
+        )
+    return (
+        f"{per_device} x {accumulation}: {per_device} is the largest size up to the recommended {micro_batch_size} "
+        f"that divides the {share} samples per device evenly ({micro_batch_size} would leave a remainder of "
+        f"{share % micro_batch_size})"
+    )

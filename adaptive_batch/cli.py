@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -32,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"adaptive-batch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    probe = commands.add_parser("probe", help="find the largest micro-batch that fits, and the fastest one")
+    probe = commands.add_parser(
+        "probe",
+        help="find the largest micro-batch that fits, and the fastest one",
+        formatter_class=_HelpFormatter,
+    )
     probe.add_argument("model_dir", help="a folder written by save_pretrained")
     probe.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sample")
     probe.add_argument(
@@ -40,22 +45,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument("--load-in-4bit", action="store_true", help="NF4 with double quantisation (QLoRA)")
     probe.add_argument("--lora-r", type=_positive_int, help="LoRA rank (no LoRA without it)")
-    probe.add_argument("--lora-alpha", type=_positive_int, help="LoRA alpha (default 2 x r)")
+    probe.add_argument("--lora-alpha", type=_positive_int, help="LoRA alpha (default: 2 x r)")
     probe.add_argument("--lora-target", default="q_proj,v_proj", help="comma-separated module names")
-    probe.add_argument("--no-gradient-checkpointing", action="store_true")
+    probe.add_argument(
+        "--no-gradient-checkpointing",
+        action="store_true",
+        help="probe without gradient checkpointing (the run must then train without it too)",
+    )
     probe.add_argument("--optim", help="a TrainingArguments.optim name (default: the Trainer's default)")
-    probe.add_argument("--effective-batch", type=_positive_int, help="also print per-device x accumulation")
+    probe.add_argument(
+        "--effective-batch",
+        type=_positive_int,
+        help="also print per-device x accumulation for this many samples per step",
+    )
     probe.add_argument("--gpus", type=_positive_int, default=1, help="GPUs sharing the effective batch")
     probe.add_argument("--headroom", type=float, default=0.05, help="share of GPU memory to keep free")
     probe.add_argument("--max", action="store_true", help="recommend the largest size that fits")
     probe.add_argument("--max-size", type=_positive_int, default=4096, help="largest size to try")
     probe.add_argument("--cpu", action="store_true", help="probe on the CPU (needs --memory-budget)")
-    probe.add_argument("--memory-budget", type=float, help="GiB a training step may use (with --cpu)")
+    probe.add_argument(
+        "--memory-budget",
+        type=float,
+        help="GiB a training step may use (required with --cpu; on a GPU, a cap)",
+    )
     probe.add_argument("--no-cache", action="store_true", help="do not write the result to the cache")
     probe.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     plan = commands.add_parser(
-        "plan", help="print the steps, samples, tokens and LR of a run before it starts"
+        "plan",
+        help="print the steps, samples, tokens and LR of a run before it starts",
+        formatter_class=_HelpFormatter,
     )
     data = plan.add_mutually_exclusive_group(required=True)
     data.add_argument("--dataset-size", type=_positive_int, help="training samples")
@@ -67,15 +86,43 @@ def build_parser() -> argparse.ArgumentParser:
         "--epochs", type=float, default=None, help="num_train_epochs (the Trainer's default: 3)"
     )
     plan.add_argument(
-        "--max-steps", type=int, default=-1, help="max_steps (overrides --epochs, as in the Trainer)"
+        "--max-steps",
+        type=int,
+        default=-1,
+        help="max_steps (overrides --epochs, as in the Trainer; -1: not set)",
     )
-    plan.add_argument("--schedule", help="effective batch per phase, e.g. 8,16,32 (default: the user's)")
-    plan.add_argument("--boundaries", default="", help="where phases 2.. start, e.g. 0.1,0.3")
-    plan.add_argument("--unit", choices=("fraction", "samples", "steps"), default="fraction")
-    plan.add_argument("--lr-scaling", choices=("none", "sqrt", "linear"), default="none")
+    plan.add_argument(
+        "--schedule",
+        help="effective batch per phase, e.g. 8,16,32 (default: per-device x accumulation x gpus)",
+    )
+    plan.add_argument(
+        "--boundaries", default="", help="where phases 2.. start, e.g. 0.1,0.3 (default: none, one phase)"
+    )
+    plan.add_argument(
+        "--unit",
+        choices=("fraction", "samples", "steps"),
+        default="fraction",
+        help="what --boundaries count: a fraction of the budget, samples or optimizer steps",
+    )
+    plan.add_argument(
+        "--lr-scaling",
+        choices=("none", "sqrt", "linear"),
+        default="none",
+        help="LR multiplier when the batch grows: sqrt (Adam family), linear (SGD) or none",
+    )
     plan.add_argument("--drop-last", action="store_true", help="dataloader_drop_last")
     plan.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return parser
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows every option's default after its help text, except where there is none to show (`None`, a
+    switch's `False`, an empty string): those options say in their help what happens without them."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == "":
+            return action.help
+        return super()._get_help_string(action)
 
 
 def plan_command(options: argparse.Namespace) -> dict:
@@ -145,8 +192,9 @@ def probe_command(options: argparse.Namespace) -> dict:
     """Load the model as the run would, probe it, cache the result and return the report as plain data."""
     import torch
 
-    from . import probe
+    from . import load, probe, probe_cache
 
+    _check_memory_budget(options.memory_budget)
     if options.cpu:
         if options.memory_budget is None:
             raise ValueError("--cpu needs --memory-budget GIB: on the CPU the limit is a stated budget.")
@@ -162,7 +210,7 @@ def probe_command(options: argparse.Namespace) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[options.dtype]
     targets = [t.strip() for t in options.lora_target.split(",") if t.strip()]
     gradient_checkpointing = not options.no_gradient_checkpointing
-    model = probe.load_model(
+    model = load.load_model(
         options.model_dir,
         dtype,
         options.load_in_4bit,
@@ -173,8 +221,8 @@ def probe_command(options: argparse.Namespace) -> dict:
         options.seq_len,
         device,
     )
-    optim = options.optim or probe.default_optim()
-    setup = probe.describe_setup(model, optim, gradient_checkpointing)
+    optim = options.optim or probe_cache.default_optim()
+    setup = probe_cache.describe_setup(model, optim, gradient_checkpointing)
     with _progress() as on_trial:
         report = probe.probe(
             model,
@@ -193,8 +241,17 @@ def probe_command(options: argparse.Namespace) -> dict:
         )
     result = report.to_dict()
     if not options.no_cache:
-        result["cache_file"] = str(probe.save_report(report))
+        result["cache_file"] = str(probe_cache.save_report(report))
     return result
+
+
+def _check_memory_budget(memory_budget: float | None) -> None:
+    """Refuse a budget no step can run under, before any model is loaded."""
+    if memory_budget is not None and not (math.isfinite(memory_budget) and memory_budget > 0):
+        raise ValueError(
+            f"--memory-budget {memory_budget:g} is not a positive, finite number of GiB (the memory a training step "
+            "may use); pass one such as --memory-budget 8."
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,17 +275,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_probe(result: dict) -> None:
-    from .probe import format_gib
-
     lines = [f"{'size':>6} {'fits':>5} {'peak GiB':>9} {'allocated':>9} {'tokens/s':>10}"]
     for trial in result["trials"]:
         fits = "OOM" if trial["out_of_memory"] else "yes" if trial["fits"] else "over"
         speed = f"{trial['tokens_per_second']:,.0f}" if trial["tokens_per_second"] else "-"
+        speed = "~" + speed if trial.get("forward_only") else speed
         more = ">" if trial["stopped"] else ""  # stopped at the limit: the peak it reached by then
         lines.append(
             f"{trial['size']:>6} {fits:>5} {more + format_gib(trial['peak_bytes']):>9} "
             f"{more + format_gib(trial['peak_allocated_bytes']):>9} {speed:>10}"
         )
+    if any(trial.get("forward_only") for trial in result["trials"]):
+        lines.append("~ its forward pass timed, scaled to a whole step by the boundary's step/forward ratio")
     print("\n".join(lines))
     print(
         f"boundary: {result['boundary']} samples ({result['boundary_tokens']:,} tokens) per micro-batch, "
@@ -241,12 +299,33 @@ def _print_probe(result: dict) -> None:
     )
     if result["effective_batch_size"]:
         print(
-            f"for an effective batch of {result['effective_batch_size']} on {result['gpus']} GPU(s): "
+            f"for an effective batch of {result['effective_batch_size']} on "
+            f"{devices_text(result.get('device'), result['gpus'])}: "
             f"per_device_train_batch_size={result['per_device_train_batch_size']}, "
             f"gradient_accumulation_steps={result['gradient_accumulation_steps']}"
         )
+        if result.get("split_reason"):
+            print(f"  {result['split_reason']}")
+    print(
+        f"time: {result['seconds']:.1f} s: warm-up {result['warm_up_seconds']:.1f} s, trials "
+        f"{result['trial_seconds']:.1f} s, the rest {result['overhead_seconds']:.1f} s"
+    )
     if result.get("cache_file"):
         print(f"cached in {result['cache_file']}", file=sys.stderr)
+
+
+def devices_text(device: str | None, gpus: int) -> str:
+    """What the effective batch is shared across, in words: "the CPU", "1 GPU", "2 GPUs"."""
+    if device == "cpu":
+        return "the CPU" if gpus == 1 else f"{gpus} CPU processes"
+    return f"{gpus} GPU" if gpus == 1 else f"{gpus} GPUs"
+
+
+def format_gib(value: float | None) -> str:
+    """Bytes as GiB with two decimals below 10 GiB, one above; "-" for no reading."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    return f"{value / 2**30:.2f}" if value < 10 * 2**30 else f"{value / 2**30:.1f}"
 
 
 @contextlib.contextmanager

@@ -9,7 +9,10 @@ from adaptive_batch.boundary import (
     predict_boundary,
     recommend,
     split_effective_batch,
+    split_reason,
+    with_estimated_step,
 )
+from adaptive_batch.fit import affine
 
 GIB = 2**30
 
@@ -123,3 +126,43 @@ def test_split_effective_batch_keeps_it_exact():
     assert split_effective_batch(128, 64, 2) == (32, 1)
     with pytest.raises(ValueError, match="effective batch 48 is not divisible by 5 GPUs.*Use 45 or 50"):
         split_effective_batch(8, 48, 5)
+
+
+def test_split_reason_says_why_the_per_device_size_is_below_the_recommendation():
+    assert split_reason(16, 64, 1) is None  # 16 x 4: the recommendation itself
+    assert split_reason(13, 16, 1) == (
+        "8 x 2: 8 is the largest size up to the recommended 13 that divides the 16 samples per device evenly "
+        "(13 would leave a remainder of 3)"
+    )
+    assert split_reason(20, 96, 2) == (
+        "16 x 3: 16 is the largest size up to the recommended 20 that divides the 48 samples per device evenly "
+        "(20 would leave a remainder of 8)"
+    )
+    assert split_reason(128, 64, 2) == "32 x 1: the 32 samples per device are fewer than the recommended 128"
+
+
+def test_the_affine_fit_is_exact_on_exact_points():
+    assert affine([(1, 3), (2, 5), (4, 9)]) == (1.0, 2.0)  # y = 1 + 2x
+    assert affine(iter([(0, 1), (2, 2), (4, 6)])) == (0.5, 1.25)  # least squares: means (2, 3), slope 10 / 8
+    assert affine([(2, 1), (2, 5)]) is None  # one abscissa: no slope
+    assert affine([]) is None
+
+
+def test_a_forward_pass_alone_is_scaled_to_a_step_by_the_largest_whole_step_that_fits():
+    whole = [
+        Trial(4, False, 1.0, 1.0, seconds=2.0, tokens=4096, forward_seconds=0.6),
+        Trial(24, False, 2.0, 2.0, seconds=11.0, tokens=24 * 1024, forward_seconds=2.75),  # ratio 4
+        Trial(26, False, 9.0, 9.0, seconds=1.0, tokens=26 * 1024, stopped=True),  # over the limit
+    ]
+    forward = Trial(14, False, 1.5, 1.5, tokens=14 * 1024, forward_seconds=1.6, forward_only=True)
+    estimated = with_estimated_step(forward, whole, limit=5.0)
+    assert estimated.seconds == pytest.approx(6.4) and estimated.forward_only and not estimated.ran
+    assert estimated.tokens_per_second == pytest.approx(14 * 1024 / 6.4)
+    # it fits as a size below one whose whole step fitted, and counts for the recommendation
+    assert recommend([*whole, estimated], limit=5.0) == 14  # 2,240 tokens/s against 2,234 at 24
+    # above every whole step that fitted, a forward pass alone proves nothing about memory
+    above = with_estimated_step(
+        Trial(25, False, 1.0, 1.0, tokens=25 * 1024, forward_seconds=1.0, forward_only=True), whole, 5.0
+    )
+    assert recommend([*whole, above], limit=5.0) == 24
+    assert with_estimated_step(forward, [], limit=5.0).seconds is None  # nothing to scale by

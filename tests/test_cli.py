@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from adaptive_batch.cli import main
+from adaptive_batch.cli import devices_text, main
 
 
 def run(capsys, *argv):
@@ -116,3 +116,51 @@ def test_plan_reads_token_counts_from_a_saved_dataset(capsys, tmp_path):
         capsys, "plan", "--dataset", str(tmp_path / "saved"), "--per-device", "1", "--epochs", "2", "--json"
     )
     assert code == 0 and json.loads(out)["tokens"] == 12
+
+
+def option_entries(help_text: str) -> dict[str, str]:
+    """`{option: its help text}` from the options section of a `--help` output (one entry per option)."""
+    entries: dict[str, str] = {}
+    section = help_text.split("options:", 1)[1]
+    option = None
+    for line in section.splitlines():
+        if line.startswith("  -"):
+            invocation, _, help_start = line.strip().partition("  ")
+            option = [word for word in invocation.replace(",", " ").split() if word.startswith("-")][-1]
+            entries[option] = help_start.strip()
+        elif option is not None and line.strip():
+            entries[option] = f"{entries[option]} {line.strip()}".strip()
+    return entries
+
+
+@pytest.mark.parametrize(
+    "command, defaults",
+    [
+        (
+            "probe",
+            {"--dtype": "bf16", "--lora-target": "q_proj,v_proj", "--gpus": "1", "--headroom": "0.05"},
+        ),
+        (
+            "plan",
+            {"--per-device": "8", "--accumulation": "1", "--unit": "fraction", "--lr-scaling": "none"},
+        ),
+    ],
+)
+def test_help_explains_every_option_and_shows_its_default(capsys, monkeypatch, command, defaults):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    entries = option_entries(capsys.readouterr().out)
+    assert "--json" in entries and all(entries.values()), {o: h for o, h in entries.items() if not h}
+    for option, default in defaults.items():
+        assert entries[option].endswith(f"(default: {default})"), entries[option]
+    assert "(default: None)" not in " ".join(entries.values())
+
+
+@pytest.mark.parametrize(
+    "device, gpus, text",
+    [("cpu", 1, "the CPU"), ("cpu", 2, "2 CPU processes"), ("cuda", 1, "1 GPU"), ("cuda", 8, "8 GPUs")],
+)
+def test_what_the_effective_batch_is_shared_across_in_words(device, gpus, text):
+    assert devices_text(device, gpus) == text

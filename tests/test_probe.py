@@ -1,15 +1,21 @@
 """`probe` and `adaptive-batch probe` on the CPU, against a memory budget (bitsandbytes 4-bit and LoRA included)."""
 
+import gc
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from adaptive_batch import AdaptiveBatch
+from adaptive_batch import AdaptiveBatch, load
+from adaptive_batch.boundary import split_reason
 from adaptive_batch.cli import main
-from adaptive_batch.probe import probe
+from adaptive_batch.probe import ProbeReport, probe
+from adaptive_batch.probe_cache import CachedStart, cached_start, save_report
 from adaptive_batch.testing import FakeOutOfMemory, tiny_llama
+from adaptive_batch.trials import TrialRunner
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +39,50 @@ def test_the_sizes_tried_against_a_model_that_runs_out_of_memory_above_five(toke
     assert report.boundary == 5 and report.first_failing == 6
     assert [t["size"] for t in report.trials] == [1, 2, 4, 5, 6, 8]
     assert report.recommended in (1, 2, 4, 5)
+
+
+def test_the_warm_up_is_one_short_sample_and_every_trial_is_full_length(tokenizer):
+    model = tiny_llama(tokenizer)
+    watcher = FakeOutOfMemory(model, max_rows=5)
+    report = probe(model, seq_len=128, memory_budget=math.inf, max_size=64)
+    assert (watcher.sizes[0], watcher.tokens[0]) == (1, 64) and report.warm_up_tokens == 64
+    assert watcher.sizes[1:] == [1, 2, 4, 8, 6, 5]
+    assert watcher.tokens[1:] == [size * 128 for size in watcher.sizes[1:]]
+
+
+def test_the_report_says_where_the_time_went(tokenizer):
+    model = tiny_llama(tokenizer)
+    FakeOutOfMemory(model, max_rows=5)
+    report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64)
+    spent = [(t["forward_seconds"] if t["forward_only"] else t["seconds"]) or 0.0 for t in report.trials]
+    assert report.trial_seconds == pytest.approx(sum(spent))
+    assert 0 < report.warm_up_seconds and 0 < report.setup_seconds and 0 < report.cleanup_seconds
+    # the rest: before the warm-up, after the last trial, and between trials (input batches, releasing memory)
+    assert report.setup_seconds + report.cleanup_seconds < report.overhead_seconds < report.seconds
+
+
+def test_garbage_is_collected_only_after_a_trial_cut_short(tokenizer, monkeypatch):
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args))
+    model = tiny_llama(tokenizer)
+    probe(model, seq_len=16, memory_budget=math.inf, max_size=8, largest=True)
+    assert collections == []  # every trial ran to the end: nothing left in reference cycles
+    FakeOutOfMemory(model, max_rows=5)
+    report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64, largest=True)
+    assert len(collections) == sum(t["out_of_memory"] for t in report.trials) == 2  # 8 and 6, once each
+
+
+def test_the_cpu_reading_counts_the_optimizer_state_held_between_steps(tokenizer):
+    def peak(momentum: float) -> float:
+        model = tiny_llama(tokenizer)
+        # one tensor at a time: the update is in place, so the only difference is the momentum buffers held
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum, foreach=False)
+        runner = TrialRunner(model, optimizer, 16, model.config.vocab_size, torch.device("cpu"), None, None)
+        runner.warm_up()  # momentum SGD makes its buffers here, in the first step
+        return runner.run(2).peak_bytes
+
+    buffers = sum(p.numel() * p.element_size() for p in tiny_llama(tokenizer).parameters())
+    assert peak(momentum=0.9) - peak(momentum=0.0) == buffers
 
 
 def test_a_trial_over_the_limit_is_stopped_there(tokenizer):
@@ -86,6 +136,7 @@ def test_cli_probe_of_a_4bit_lora_model_on_the_cpu(capsys, model_dir, probe_cach
     assert per_device * accumulation == 48 and per_device <= result["recommended"]
     assert result["setup"]["lora"] == {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
     assert result["setup"]["quantization"]["load_in_4bit"] == "True"
+    assert result["device"] == "cpu" and result["split_reason"] == split_reason(result["recommended"], 48, 1)
     cached = json.loads((probe_cache / result["cache_file"].rsplit("/", 1)[-1]).read_text())
     assert cached["32"]["boundary"] == result["boundary"]
 
@@ -141,3 +192,139 @@ def test_unknown_option_values_exit_through_argparse(capsys, model_dir):
     with pytest.raises(SystemExit) as exit_info:
         main(["probe", str(model_dir), "--seq-len", "16", "--dtype", "fp8"])
     assert exit_info.value.code == 2
+
+
+def test_cli_text_on_the_cpu_and_why_the_per_device_size_is_below_the_recommendation(capsys, model_dir):
+    # the largest size up to 13 that fits a generous budget is 13; 16 samples per step split as 8 x 2
+    options = (
+        "--seq-len 16 --cpu --memory-budget 1 --dtype fp32 --no-gradient-checkpointing --max --max-size 13 "
+        "--effective-batch 16 --no-cache"
+    )
+    code, out, err = run_cli(capsys, model_dir, options)
+    assert code == 0, err
+    assert "recommended: 13 (largest that fits)" in out
+    assert (
+        "for an effective batch of 16 on the CPU: per_device_train_batch_size=8, gradient_accumulation_steps=2\n"
+        "  8 x 2: 8 is the largest size up to the recommended 13 that divides the 16 samples per device evenly "
+        "(13 would leave a remainder of 3)\n"
+    ) in out
+    assert "GPU" not in out
+
+
+@pytest.mark.parametrize("budget", ["0", "-2", "nan", "inf"])
+def test_a_memory_budget_no_step_can_run_under_is_refused_before_loading(capsys, monkeypatch, budget):
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(load, "load_model", must_not_load)
+    code, out, err = run_cli(capsys, "/nonexistent", f"--seq-len 16 --cpu --memory-budget {budget}")
+    assert code == 1 and out == ""
+    assert err == (
+        f"adaptive-batch: error: --memory-budget {budget} is not a positive, finite number of GiB (the memory a "
+        "training step may use); pass one such as --memory-budget 8.\n"
+    )
+
+
+def test_a_gguf_folder_is_pointed_at_its_conversion(capsys, tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"")
+    code, out, err = run_cli(capsys, tmp_path, "--seq-len 16 --cpu --memory-budget 1")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert f"model directory {tmp_path} holds model.gguf (GGUF) and no config.json; convert it once" in err
+    assert (
+        f"AutoModelForCausalLM.from_pretrained('{tmp_path}', gguf_file='model.gguf', dtype=torch.bfloat16); "
+        "model.config.quantization_config = None (if it is set); model.save_pretrained(OUT); then probe OUT."
+    ) in err
+
+
+def test_a_folder_without_config_json_is_one_line(capsys, tmp_path):
+    code, out, err = run_cli(capsys, tmp_path, "--seq-len 16 --cpu --memory-budget 1")
+    assert code == 1 and err.count("\n") == 1
+    assert (
+        f"model directory {tmp_path} holds no config.json; pass a folder written by save_pretrained." in err
+    )
+
+
+# -- the cache ---------------------------------------------------------------------------------------------------
+
+SETUP = {
+    "model": {"hidden_size": 4096, "num_hidden_layers": 32},
+    "dtype": "torch.bfloat16",
+    "quantization": None,
+    "lora": {"r": 16, "alpha": 32, "targets": ["q_proj", "v_proj"]},
+    "gradient_checkpointing": True,
+    "optim": "paged_adamw_8bit",
+    "device": "NVIDIA H200",
+    "versions": {"torch": "2.11.0", "transformers": "5.17.0"},
+}
+
+
+def cache(setup: dict, seq_len: int, recommended: int) -> None:
+    report = ProbeReport(setup, seq_len, None, [], 2 * recommended, None, None, recommended, "", 0)
+    save_report(report)
+
+
+def test_the_cache_gives_the_entry_of_the_shortest_length_that_covers_the_run():
+    cache(SETUP, 1024, recommended=13)
+    cache(SETUP, 4096, recommended=3)
+    message = "Starting the micro-batch at 13: adaptive-batch probe's choice at 1,024 tokens."
+    assert cached_start(SETUP, 512) == CachedStart(13, 1024, message)
+    assert cached_start(SETUP, 2048).size == 3
+
+
+def test_an_empty_cache_says_nothing():
+    assert cached_start(SETUP, 1024) == CachedStart(None, None, None)
+
+
+def test_a_setup_not_in_the_cache_names_what_differs_from_the_nearest_cached_one():
+    cache(SETUP, 1024, recommended=13)
+    other_model = {**SETUP, "model": {"hidden_size": 64, "num_hidden_layers": 2}, "optim": "adamw_torch"}
+    cache(other_model, 1024, recommended=50)
+    now = {**SETUP, "dtype": "torch.float32", "lora": {**SETUP["lora"], "r": 8}}
+    assert cached_start(now, 1024) == CachedStart(
+        None,
+        None,
+        "adaptive-batch probe's cache holds no entry for this setup; the nearest cached setup differs in dtype "
+        "(torch.bfloat16 in the cache, torch.float32 now); lora.r (16 in the cache, 8 now): re-run "
+        "`adaptive-batch probe` for this setup to start from a probed micro-batch.",
+    )
+
+
+def test_a_setup_probed_at_shorter_sequences_says_how_long():
+    cache(SETUP, 1024, recommended=13)
+    assert cached_start(SETUP, 4096) == CachedStart(
+        None,
+        None,
+        "adaptive-batch probe's cache holds this setup up to 1,024 tokens, and this run needs 4,096: re-run "
+        "`adaptive-batch probe` with --seq-len 4096.",
+    )
+
+
+def test_the_cache_module_imports_neither_the_trials_nor_model_loading():
+    code = (
+        "import sys, adaptive_batch.probe_cache; "
+        "print(sorted(m for m in ('adaptive_batch.trials', 'adaptive_batch.load', 'adaptive_batch.probe') "
+        "if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_throughput_confirmation_runs_the_forward_pass_only(tokenizer, monkeypatch):
+    import adaptive_batch.probe as probe_module
+
+    proposals = iter([3])  # after the search, confirm size 3 (a size the search did not try), then stop
+    monkeypatch.setattr(probe_module, "next_throughput_size", lambda trials, limit: next(proposals, None))
+    model = tiny_llama(tokenizer)
+    watcher = FakeOutOfMemory(model, max_rows=5)
+    backwards = []
+    model.lm_head.weight.register_hook(lambda grad: backwards.append(len(watcher.sizes)))
+    report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64)
+    # warm-up, 1, 2, 4, 8 and 6 (out of memory in the forward), 5, then 3: its forward alone, no backward
+    assert watcher.sizes == [1, 1, 2, 4, 8, 6, 5, 3]
+    assert backwards == [1, 2, 3, 4, 7]  # the forwards seen when each backward ran
+    confirmed = next(t for t in report.trials if t["size"] == 3)
+    assert confirmed["forward_only"] and confirmed["fits"]  # below the boundary (5), whose whole step fitted
+    boundary = next(t for t in report.trials if t["size"] == 5)
+    ratio = boundary["seconds"] / boundary["forward_seconds"]
+    assert confirmed["seconds"] == pytest.approx(confirmed["forward_seconds"] * ratio)
+    assert 0 < boundary["forward_seconds"] < boundary["seconds"]

@@ -1,0 +1,234 @@
+"""The probe's cache: what identifies a setup, where its results are stored, and the lookup a run starts from.
+
+A setup is everything that changes memory, read off a live model ([`describe_setup`]): the model's config, dtype,
+quantisation, LoRA, gradient checkpointing, optimizer, device and library versions. `adaptive-batch probe` stores
+its report under the setup's key, one entry per sequence length; `AdaptiveBatch()` looks its own setup up
+([`cached_start`]) and starts the micro-batch at the recommended size of the shortest entry that covers its
+sequences, or says why it found none.
+
+This module is on the Trainer's path: it imports neither the trial runner nor model loading.
+
+Example:
+    ```python
+    start = cached_start(describe_setup(model, "paged_adamw_8bit", gradient_checkpointing=True), seq_len=1024)
+    start.size, start.message  # 13, "Starting the micro-batch at 13: adaptive-batch probe's choice at 1,024 tokens."
+    ```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .probe import ProbeReport
+
+CACHE_ENV = "ADAPTIVE_BATCH_CACHE"
+MAX_NAMED_DIFFERENCES = (
+    4  # a setup of another model differs in dozens of config keys: name a few, count the rest
+)
+
+
+@dataclass(frozen=True)
+class CachedStart:
+    """What the cache says for a setup and a sequence length.
+
+    Attributes:
+        size: the probe's recommended micro-batch, or `None` when the cache holds none for this setup and length.
+        seq_len: the sequence length that size was probed at (the shortest cached one that covers the run's).
+        message: one line for the log: where the run starts, or why the cache was not used; `None` when the cache
+            is empty (nothing was probed, so there is nothing to say).
+    """
+
+    size: int | None
+    seq_len: int | None
+    message: str | None
+
+
+def cached_start(setup: dict, seq_len: int) -> CachedStart:
+    """The cached recommendation for `setup` at `seq_len` tokens, or why there is none.
+
+    The entry used is the one with the shortest probed length >= `seq_len` (a size that fits longer sequences fits
+    shorter ones). Without an entry for this setup, the message names the fields in which the nearest cached setup
+    (fewest differing top-level fields) differs from this one.
+    """
+    path = _cache_file(setup)
+    if not path.exists():
+        return CachedStart(None, None, _no_entry_message(setup))
+    try:
+        entries = json.loads(path.read_text())
+    except ValueError as error:
+        return CachedStart(
+            None,
+            None,
+            f"adaptive-batch probe's cache file {path} could not be read ({error}); delete it and re-run "
+            "`adaptive-batch probe` for this setup.",
+        )
+    lengths = sorted(int(length) for length in entries)
+    if not lengths:
+        return CachedStart(None, None, _no_entry_message(setup))
+    covering = [length for length in lengths if length >= seq_len]
+    if not covering:
+        return CachedStart(
+            None,
+            None,
+            f"adaptive-batch probe's cache holds this setup up to {lengths[-1]:,} tokens, and this run needs "
+            f"{seq_len:,}: re-run `adaptive-batch probe` with --seq-len {seq_len}.",
+        )
+    size = int(entries[str(covering[0])]["recommended"])
+    return CachedStart(
+        size,
+        covering[0],
+        f"Starting the micro-batch at {size}: adaptive-batch probe's choice at {covering[0]:,} tokens.",
+    )
+
+
+def setup_key(setup: dict) -> str:
+    """A stable key of everything that changes memory (the setup without the sequence length)."""
+    text = json.dumps({k: v for k, v in setup.items() if k != "seq_len"}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def cache_dir() -> Path:
+    """`$ADAPTIVE_BATCH_CACHE`, else `~/.cache/adaptive-batch/probe`."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "adaptive-batch" / "probe")
+
+
+def save_report(report: ProbeReport) -> Path:
+    """Store the report under its setup key, one entry per sequence length."""
+    path = _cache_file(report.setup)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entries = json.loads(path.read_text()) if path.exists() else {}
+    entries[str(report.seq_len)] = report.to_dict()
+    path.write_text(json.dumps(entries, indent=1, default=str))
+    return path
+
+
+def default_optim() -> str:
+    """The optimizer a TrainingArguments builds when `optim` is not given (it changes between releases)."""
+    from transformers import TrainingArguments
+
+    default = TrainingArguments.__dataclass_fields__["optim"].default
+    return str(getattr(default, "value", default))
+
+
+def describe_setup(model: torch.nn.Module, optim: str, gradient_checkpointing: bool) -> dict:
+    """What changes memory, read off a live model: the same dict whether it comes from the CLI or a Trainer."""
+    import transformers
+
+    optim = getattr(optim, "value", optim)  # TrainingArguments holds an OptimizerNames member
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.to_dict()
+    quantization = config.pop("quantization_config", None)
+    for key in (
+        "_name_or_path",
+        "transformers_version",
+        "architectures",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+    ):
+        config.pop(key, None)
+    peft_config = getattr(model, "peft_config", {}).get("default") if hasattr(model, "peft_config") else None
+    lora = None
+    if peft_config is not None:
+        targets = peft_config.target_modules
+        lora = {
+            "r": peft_config.r,
+            "alpha": peft_config.lora_alpha,
+            "targets": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets,
+        }
+    dtype = str(next(p for p in base.parameters() if p.dtype.is_floating_point).dtype)
+    device = next(model.parameters()).device
+    return {
+        "model": config,
+        "dtype": dtype,
+        "quantization": {k: str(v) for k, v in quantization.items()}
+        if isinstance(quantization, dict)
+        else None,
+        "lora": lora,
+        "gradient_checkpointing": bool(gradient_checkpointing),
+        "optim": optim,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+
+
+# -- why a setup has no entry ------------------------------------------------------------------------------------
+
+
+def _cache_file(setup: dict) -> Path:
+    return cache_dir() / f"{setup_key(setup)}.json"
+
+
+def _no_entry_message(setup: dict) -> str | None:
+    """One line naming what differs from the nearest cached setup; `None` when the cache holds no setup at all."""
+    cached = _cached_setups()
+    if not cached:
+        return None
+    # the cache holds the setup as JSON: compare this one as JSON too, or a tuple would differ from its list
+    now = json.loads(json.dumps({k: v for k, v in setup.items() if k != "seq_len"}, default=str))
+    nearest = min(
+        cached, key=lambda other: (_top_level_differences(other, now), len(_differences(other, now)))
+    )
+    differences = _differences(nearest, now)
+    named = "; ".join(
+        f"{key} ({old} in the cache, {new} now)" for key, old, new in differences[:MAX_NAMED_DIFFERENCES]
+    )
+    more = len(differences) - MAX_NAMED_DIFFERENCES
+    named += f"; and {more} more" if more > 0 else ""
+    return (
+        f"adaptive-batch probe's cache holds no entry for this setup; the nearest cached setup differs in {named}: "
+        "re-run `adaptive-batch probe` for this setup to start from a probed micro-batch."
+    )
+
+
+def _cached_setups() -> list[dict]:
+    """The setup of every readable cache file, in file-name order (the nearest one is then the same every time)."""
+    setups = []
+    for path in sorted(cache_dir().glob("*.json")):
+        try:
+            entries = json.loads(path.read_text())
+        except (OSError, ValueError):  # a damaged file of another setup says nothing about this one
+            continue
+        if not isinstance(entries, dict):
+            continue
+        setup = next((e.get("setup") for e in entries.values() if isinstance(e, dict)), None)
+        if isinstance(setup, dict):
+            setups.append({k: v for k, v in setup.items() if k != "seq_len"})
+    return setups
+
+
+def _top_level_differences(cached: dict, now: dict) -> int:
+    return sum(cached.get(key, _ABSENT) != now.get(key, _ABSENT) for key in cached.keys() | now.keys())
+
+
+def _differences(cached, now, keys: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
+    """`(dotted key, cached value, value now)` of every leaf that differs; dicts on both sides are compared key by
+    key, anything else as a whole."""
+    if isinstance(cached, dict) and isinstance(now, dict):
+        found = []
+        for key in sorted(cached.keys() | now.keys()):
+            found += _differences(cached.get(key, _ABSENT), now.get(key, _ABSENT), (*keys, key))
+        return found
+    if cached == now:
+        return []
+    return [(".".join(keys), _show(cached), _show(now))]
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "absent"
+
+
+_ABSENT = _Absent()
+
+
+def _show(value) -> str:
+    return str(value) if not isinstance(value, (dict, list)) else json.dumps(value, sort_keys=True)
