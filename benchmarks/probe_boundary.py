@@ -11,12 +11,16 @@ Four phases, each in its own process (so that one phase's cached memory cannot s
 3. exhaustive: every size from 95% to 108% of the probe's boundary, each a trial exactly as the probe runs it (a
    real forward, backward and optimizer step under the same limit): the true boundary is the largest size of
    that window below which every size fits;
-4. train: the plain Trainer for `--steps` steps at the recommended size and at the boundary (accumulation 1):
-   the time of each step, its peak reserved and allocated memory, and whether any step ran out of memory.
+4. train: the plain Trainer for `--steps` steps at the probe's sizes (`--train-sizes`: the recommended size
+   and the boundary by default; accumulation 1): the time of each step, its peak reserved and allocated memory,
+   and whether any step ran out of memory. A run at the same size and step count in the earlier JSON is kept.
 
-Writes OUT/probe_boundary_<seq_len>.json after every phase and prints a table at the end:
+Writes OUT/probe_boundary_<seq_len>.json after every phase, and during the train phase after every step (so a run
+stopped by a time limit keeps the steps it did, marked `"partial": true`), and prints a table at the end:
 
     python3 benchmarks/probe_boundary.py --out $OUT --seq-len 1024 --steps 10     # on the H200
+    python3 benchmarks/probe_boundary.py --out $OUT --seq-len 4096 --steps 60 --train-sizes boundary \
+        --phases probe,train                                                       # 60 steps at the boundary
     python benchmarks/probe_boundary.py --out /tmp/out --seq-len 64 --steps 2 --tiny  # a CPU dry run
 """
 
@@ -76,8 +80,20 @@ def device_and_dtype(options):
     return torch.device("cuda", 0), torch.bfloat16
 
 
+def out_path(options) -> str:
+    return os.path.join(options.out, f"probe_boundary_{options.seq_len}.json")
+
+
+def write_report(options, report: dict) -> None:
+    """Write the JSON whole, then move it into place: a process stopped mid-write leaves the previous one."""
+    path = out_path(options)
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
 def load(options, model_dir: str):
-    from adaptive_batch.probe import load_model
+    from adaptive_batch.load import load_model
 
     device, dtype = device_and_dtype(options)
     model = load_model(
@@ -154,9 +170,10 @@ def trainer_for(options, model, per_device: int, steps: int, dataset, callbacks,
 
 
 class Marks:
-    """Times of the Trainer's events, the device synchronised at each, with the batch size the Trainer ran."""
+    """Times of the Trainer's events, the device synchronised at each, with the batch size the Trainer ran;
+    `on_step_end(marks)` is called after each step's mark (outside the step's time)."""
 
-    def __init__(self, device):
+    def __init__(self, device, on_step_end=None):
         import torch
         from transformers import TrainerCallback
 
@@ -174,6 +191,8 @@ class Marks:
             def on_step_end(self, args, state, control, **kwargs):
                 synchronize(device)
                 marks.add("step_end", **memory_now(device))
+                if on_step_end is not None:
+                    on_step_end(marks)
 
         self.callback = Callback()
 
@@ -208,17 +227,17 @@ def phase_auto_find(options, model_dir: str, _inputs: dict) -> dict:
 
 
 def phase_exhaustive(options, model_dir: str, inputs: dict) -> dict:
-    from adaptive_batch.probe import _make_optimizer, _TrialRunner
+    from adaptive_batch.trials import TrialRunner, make_optimizer
 
     boundary = inputs["probe"]["boundary"]
     low, high = max(1, math.floor(0.95 * boundary)), math.ceil(1.08 * boundary)
     model, device, dtype = load(options, model_dir)
     limit = limit_bytes(device)
-    optimizer = _make_optimizer(model, "adamw_torch" if options.tiny else "paged_adamw_8bit", 2e-4)
+    optimizer = make_optimizer(model, "adamw_torch" if options.tiny else "paged_adamw_8bit", 2e-4)
     autocast = None if options.tiny else dtype  # bf16 autocast on the GPU, as the probe's CLI does
-    runner = _TrialRunner(model, optimizer, options.seq_len, model.config.vocab_size, device, autocast, limit)
+    runner = TrialRunner(model, optimizer, options.seq_len, model.config.vocab_size, device, autocast, limit)
     started = time.perf_counter()
-    runner.run(1)  # warm-up, as the probe does
+    runner.warm_up()  # as the probe does
     trials = [runner.run(size) for size in range(low, high + 1)]
     fits = {t.size: t.fits(limit) for t in trials}
     true = max((s for s in fits if all(fits[r] for r in range(low, s + 1))), default=None)
@@ -238,17 +257,32 @@ def phase_train(options, model_dir: str, inputs: dict) -> dict:
     probe = inputs["probe"]
     model, device, _ = load(options, model_dir)
     limit = limit_bytes(device)
-    runs = {
-        name: run
-        for name, run in inputs.get("train", {}).get("runs", {}).items()
-        if run["size"] == probe[name]
+    earlier = inputs.get("train", {})
+    runs = {  # earlier runs at the probe's sizes stay in the report (those from before per-run step counts too)
+        name: {"steps": earlier.get("steps"), **run}
+        for name, run in earlier.get("runs", {}).items()
+        if run["size"] == probe.get(name)
     }
+
+    def result(partial: bool) -> dict:
+        return {"limit_bytes": limit, "steps": options.steps, "runs": runs, "partial": partial}
+
     for name in options.train_sizes.split(","):
         size = probe[name]
-        if size in [r["size"] for r in runs.values()]:
-            runs[name] = {**next(r for r in runs.values() if r["size"] == size)}
+        done = [
+            r
+            for r in runs.values()
+            if (r["size"], r["steps"], bool(r.get("partial"))) == (size, options.steps, False)
+        ]
+        if done:  # the same size for as many steps, complete: not run again
+            runs[name] = {**done[0]}
             continue
-        marks = Marks(device)
+
+        def save_step(marks, name=name, size=size):
+            runs[name] = train_record(marks, size, options, limit, error=None, partial=True)
+            write_report(options, {**inputs, "train": result(partial=True)})
+
+        marks = Marks(device, on_step_end=save_step)
         dataset = random_dataset(options.seq_len, size * options.steps, model.config.vocab_size)
         trainer = trainer_for(options, model, size, options.steps, dataset, [marks.callback])
         marks.trainer = trainer
@@ -257,27 +291,34 @@ def phase_train(options, model_dir: str, inputs: dict) -> dict:
             trainer.train()
         except Exception as exc:  # an OOM is the result being measured
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
-        begins = [e["time"] for e in marks.events if e["event"] == "step_begin"]
-        ends = [e for e in marks.events if e["event"] == "step_end"]
-        seconds = [end["time"] - begin for begin, end in zip(begins, ends)]
-        timed = seconds[1:] or seconds
-        reserved = [e.get("peak_reserved_bytes") for e in ends]
-        runs[name] = {
-            "size": size,
-            "steps_done": len(ends),
-            "error": error,
-            "step_seconds": seconds,
-            "tokens_per_second_after_first_step": size * options.seq_len * len(timed) / sum(timed)
-            if timed
-            else None,
-            "peak_reserved_bytes_per_step": reserved,
-            "peak_allocated_bytes_per_step": [e.get("peak_allocated_bytes") for e in ends],
-            "max_reserved_within_limit": all(r is None or r <= limit for r in reserved),
-            "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-        }
+        runs[name] = train_record(marks, size, options, limit, error, partial=False)
         del trainer
         release_memory(device)
-    return {"limit_bytes": limit, "steps": options.steps, "runs": runs}
+    return result(partial=False)
+
+
+def train_record(marks: Marks, size: int, options, limit: float, error: str | None, partial: bool) -> dict:
+    """One training run at `size` so far: every step's time and peak reserved and allocated memory."""
+    begins = [e["time"] for e in marks.events if e["event"] == "step_begin"]
+    ends = [e for e in marks.events if e["event"] == "step_end"]
+    seconds = [end["time"] - begin for begin, end in zip(begins, ends)]
+    timed = seconds[1:] or seconds
+    reserved = [e.get("peak_reserved_bytes") for e in ends]
+    return {
+        "size": size,
+        "steps": options.steps,
+        "steps_done": len(ends),
+        "partial": partial,
+        "error": error,
+        "step_seconds": seconds,
+        "tokens_per_second_after_first_step": size * options.seq_len * len(timed) / sum(timed)
+        if timed
+        else None,
+        "peak_reserved_bytes_per_step": reserved,
+        "peak_allocated_bytes_per_step": [e.get("peak_allocated_bytes") for e in ends],
+        "max_reserved_within_limit": all(r is None or r <= limit for r in reserved),
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 PHASES = {
@@ -320,8 +361,7 @@ def main():
     from base_model import LLAMA2_7B, TINY, save_random_llama
 
     os.makedirs(options.out, exist_ok=True)
-    out_path = os.path.join(options.out, f"probe_boundary_{options.seq_len}.json")
-    earlier = options.resume or out_path
+    earlier = options.resume or out_path(options)
     report = json.loads(open(earlier).read()) if os.path.exists(earlier) else {}
     report.update(environment(options))
     if not os.path.exists(os.path.join(model_dir, "config.json")):
@@ -341,8 +381,7 @@ def main():
         report[phase]["process_seconds"] = time.perf_counter() - started
         report[phase]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         report.setdefault("commands", {})[phase] = report["command"]
-        with open(out_path, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        write_report(options, report)
         print(f"{phase}: {report[phase]['process_seconds']:.0f} s", flush=True)
     print(summary(report))
 
@@ -364,6 +403,10 @@ def environment(options) -> dict:
     }
 
 
+def gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.1f}"  # no reading on the CPU
+
+
 def summary(report: dict) -> str:
     lines = [f"sequence length {report['seq_len']}"]
     probe, auto, exhaustive, train = (
@@ -375,6 +418,13 @@ def summary(report: dict) -> str:
             f"{probe['recommended']}, {probe['seconds']:.1f} s ({probe['wall_seconds_including_model_load']:.1f} s "
             f"with loading), sizes {[t['size'] for t in probe['trials']]}"
         )
+        if "overhead_seconds" in probe:  # reports from before the breakdown have only the warm-up's time
+            trials = ", ".join(f"{t['size']}: {t['seconds']:.2f}" for t in probe["trials"] if t["seconds"])
+            lines.append(
+                f"probe time: warm-up {probe['warm_up_seconds']:.2f} s ({probe['warm_up_tokens']} tokens), trials "
+                f"{probe['trial_seconds']:.2f} s ({trials}), the rest {probe['overhead_seconds']:.2f} s (setup "
+                f"{probe['setup_seconds']:.2f} s, cleanup {probe['cleanup_seconds']:.2f} s)"
+            )
     if "lost_seconds" in auto:
         ratio = (
             probe["seconds"] / auto["lost_seconds"]
@@ -393,11 +443,13 @@ def summary(report: dict) -> str:
             f"the probe's is {off:.1%} off"
         )
     for name, run in train.get("runs", {}).items():
-        peak = max((r for r in run["peak_reserved_bytes_per_step"] if r), default=0) / 2**30
+        reserved = [r for r in run["peak_reserved_bytes_per_step"] if r is not None] or [None]
         speed = run["tokens_per_second_after_first_step"] or 0
         lines.append(
-            f"train {name} {run['size']}: {run['steps_done']} steps, error {run['error']}, {speed:,.0f} tokens/s, "
-            f"max reserved {peak:.1f} GiB, within limit {run['max_reserved_within_limit']}"
+            f"train {name} {run['size']}: {run['steps_done']} steps{' (partial)' if run.get('partial') else ''}, "
+            f"error {run['error']}, {speed:,.0f} tokens/s, reserved {gib(reserved[0])} GiB at the first step, "
+            f"{gib(reserved[-1])} GiB at the last, {gib(max(reserved, key=lambda r: r or 0))} GiB at most, within "
+            f"limit {run['max_reserved_within_limit']}"
         )
     for phase in ("probe", "auto_find", "exhaustive", "train"):
         if "error" in report.get(phase, {}) and "returncode" in report[phase]:
