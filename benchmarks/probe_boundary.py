@@ -419,7 +419,13 @@ def summary(report: dict) -> str:
             f"with loading), sizes {[t['size'] for t in probe['trials']]}"
         )
         if "overhead_seconds" in probe:  # reports from before the breakdown have only the warm-up's time
-            trials = ", ".join(f"{t['size']}: {t['seconds']:.2f}" for t in probe["trials"] if t["seconds"])
+            trials = ", ".join(
+                f"{t['size']}: ~{t['seconds']:.2f} (its forward {t['forward_seconds']:.2f})"
+                if t.get("forward_only")
+                else f"{t['size']}: {t['seconds']:.2f}"
+                for t in probe["trials"]
+                if t["seconds"]
+            )
             lines.append(
                 f"probe time: warm-up {probe['warm_up_seconds']:.2f} s ({probe['warm_up_tokens']} tokens), trials "
                 f"{probe['trial_seconds']:.2f} s ({trials}), the rest {probe['overhead_seconds']:.2f} s (setup "
