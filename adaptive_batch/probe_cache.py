@@ -30,9 +30,8 @@ if TYPE_CHECKING:
     from .probe import ProbeReport
 
 CACHE_ENV = "ADAPTIVE_BATCH_CACHE"
-MAX_NAMED_DIFFERENCES = (
-    4  # a setup of another model differs in dozens of config keys: name a few, count the rest
-)
+# a setup of another model differs in dozens of config keys: name a few, count the rest
+MAX_NAMED_DIFFERENCES = 4
 
 
 @dataclass(frozen=True)

@@ -323,9 +323,8 @@ class _Outcome:
     loss: torch.Tensor
     chunks: int = 0
     largest: int = 0
-    failed: MicroBatchReport | None = (
-        None  # the report of the micro-batch that ran out of memory on some rank
-    )
+    # the report of the micro-batch that ran out of memory on some rank
+    failed: MicroBatchReport | None = None
 
 
 class _LossWeights:

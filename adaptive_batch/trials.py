@@ -26,9 +26,8 @@ from torch.utils._pytree import tree_flatten
 from .boundary import Trial
 from .memory import Stopwatch, is_out_of_memory, memory_limit, release_memory, synchronize
 
-WARM_UP_TOKENS = (
-    64  # the warm-up's sample: one-time costs do not grow with its length, and it is not a reading
-)
+# the warm-up's sample: one-time costs do not grow with its length, and it is not a reading
+WARM_UP_TOKENS = 64
 
 
 class TrialRunner:
