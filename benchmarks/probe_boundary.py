@@ -368,6 +368,9 @@ def main():
         save_random_llama(model_dir, TINY if options.tiny else LLAMA2_7B, on_gpu=not options.tiny)
     for phase in options.phases.split(","):
         inputs_path = os.path.join(options.workdir, "inputs.json")
+        # named before the phase runs: a phase stopped partway (a train phase writes after every step) says which
+        # command produced what it wrote
+        report.setdefault("commands", {})[phase] = report["command"]
         with open(inputs_path, "w") as f:
             json.dump(report, f, default=str)
         argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--phase", phase]
@@ -380,7 +383,6 @@ def main():
             report[phase] = json.loads(lines[-1][len("RESULT ") :])
         report[phase]["process_seconds"] = time.perf_counter() - started
         report[phase]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        report.setdefault("commands", {})[phase] = report["command"]
         write_report(options, report)
         print(f"{phase}: {report[phase]['process_seconds']:.0f} s", flush=True)
     print(summary(report))

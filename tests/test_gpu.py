@@ -30,10 +30,9 @@ def make_trainer(tmp_path, micro_batch_size):
         num_key_value_heads=4,
         vocab_size=32000,
         use_cache=False,
+        attn_implementation="eager",  # eager attention has a deterministic backward
     )
-    model = LlamaForCausalLM(
-        config, attn_implementation="eager"
-    )  # eager attention has a deterministic backward
+    model = LlamaForCausalLM(config)
     ids = torch.randint(0, 32000, (64 * 3, 1024), generator=torch.Generator().manual_seed(0)).tolist()
     dataset = [{"input_ids": r, "attention_mask": [1] * 1024, "labels": r} for r in ids]
     args = TrainingArguments(
