@@ -174,6 +174,10 @@ def plan_command(options: argparse.Namespace) -> dict:
             }
             for first, last, effective in phases
         ],
+        "uneven_steps": [  # an epoch's short last step, or one holding a remainder too small for every rank
+            {"step": step, "samples": samples, "scheduled": scheduled, "lr_multiplier": clock.scale(step)}
+            for step, samples, scheduled in plan.uneven_steps()
+        ],
         "notes": list(plan.notes),
         "warnings": warnings,
         "table": report.plan_rows(

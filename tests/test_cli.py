@@ -40,10 +40,14 @@ def test_plan_json_counts_steps_samples_and_the_lr_of_each_phase(capsys):
     assert [p["effective_batch_size"] for p in result["phases"]] == [16, 32, 64]
     assert [p["lr_multiplier"] for p in result["phases"]] == pytest.approx([1.0, 2**0.5, 2.0])
     assert [p["per_device_samples"] for p in result["phases"]] == [8, 16, 32]
-    assert (
-        result["optimizer_steps"] == 32 + 16 + 16
-    )  # 500 samples at 16 (31 + 1 rest of 4), 500 at 32, 1000 at 64
+    # 512 samples at 16 (the phase ends at 500, inside step 31), 488 at 32 (15 steps and 8), 1000 at 64 (15 and 40)
+    assert result["optimizer_steps"] == 32 + 16 + 16
     assert result["lr_schedule_steps"] == 125
+    # each epoch ends with a short step (8 of 32, 40 of 64); the rule applies to the samples it holds
+    assert result["uneven_steps"] == [
+        {"step": 47, "samples": 8, "scheduled": 32, "lr_multiplier": pytest.approx(0.5**0.5)},
+        {"step": 63, "samples": 40, "scheduled": 64, "lr_multiplier": pytest.approx(2.5**0.5)},
+    ]
 
 
 def test_plan_table_and_the_max_steps_traps(capsys):

@@ -141,7 +141,10 @@ def test_cli_probe_of_a_4bit_lora_model_on_the_cpu(capsys, model_dir, probe_cach
     assert cached["32"]["boundary"] == result["boundary"]
 
 
-def test_adaptive_batch_starts_at_the_probed_size(capsys, make_trainer, tokenizer, tmp_path, rows):
+@pytest.mark.parametrize("dtype", [None, torch.float64])
+def test_adaptive_batch_starts_at_the_probed_size_or_says_why_not(
+    capsys, caplog, make_trainer, tokenizer, tmp_path, rows, dtype
+):
     from datasets import Dataset
 
     path = tmp_path / "base"
@@ -155,14 +158,24 @@ def test_adaptive_batch_starts_at_the_probed_size(capsys, make_trainer, tokenize
     model = AutoModelForCausalLM.from_pretrained(path)
     model.config.use_cache = False
     dataset = Dataset.from_list(rows[:64])
-    trainer = make_trainer(
-        [AdaptiveBatch()],
-        model=model,
-        dataset=dataset,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=32,
-    )
-    assert trainer._adaptive_batch.controller.size == min(recommended, 64)
+    with caplog.at_level("INFO", logger="adaptive_batch"):
+        trainer = make_trainer(
+            [AdaptiveBatch()],
+            model=model,
+            dataset=dataset,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=32,
+            dtype=dtype,  # float64: a setup the probe did not see
+        )
+    if dtype is None:
+        assert trainer._adaptive_batch.controller.size == min(recommended, 64)
+        assert f"Starting the micro-batch at {recommended}:" in caplog.text
+    else:
+        assert trainer._adaptive_batch.controller.size == 2  # the per-device size
+        lines = [
+            r.getMessage() for r in caplog.records if "dtype (torch.float32 in the cache" in r.getMessage()
+        ]
+        assert len(lines) == 1 and "torch.float64 now" in lines[0]
 
 
 @pytest.mark.parametrize(
