@@ -208,6 +208,12 @@ class Session:
         accumulation 1 as the active session, then put the argument back."""
         if checkpoint is None:
             self.tokens_seen, self.last_step = 0, -1
+        elif self.trainer.args.ignore_data_skip:
+            raise ValueError(
+                "ignore_data_skip=True makes a resumed run read its batches from the first step again, while "
+                "AdaptiveBatch's step k must take the samples the plan gives step k. Resume with "
+                "ignore_data_skip=False (skipping costs no data loading: only the sampler's indices are skipped)."
+            )
         self.prepare(checkpoint)
         if self.trainer.args.should_log:
             logger.info("%s", report.format_rows("AdaptiveBatch plan", self._plan_rows()))

@@ -101,6 +101,18 @@ def test_resuming_under_another_plan_is_refused_naming_what_changed(make_trainer
     assert calls == []  # refused before any compute
 
 
+def test_resuming_without_skipping_the_trained_steps_is_refused(make_trainer, tmp_path):
+    run(make_trainer, tmp_path / "full", micro_batch_size=4)
+    with pytest.raises(ValueError, match="ignore_data_skip=True makes a resumed run read its batches"):
+        run(
+            make_trainer,
+            tmp_path / "r",
+            4,
+            resume=str(tmp_path / "full" / "checkpoint-5"),
+            ignore_data_skip=True,
+        )
+
+
 @pytest.mark.parametrize(
     "stated, expected",
     [
