@@ -74,6 +74,19 @@ class StepBatch:
         real = int(self.lengths[index].sum()) if self.lengths is not None else size * self.seq_len
         return real, padded
 
+    packed = False
+
+    def label_counts(self, shifted: bool) -> torch.Tensor | None:
+        """Labelled tokens of each row (after the shift a causal LM's loss makes, if `shifted`), or `None` without
+        per-row labels."""
+        for key in LABEL_KEYS:
+            labels = self.batch.get(key)
+            if isinstance(labels, torch.Tensor) and labels.dim() == 2:
+                if key == "labels" and shifted:
+                    labels = labels[:, 1:]
+                return (labels != IGNORE_INDEX).sum(dim=1)
+        return None
+
     def token_chunks(self, budget: int, row_cap: int | None = None) -> list[int]:
         """Micro-batch sizes that cut the step's rows (longest first) into as few as hold `budget` padded tokens each.
 
@@ -85,17 +98,7 @@ class StepBatch:
         Example: rows of 30, 20, 20, 10, 10 and 10 tokens with a budget of 60 give 1, 2, 3 (30, 40 and 30 padded
         tokens), where taking as many rows as fit gives 2, 3, 1 (60, 60 and 10).
         """
-        lengths = self.padded_lengths
-        count = len(_greedy_chunks(lengths, budget, row_cap))
-        # the least budget that still gives `count` micro-batches (a smaller budget never gives fewer)
-        low, high = 1, budget
-        while low < high:
-            middle = (low + high) // 2
-            if len(_greedy_chunks(lengths, middle, row_cap)) <= count:
-                high = middle
-            else:
-                low = middle + 1
-        return _greedy_chunks(lengths, low, row_cap)
+        return chunks_by_tokens(self.padded_lengths, budget, row_cap)
 
     def longest_row(self) -> int:
         """Padded tokens of a micro-batch holding only the longest row."""
@@ -144,16 +147,34 @@ class StepBatch:
         return int(columns[-1]) + 1 if len(columns) else 1
 
 
-def _greedy_chunks(lengths: list[int], budget: int, row_cap: int | None) -> list[int]:
-    """Cut `lengths` in order: each chunk takes rows while rows x its longest row stays within `budget`."""
+def chunks_by_tokens(lengths: list[int], budget: int, row_cap: int | None, packed: bool = False) -> list[int]:
+    """Cut `lengths` in order into as few chunks of at most `budget` tokens as they allow (a longer row alone), at
+    most `row_cap` rows each, then with the least budget that keeps that count (a lower peak, no more chunks).
+
+    A chunk's tokens are its rows x its longest row (rows padded to it), or with `packed` the sum of its lengths.
+    """
+    count = len(_greedy_chunks(lengths, budget, row_cap, packed))
+    # the least budget that still gives `count` micro-batches (a smaller budget never gives fewer)
+    low, high = 1, budget
+    while low < high:
+        middle = (low + high) // 2
+        if len(_greedy_chunks(lengths, middle, row_cap, packed)) <= count:
+            high = middle
+        else:
+            low = middle + 1
+    return _greedy_chunks(lengths, low, row_cap, packed)
+
+
+def _greedy_chunks(lengths: list[int], budget: int, row_cap: int | None, packed: bool = False) -> list[int]:
+    """Cut `lengths` in order: each chunk takes rows while its tokens stay within `budget`."""
     sizes, start = [], 0
     while start < len(lengths):
-        size, longest = 1, lengths[start]
+        size, longest, total = 1, lengths[start], lengths[start]
         while start + size < len(lengths) and (row_cap is None or size < row_cap):
-            longer = max(longest, lengths[start + size])
-            if (size + 1) * longer > budget:
+            longer, more = max(longest, lengths[start + size]), total + lengths[start + size]
+            if (more if packed else (size + 1) * longer) > budget:
                 break
-            size, longest = size + 1, longer
+            size, longest, total = size + 1, longer, more
         sizes.append(size)
         start += size
     return sizes
@@ -184,13 +205,8 @@ def _check_splittable(batch: Mapping[str, Any], rows: int) -> None:
     if not packed and rows == 1 and "attention_mask" not in batch and isinstance(position_ids, torch.Tensor):
         if position_ids.dim() == 2 and bool((position_ids[0, 1:] == 0).any()):
             packed = ["position_ids"]
-    if packed:
-        raise ValueError(
-            f"The step batch is padding-free (sequences flattened into one row, marked by {packed}): AdaptiveBatch "
-            "cuts micro-batches by rows and cannot cut this one. Turn padding-free collation off (TRL: "
-            "SFTConfig(padding_free=False, packing=False) or packing_strategy='wrapped'; transformers: a padding "
-            "collator instead of DataCollatorWithFlattening)."
-        )
+    if packed:  # `packed.step_batch` gives such a batch to `PackedStepBatch`
+        raise ValueError(f"The step batch is padding-free (marked by {packed}): cut it with PackedStepBatch.")
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] != rows:
             raise ValueError(

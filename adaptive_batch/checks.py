@@ -59,13 +59,6 @@ def check_trainer(trainer: Trainer) -> None:
                 f"{owner.__name__} overrides {method}, which AdaptiveBatch replaces with its step sampler, so your "
                 "version would be skipped. Move that logic into the dataset or data collator, or remove AdaptiveBatch."
             )
-    if _padding_free(trainer):
-        raise ValueError(
-            "The data collator flattens each batch into one padding-free row, which AdaptiveBatch cannot cut into "
-            "micro-batches by rows. Turn padding-free collation off (TRL: SFTConfig(padding_free=False) and, with "
-            "packing=True, packing_strategy='wrapped'; transformers: a padding collator instead of "
-            "DataCollatorWithFlattening)."
-        )
     dataset = trainer.train_dataset
     if dataset is not None and (isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")):
         raise ValueError(
@@ -73,14 +66,3 @@ def check_trainer(trainer: Trainer) -> None:
             "over and no random access to draw a step's samples from. Use a map-style dataset (datasets.Dataset "
             "or a torch Dataset with __len__ and __getitem__)."
         )
-
-
-def _padding_free(trainer: Trainer) -> bool:
-    from transformers import DataCollatorWithFlattening
-
-    collator = trainer.data_collator
-    return (
-        isinstance(collator, DataCollatorWithFlattening)
-        or bool(getattr(collator, "padding_free", False))
-        or bool(getattr(trainer, "padding_free", False))  # TRL's SFTTrainer, packing with 'bfd' included
-    )

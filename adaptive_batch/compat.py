@@ -39,6 +39,19 @@ def train_dataset_and_collator(trainer, dataset, collator):
 # -- TRL's SFTTrainer --------------------------------------------------------------------------------------------
 
 
+def padding_free(trainer) -> bool:
+    """Whether the collator flattens each batch into one row of sequences: `DataCollatorWithFlattening`, a collator
+    with `padding_free` set, or TRL's SFTTrainer with `padding_free` (its `packing=True` with "bfd" sets it)."""
+    from transformers import DataCollatorWithFlattening
+
+    collator = trainer.data_collator
+    return (
+        isinstance(collator, DataCollatorWithFlattening)
+        or bool(getattr(collator, "padding_free", False))
+        or bool(getattr(trainer, "padding_free", False))
+    )
+
+
 class TrlMetrics:
     """TRL's SFTTrainer counts tokens (`_total_train_tokens`) and appends metrics (`_metrics["train"]`) on every
     `compute_loss` call. A step run again after an out-of-memory error would count them twice, and a row that adds

@@ -137,7 +137,9 @@ class Session:
         if config.max_tokens_per_micro_batch is not None and config.auto:
             # with a token budget "auto" caps rows only by max_micro_batch_size, under a plan that may be new
             self.controller.size = min(config.max_micro_batch_size or math.inf, self.plan.max_rows_per_rank)
-        self.runner = MicroBatchRunner(trainer, self.controller, self.world_size)
+        self.runner = MicroBatchRunner(
+            trainer, self.controller, self.world_size, packed=compat.padding_free(trainer)
+        )
         if checkpoint is not None:
             self._restore(checkpoint)
 
@@ -230,7 +232,11 @@ class Session:
     def _check_longest_row(self) -> None:
         """Warn before any compute when the dataset holds a row longer than the token budget (it will run alone)."""
         budget = self.controller.max_tokens
-        longest = lengths.longest(self.trainer.train_dataset) if budget is not None else None
+        if budget is None or getattr(
+            self.trainer.args, "packing", False
+        ):  # a packed row is cut between sequences
+            return
+        longest = lengths.longest(self.trainer.train_dataset)
         if longest is not None and longest > budget:
             self.runner.warn_long_row(longest)
 

@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from . import compat
-from .batch import IGNORE_INDEX, LABEL_KEYS, StepBatch
+from .batch import StepBatch
 from .memory import Stopwatch, is_out_of_memory, release_memory
 from .microbatch import MicroBatchController, MicroBatchTooLargeError
+from .packed import PackedStepBatch, check_packed_inputs, is_packed
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +109,14 @@ class MicroBatchRunner:
         trainer: the Trainer (its `current_gradient_accumulation_steps`, `accelerator` and TRL metrics are used).
         controller: decides micro-batch sizes.
         world_size: data-parallel processes.
+        packed: the collator flattens every batch into one padding-free row (cut between its sequences).
     """
 
-    def __init__(self, trainer, controller: MicroBatchController, world_size: int):
+    def __init__(self, trainer, controller: MicroBatchController, world_size: int, packed: bool = False):
         self.trainer = trainer
         self.controller = controller
         self.world_size = world_size
+        self.packed = packed  # the collator flattens every batch (a step of one sequence looks unpacked)
         self.device = trainer.args.device
         self.last = StepStats()
         self.warned_long_row = False
@@ -134,8 +137,18 @@ class MicroBatchRunner:
             num_items_in_batch: the step's label-token count from the Trainer (all ranks), or `None`.
             max_rows: the largest share of this step on any rank.
         """
-        batch = StepBatch(inputs)
-        if batch.rows not in (max_rows, max_rows - 1):
+        packed = self.packed or is_packed(inputs)
+        if (
+            self.distributed
+        ):  # a rank whose flattened row holds one sequence cannot tell: every rank must agree
+            packed = bool(_all_reduce([float(packed)], self.device, dist.ReduceOp.MAX)[0])
+        batch = PackedStepBatch(inputs) if packed else StepBatch(inputs)
+        if packed:  # its sequences are the rows, as many as the collator packed on each rank
+            check_packed_inputs(inputs, model)
+            max_rows = batch.rows
+            if self.distributed:
+                max_rows = int(_all_reduce([max_rows], self.device, dist.ReduceOp.MAX)[0])
+        elif batch.rows not in (max_rows, max_rows - 1):
             raise RuntimeError(f"Step batch of {batch.rows} rows where the plan gives {max_rows} per rank.")
         step = _Step(inner_step, model, batch, num_items_in_batch, _loss_weights(batch, self.trainer))
         metrics = compat.TrlMetrics(self.trainer)
@@ -313,7 +326,7 @@ class _Step:
 
     inner_step: InnerStep
     model: torch.nn.Module
-    batch: StepBatch
+    batch: StepBatch | PackedStepBatch
     num_items: object
     weights: _LossWeights
 
@@ -341,14 +354,8 @@ class _LossWeights:
         return total / part if part > 0 else float("inf")
 
 
-def _loss_weights(batch: StepBatch, trainer) -> _LossWeights:
-    for key in LABEL_KEYS:
-        labels = batch.batch.get(key)
-        if isinstance(labels, torch.Tensor) and labels.dim() == 2:
-            if key == "labels" and compat.loss_shifts_labels(trainer):
-                labels = labels[:, 1:]
-            return _LossWeights((labels != IGNORE_INDEX).sum(dim=1))
-    return _LossWeights(None)
+def _loss_weights(batch: StepBatch | PackedStepBatch, trainer) -> _LossWeights:
+    return _LossWeights(batch.label_counts(compat.loss_shifts_labels(trainer)))
 
 
 def _all_reduce(values: list[float], device: torch.device, op) -> list[float]:
@@ -396,7 +403,7 @@ def _broadcast_buffers(model: torch.nn.Module) -> None:
         dist.broadcast(buffer, src=0)
 
 
-def _too_large_message(batch: StepBatch, device: torch.device) -> str:
+def _too_large_message(batch: StepBatch | PackedStepBatch, device: torch.device) -> str:
     length = f" of {batch.seq_len} tokens" if batch.seq_len else ""
     return (
         f"One sample per micro-batch{length} does not fit in memory on {device}, so no micro-batch size can run "

@@ -80,6 +80,8 @@ def make_trainer(tokenizer, rows, tmp_path):
             model = tiny_llama(tokenizer)
         if dtype is not None:
             model = model.to(dtype)
+            if dtype == torch.float64 and hasattr(model, "config"):
+                keep_loss_in_float64(model)
         return trainer_class(
             model=model,
             args=TrainingArguments(**settings),
@@ -102,8 +104,30 @@ def make_trainer(tokenizer, rows, tmp_path):
 # the rounding differences (about 1e-16 relative) stay that small on any machine. Adam would divide them by the root
 # of tiny second moments: 5e-15 on one machine, 1e-8 on another. Here they come to about 1e-16, while one sample
 # more or less in the run moves the weights by about 6e-3: ORDER_TOLERANCE sits far from both.
+# transformers' causal-LM loss rounds the logits to float32 (`logits.float()`), which would turn float64 rounding
+# differences into float32 ones now and then: a float64 model gets a float64 loss (`keep_loss_in_float64`).
 ORDER_ONLY = dict(dtype=torch.float64, optim="sgd", learning_rate=0.1)
 ORDER_TOLERANCE = 1e-10
+
+
+def float64_causal_lm_loss(
+    logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+):
+    """transformers' `ForCausalLMLoss` without its cast to float32."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.reshape(-1).to(logits.device)
+    total = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, vocab_size), shift_labels, ignore_index=ignore_index, reduction="sum"
+    )
+    count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != ignore_index).sum()
+    return total / count
+
+
+def keep_loss_in_float64(model):
+    """Give a float64 causal LM a float64 loss (see ORDER_ONLY)."""
+    model._loss_function = float64_causal_lm_loss
+    return model
 
 
 def parameters(model) -> dict[str, torch.Tensor]:
@@ -133,14 +157,25 @@ def logged(trainer, key: str) -> list:
     return [log[key] for log in step_logs(trainer)]
 
 
-class Recording(Trainer):
+def sequences(inputs: dict) -> list[tuple[int, ...]]:
+    """The token ids of every row of a collated batch without padding, or of every sequence of a flattened one."""
+    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    if mask is not None:
+        return [tuple(r[m.bool()].tolist()) for r, m in zip(ids, mask)]
+    positions = inputs["position_ids"][0]
+    starts = [0] + ((positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1).tolist() + [ids.shape[1]]
+    return [tuple(ids[0, a:b].tolist()) for a, b in zip(starts, starts[1:])]
+
+
+class RecordingMixin:
     """Records every micro-batch its `training_step` gets, as `(optimizer step, rows, padded length, label tokens,
-    the rows' tokens without padding)`, in `micro_batches` (one list per instance)."""
+    the rows' tokens without padding)`, in `micro_batches` (one list per instance). A flattened (padding-free) batch
+    is one row; its "rows' tokens" are its sequences'. Put it in front of a Trainer class."""
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         rows, length = inputs["input_ids"].shape
         labels = int((inputs["labels"] != -100).sum())
-        content = [tuple(r[m.bool()].tolist()) for r, m in zip(inputs["input_ids"], inputs["attention_mask"])]
+        content = sequences(inputs)
         self.__dict__.setdefault("micro_batches", []).append(
             (self.state.global_step, rows, length, labels, content)
         )
@@ -163,3 +198,7 @@ class MeanLossModel(torch.nn.Module):
         scored, targets = (logits[:, :-1], labels[:, 1:]) if self.shift else (logits, labels)
         loss = torch.nn.functional.cross_entropy(scored.flatten(0, 1), targets.flatten(), ignore_index=-100)
         return {"loss": loss, "logits": logits}
+
+
+class Recording(RecordingMixin, Trainer):
+    """A `transformers.Trainer` that records its micro-batches (see `RecordingMixin`)."""

@@ -1,9 +1,10 @@
 """Run by test_ddp.py, under torchrun (2 ranks, gloo) or alone: a short run whose results the test compares.
 
-usage: ddp_worker.py OUTPUT_DIR {trainer,sft,tokens} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
+usage: ddp_worker.py OUTPUT_DIR {trainer,sft,tokens,packed} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
 
 With `tokens`, rows of 3 to 24 tokens are cut by a token budget of MICRO_BATCH_SIZE, every micro-batch is recorded,
-and the fake out-of-memory error comes above 30 tokens instead of 1 row. The fake error is raised in the forward
+and the fake out-of-memory error comes above 30 tokens instead of 1 row. `packed` is the same with the rows
+flattened into one padding-free row a step (DataCollatorWithFlattening), cut between sequences. The fake error is raised in the forward
 pass: with `sft`, before TRL's `compute_loss` gathers its metrics from every rank.
 
 Runs use the ORDER_ONLY settings of conftest (float64, SGD): two ranks and one process add in different orders.
@@ -19,8 +20,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = None) -> None:
-    from conftest import ORDER_ONLY, Recording
-    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+    from conftest import ORDER_ONLY, Recording, keep_loss_in_float64
+    from transformers import (
+        DataCollatorForLanguageModeling,
+        DataCollatorWithFlattening,
+        Trainer,
+        TrainingArguments,
+    )
 
     from adaptive_batch import AdaptiveBatch, PhaseSchedule
     from adaptive_batch.testing import (
@@ -33,7 +39,7 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
 
     texts = text_corpus()
     tokenizer = train_tokenizer(texts[:1500], vocab_size=384)
-    model = tiny_llama(tokenizer).to(ORDER_ONLY["dtype"])
+    model = keep_loss_in_float64(tiny_llama(tokenizer).to(ORDER_ONLY["dtype"]))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     common = dict(
         output_dir=output_dir,
@@ -51,17 +57,19 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         ddp_backend="gloo" if world_size > 1 else None,
     )
     schedule = PhaseSchedule([4, 8], boundaries=[0.5])
-    if kind == "tokens":
+    if kind in ("tokens", "packed"):
         callback = AdaptiveBatch(schedule=schedule, max_tokens_per_micro_batch=int(micro))
     else:
         callback = AdaptiveBatch(schedule=schedule, micro_batch_size=int(micro))
-    if kind == "tokens":
+    if kind in ("tokens", "packed"):
         rows = token_dataset(tokenizer, texts[:43], max_length=24)
         trainer = Recording(
             model=model,
             args=TrainingArguments(**common),
             train_dataset=[{"input_ids": r["input_ids"][: 3 + (7 * i) % 22]} for i, r in enumerate(rows)],
-            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+            data_collator=DataCollatorWithFlattening()
+            if kind == "packed"
+            else DataCollatorForLanguageModeling(tokenizer, mlm=False),
             callbacks=[callback],
         )
     elif kind == "trainer":
@@ -86,7 +94,7 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     rank = trainer.args.process_index
     watcher = None
     if fake_oom_rank == str(rank):
-        limits = dict(max_rows=None, max_tokens=30) if kind == "tokens" else dict(max_rows=1)
+        limits = dict(max_rows=None, max_tokens=30) if kind in ("tokens", "packed") else dict(max_rows=1)
         watcher = FakeOutOfMemory(trainer.model, **limits)
     trainer.train()
     session = callback.session
@@ -96,7 +104,8 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         "plan": session.plan.fingerprint(),
         "logs": [log for log in trainer.state.log_history if "loss" in log],
         "raised": watcher.raised if watcher else [],
-        "micro_batches": [m[:4] for m in getattr(trainer, "micro_batches", [])],
+        # (step, rows, padded length, label tokens, sequences): a flattened row holds several sequences
+        "micro_batches": [(*m[:4], len(m[4])) for m in getattr(trainer, "micro_batches", [])],
         "max_tokens": session.controller.max_tokens,
     }
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:

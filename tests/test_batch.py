@@ -58,11 +58,14 @@ def test_dummy_row_has_every_label_ignored(collated):
     assert bool((kept["labels"] != -100).any())
 
 
-def test_padding_free_batches_get_one_clear_error(rows):
+def test_padding_free_batches_are_cut_by_their_sequences_not_their_rows(rows):
+    from adaptive_batch.packed import PackedStepBatch, is_packed
+
     flattened = DataCollatorWithFlattening()(
         [{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in rows[:3]]
     )
-    with pytest.raises(ValueError, match="padding-free .* SFTConfig\\(padding_free=False"):
+    assert is_packed(flattened) and PackedStepBatch(flattened).rows == 3
+    with pytest.raises(ValueError, match="padding-free .* PackedStepBatch"):
         StepBatch(flattened)
 
 

@@ -113,14 +113,14 @@ def test_ranks_cut_their_own_rows_by_tokens_and_run_as_many_micro_batches(tmp_pa
         assert budget == 40
     else:  # rank 1 ran out above 30 tokens: both ranks halved the budget to half that micro-batch (31 to 40)
         assert ranks[1]["raised"] and not ranks[0]["raised"] and 15 <= budget <= 20
-        first = 1 + min(step for step, rows, length, _ in ranks[1]["micro_batches"] if rows * length > 30)
+        first = 1 + min(step for step, rows, length, *_ in ranks[1]["micro_batches"] if rows * length > 30)
     steps = range(first, len(ranks[0]["logs"]))
     counts, cuts = (
         [],
         [],
     )  # per rank and step: micro-batches run, and the rows of those with labels (its own cut)
     for rank in ranks:
-        by_step = [[m[1:] for m in rank["micro_batches"] if m[0] == k] for k in steps]
+        by_step = [[m[1:4] for m in rank["micro_batches"] if m[0] == k] for k in steps]
         assert all(rows == 1 or rows * length <= budget for step in by_step for rows, length, _ in step)
         counts.append([len(step) for step in by_step])
         cuts.append([[rows for rows, _, labels in step if labels] for step in by_step])
@@ -128,6 +128,23 @@ def test_ranks_cut_their_own_rows_by_tokens_and_run_as_many_micro_batches(tmp_pa
     assert [max(len(a), len(b)) for a, b in zip(*cuts)] == counts[0]
     assert any(a != b for a, b in zip(*cuts))  # the ranks' rows differ in length, and so do their cuts
     assert any(len(a) != len(b) for a, b in zip(*cuts))  # the rank with fewer ran rows that add nothing
+    key = "adaptive_batch/tokens_seen"
+    assert [log[key] for log in ranks[0]["logs"]] == [log[key] for log in single[0]["logs"]]
+    assert_same_weights(weights[0], weights[1])
+    assert_close_weights(weights[0], single_weights[0])
+
+
+def test_padding_free_steps_under_ddp_are_cut_by_each_rank_and_survive_one_ranks_oom(tmp_path):
+    single, single_weights = launch(tmp_path, "single", "packed", micro=40, world_size=1)
+    ranks, weights = launch(tmp_path, "ddp", "packed", micro=40, world_size=2, fake_oom_rank=1)
+    assert ranks[1]["raised"] and not ranks[0]["raised"]
+    budget = ranks[0]["max_tokens"]
+    assert ranks[1]["max_tokens"] == budget < 40  # halved on both ranks
+    for rank in ranks:  # one flattened row per micro-batch, within the budget unless one sequence alone
+        assert all(rows == 1 for _, rows, *_ in rank["micro_batches"])
+    last = [[m for m in rank["micro_batches"] if m[0] == len(rank["logs"]) - 1] for rank in ranks]
+    assert len(last[0]) == len(last[1])  # as many micro-batches on every rank
+    assert all(length <= budget or sequences == 1 for _, _, length, _, sequences in last[0] + last[1])
     key = "adaptive_batch/tokens_seen"
     assert [log[key] for log in ranks[0]["logs"]] == [log[key] for log in single[0]["logs"]]
     assert_same_weights(weights[0], weights[1])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from torch.utils.data import IterableDataset
-from transformers import DataCollatorWithFlattening, Trainer
+from transformers import Trainer
 
 from adaptive_batch import AdaptiveBatch, PhaseSchedule
 
@@ -82,13 +82,6 @@ def test_a_trainer_that_builds_its_own_dataloader_is_refused(make_trainer):
 def test_length_grouped_sampling_is_refused(make_trainer):
     with pytest.raises(ValueError, match="train_sampling_strategy='group_by_length'"):
         make_trainer([AdaptiveBatch()], train_sampling_strategy="group_by_length")
-
-
-def test_padding_free_collation_is_refused_before_any_compute(make_trainer, tokenizer, rows):
-    trainer = make_trainer()
-    trainer.data_collator = DataCollatorWithFlattening()
-    with pytest.raises(ValueError, match="padding-free row.*DataCollatorWithFlattening"):
-        AdaptiveBatch.attach(trainer)
 
 
 @pytest.mark.parametrize(

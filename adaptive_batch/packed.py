@@ -1,0 +1,235 @@
+"""Cutting a padding-free step batch (sequences flattened into one row) at sequence boundaries.
+
+`DataCollatorWithFlattening`, TRL's `padding_free=True` and TRL's `packing=True` (the "bfd" strategy) give one row
+of all the step's sequences laid end to end, the sequences told apart by `position_ids` that start again at each
+one (and by `cu_seq_lens_q/k` and `seq_idx` when the collator adds them). Such a row is cut between sequences: a
+micro-batch is a run of whole sequences, with every per-sequence field rebuilt for it. That is exact as long as no
+loss term pairs the last token of one sequence with the first of the next, which the collators ensure by ignoring
+(-100) the label at every sequence's first position; a cut anywhere else is refused.
+
+Attention stays within each sequence only where the model reads the sequences from `position_ids` (or
+`cu_seq_lens`): transformers' eager, sdpa and flex attention build a block-diagonal mask from them when there is no
+`attention_mask` and no cache, and flash attention reads them itself. A batch that carries an `attention_mask`, or a
+model that would build a cache (`use_cache=True`), attends across sequences: [`check_packed_inputs`] refuses both.
+
+The sequences play the part of rows: [`PackedStepBatch`] has the interface of [`StepBatch`], with no padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from .batch import IGNORE_INDEX, LABEL_KEYS, chunks_by_tokens
+
+SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def is_packed(batch: Mapping[str, Any]) -> bool:
+    """Whether a collated batch is padding-free: one row whose `position_ids` start again (or `cu_seq_lens_q`)."""
+    if "cu_seq_lens_q" in batch or "cu_seqlens" in batch:
+        return True
+    position_ids = batch.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return False
+    return bool((position_ids[0, 1:] - position_ids[0, :-1] != 1).any())
+
+
+class PackedStepBatch:
+    """One rank's share of a padding-free step batch, cut between sequences; the sequences are its "rows".
+
+    Args:
+        batch: the collated step batch: per-token tensors shaped `[1, tokens]`, `position_ids` among them, and
+            optionally `cu_seq_lens_q/k`, `max_length_q/k` and `seq_idx`.
+
+    Raises:
+        ValueError: if the sequences cannot be told apart, a cut between them would split a loss term, or a value
+            is neither per-token nor per-sequence; naming the key and a fix.
+    """
+
+    packed = True
+
+    def __init__(self, batch: Mapping[str, Any]):
+        self.batch = batch
+        self.tokens_total = _token_count(batch)
+        self.starts = _sequence_starts(batch, self.tokens_total)
+        self.ends = self.starts[1:] + [self.tokens_total]
+        self.rows = len(self.starts)
+        self.order = torch.arange(self.rows)  # sequences keep their order: there is no padding to group away
+        self.seq_len = max(self.lengths_list)
+        _check_cuts(batch, self.starts, self.tokens_total)
+
+    @cached_property
+    def lengths_list(self) -> list[int]:
+        return [end - start for start, end in zip(self.starts, self.ends)]
+
+    @property
+    def padded_lengths(self) -> list[int]:
+        return self.lengths_list
+
+    def take(self, start: int, size: int) -> dict[str, Any]:
+        """The micro-batch of sequences `start` to `start + size`, its per-sequence fields rebuilt."""
+        first, last = self.starts[start], self.ends[start + size - 1]
+        lengths = self.lengths_list[start : start + size]
+        taken = {}
+        for key, value in self.batch.items():
+            if key in SEQUENCE_KEYS:
+                continue
+            if isinstance(value, torch.Tensor) and value.dim() == 2:
+                taken[key] = value[:, first:last]
+            else:
+                taken[key] = value
+        cumulative = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            if key in self.batch:
+                taken[key] = cumulative.to(self.batch[key].device, self.batch[key].dtype)
+        for key in ("max_length_q", "max_length_k"):
+            if key in self.batch:
+                taken[key] = max(lengths)
+        if "seq_idx" in self.batch:
+            seq_idx = self.batch["seq_idx"]
+            counts = torch.tensor(lengths, device=seq_idx.device)
+            taken["seq_idx"] = torch.repeat_interleave(
+                torch.arange(size, device=seq_idx.device, dtype=seq_idx.dtype), counts
+            ).unsqueeze(0)
+        return taken
+
+    def dummy(self, count_items: bool) -> dict[str, Any]:
+        """The shortest sequence, adding nothing: its labels ignored (or, for a mean loss, scaled to zero by the
+        caller), for a rank that has fewer micro-batches than another."""
+        shortest = min(range(self.rows), key=lambda i: self.lengths_list[i])
+        chunk = self.take(shortest, 1)
+        if count_items:
+            for key in LABEL_KEYS:
+                if isinstance(chunk.get(key), torch.Tensor):
+                    chunk[key] = torch.full_like(chunk[key], IGNORE_INDEX)
+        return chunk
+
+    def tokens(self, start: int, size: int) -> tuple[int, int]:
+        """(real tokens, tokens as run) of `take(start, size)`: the same, there is no padding."""
+        count = sum(self.lengths_list[start : start + size])
+        return count, count
+
+    def token_chunks(self, budget: int, row_cap: int | None = None) -> list[int]:
+        """Sequences per micro-batch: as few micro-batches of at most `budget` tokens as the lengths allow, in order
+        (a sequence longer than `budget` alone), with the lowest peak that keeps that count."""
+        return chunks_by_tokens(self.lengths_list, budget, row_cap, packed=True)
+
+    def longest_row(self) -> int:
+        return self.seq_len
+
+    def real_tokens(self) -> int:
+        return self.tokens_total
+
+    def label_counts(self, shifted: bool) -> torch.Tensor | None:
+        """Labelled tokens of each sequence (each starts with an ignored label, so a shift changes nothing)."""
+        labels = next(
+            (self.batch[k] for k in LABEL_KEYS if isinstance(self.batch.get(k), torch.Tensor)), None
+        )
+        if labels is None:
+            return None
+        labelled = (labels[0] != IGNORE_INDEX).long()
+        return torch.stack([labelled[s:e].sum() for s, e in zip(self.starts, self.ends)])
+
+
+def check_packed_inputs(batch: Mapping[str, Any], model: torch.nn.Module) -> None:
+    """Refuse a padding-free batch whose sequences the model would let attend to each other.
+
+    Raises:
+        ValueError: if the batch carries an `attention_mask` (transformers then builds no block-diagonal mask), or
+            the model would build a cache (`use_cache=True`, under which the packed sequences are not detected).
+    """
+    if batch.get("attention_mask") is not None:
+        raise ValueError(
+            "The padding-free step batch carries an attention_mask, so eager and sdpa attention let its packed "
+            "sequences attend to each other (transformers builds the block-diagonal mask from position_ids only "
+            "without one). Leave attention_mask out of the collated batch (DataCollatorWithFlattening and TRL's "
+            "padding_free collator do), or pad the sequences instead of flattening them."
+        )
+    config = getattr(model, "config", None)
+    inner = getattr(model, "module", model)  # DDP
+    config = getattr(inner, "config", config)
+    if batch.get("use_cache") is not False and getattr(config, "use_cache", False):
+        raise ValueError(
+            "The model would run with use_cache=True, and with a cache transformers does not tell packed "
+            "sequences apart, so they would attend to each other. Set model.config.use_cache = False for "
+            "training (TRL's SFTTrainer passes use_cache=False itself)."
+        )
+
+
+def _token_count(batch: Mapping[str, Any]) -> int:
+    for key in ("input_ids", "inputs_embeds", "labels", "position_ids"):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            if value.shape[0] != 1:
+                raise ValueError(
+                    f"The padding-free step batch's {key!r} has shape {list(value.shape)}: AdaptiveBatch expects "
+                    "one row of flattened sequences ([1, tokens]), as DataCollatorWithFlattening makes."
+                )
+            return value.shape[1]
+    raise ValueError(f"The padding-free step batch holds no [1, tokens] tensor (keys: {sorted(batch)}).")
+
+
+def _sequence_starts(batch: Mapping[str, Any], total: int) -> list[int]:
+    """Where each sequence starts: from `position_ids` (a position that does not follow the one before), checked
+    against `cu_seq_lens_q` when the collator gives it."""
+    position_ids = batch.get("position_ids")
+    from_positions = None
+    if isinstance(position_ids, torch.Tensor) and position_ids.shape == (1, total):
+        steps = position_ids[0, 1:] - position_ids[0, :-1]
+        from_positions = [0] + ((steps != 1).nonzero().flatten() + 1).tolist()
+    cu = batch.get("cu_seq_lens_q", batch.get("cu_seqlens"))
+    from_cu = None
+    if isinstance(cu, torch.Tensor):
+        from_cu = cu.tolist()
+        if from_cu[0] != 0 or from_cu[-1] != total:
+            raise ValueError(
+                f"The padding-free step batch's cu_seq_lens run from {from_cu[0]} to {from_cu[-1]}, not over its "
+                f"{total} tokens; check the data collator."
+            )
+        from_cu = from_cu[:-1]
+    if from_positions is not None and from_cu is not None and from_positions != from_cu:
+        raise ValueError(
+            "The padding-free step batch's position_ids and cu_seq_lens_q disagree on where sequences start "
+            f"({from_positions[:8]} against {from_cu[:8]}); check the data collator."
+        )
+    starts = from_cu if from_cu is not None else from_positions
+    if starts is None:
+        raise ValueError(
+            "The padding-free step batch has neither position_ids of its [1, tokens] shape nor cu_seq_lens_q, so its "
+            "sequences cannot be told apart; use DataCollatorWithFlattening (it returns position_ids)."
+        )
+    return starts
+
+
+def _check_cuts(batch: Mapping[str, Any], starts: list[int], total: int) -> None:
+    """Every sequence start is a possible cut: its label must be ignored, and every tensor must be per token."""
+    for key, value in batch.items():
+        if (
+            key in SEQUENCE_KEYS
+            or key == "cu_seqlens"
+            or not isinstance(value, torch.Tensor)
+            or value.dim() == 0
+        ):
+            continue
+        if value.dim() != 2 or value.shape != (1, total):
+            raise ValueError(
+                f"The padding-free step batch's {key!r} has shape {list(value.shape)}, neither per token ([1, "
+                f"{total}]) nor a per-sequence field AdaptiveBatch rebuilds ({', '.join(SEQUENCE_KEYS)}), so it "
+                "cannot be cut between sequences. Return it per token from the data collator."
+            )
+    for key in LABEL_KEYS:
+        labels = batch.get(key)
+        if not isinstance(labels, torch.Tensor):
+            continue
+        bad = [s for s in starts[1:] if int(labels[0, s]) != IGNORE_INDEX]
+        if bad:
+            raise ValueError(
+                f"The padding-free step batch's {key!r} is {int(labels[0, bad[0]])} at position {bad[0]}, where a "
+                "sequence starts: a cut there would drop the loss term that pairs the previous sequence's last "
+                "token with it, and keeping it would train one sequence to predict the next. Ignore (-100) the "
+                "first label of every sequence: DataCollatorWithFlattening(separator_id=-100), the default."
+            )
