@@ -59,11 +59,7 @@ class StepBatch:
                 ignored, giving a zero sum); otherwise the caller scales this row's loss to zero.
         """
         chunk = self.take(self.rows - 1, 1)
-        if count_items:
-            for key in LABEL_KEYS:
-                if isinstance(chunk.get(key), torch.Tensor):
-                    chunk[key] = torch.full_like(chunk[key], IGNORE_INDEX)
-        return chunk
+        return labels_ignored(chunk) if count_items else chunk
 
     def tokens(self, start: int, size: int) -> tuple[int, int]:
         """(real tokens, padded tokens) of the micro-batch `take(start, size)` would give."""
@@ -73,8 +69,6 @@ class StepBatch:
         padded = size * (self._kept_length(index) if self.trimmable else self.seq_len)
         real = int(self.lengths[index].sum()) if self.lengths is not None else size * self.seq_len
         return real, padded
-
-    packed = False
 
     def label_counts(self, shifted: bool) -> torch.Tensor | None:
         """Labelled tokens of each row (after the shift a causal LM's loss makes, if `shifted`), or `None` without
@@ -145,6 +139,14 @@ class StepBatch:
     def _kept_length(self, index: torch.Tensor) -> int:
         columns = self._used(index).any(dim=0).nonzero()
         return int(columns[-1]) + 1 if len(columns) else 1
+
+
+def labels_ignored(chunk: dict[str, Any]) -> dict[str, Any]:
+    """`chunk` with every label ignored (-100): a micro-batch that adds nothing to a summed loss."""
+    for key in LABEL_KEYS:
+        if isinstance(chunk.get(key), torch.Tensor):
+            chunk[key] = torch.full_like(chunk[key], IGNORE_INDEX)
+    return chunk
 
 
 def chunks_by_tokens(lengths: list[int], budget: int, row_cap: int | None, packed: bool = False) -> list[int]:

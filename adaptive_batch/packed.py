@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .batch import IGNORE_INDEX, LABEL_KEYS, chunks_by_tokens
+from .batch import IGNORE_INDEX, LABEL_KEYS, chunks_by_tokens, labels_ignored
 
 SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
@@ -50,8 +50,6 @@ class PackedStepBatch:
             is neither per-token nor per-sequence; naming the key and a fix.
     """
 
-    packed = True
-
     def __init__(self, batch: Mapping[str, Any]):
         self.batch = batch
         self.tokens_total = _token_count(batch)
@@ -65,10 +63,6 @@ class PackedStepBatch:
     @cached_property
     def lengths_list(self) -> list[int]:
         return [end - start for start, end in zip(self.starts, self.ends)]
-
-    @property
-    def padded_lengths(self) -> list[int]:
-        return self.lengths_list
 
     def take(self, start: int, size: int) -> dict[str, Any]:
         """The micro-batch of sequences `start` to `start + size`, its per-sequence fields rebuilt."""
@@ -102,11 +96,7 @@ class PackedStepBatch:
         caller), for a rank that has fewer micro-batches than another."""
         shortest = min(range(self.rows), key=lambda i: self.lengths_list[i])
         chunk = self.take(shortest, 1)
-        if count_items:
-            for key in LABEL_KEYS:
-                if isinstance(chunk.get(key), torch.Tensor):
-                    chunk[key] = torch.full_like(chunk[key], IGNORE_INDEX)
-        return chunk
+        return labels_ignored(chunk) if count_items else chunk
 
     def tokens(self, start: int, size: int) -> tuple[int, int]:
         """(real tokens, tokens as run) of `take(start, size)`: the same, there is no padding."""

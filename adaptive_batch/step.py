@@ -138,9 +138,9 @@ class MicroBatchRunner:
             max_rows: the largest share of this step on any rank.
         """
         packed = self.packed or is_packed(inputs)
-        if (
-            self.distributed
-        ):  # a rank whose flattened row holds one sequence cannot tell: every rank must agree
+        if self.distributed and not self.packed:
+            # a collator not known to flatten: a rank whose flattened row holds one sequence cannot tell, so the
+            # ranks must agree
             packed = bool(_all_reduce([float(packed)], self.device, dist.ReduceOp.MAX)[0])
         batch = PackedStepBatch(inputs) if packed else StepBatch(inputs)
         if packed:  # its sequences are the rows, as many as the collator packed on each rank

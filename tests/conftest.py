@@ -68,12 +68,7 @@ def make_trainer(tokenizer, rows, tmp_path):
             gradient_accumulation_steps=2,
             num_train_epochs=1,
             learning_rate=1e-2,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            seed=0,
-            disable_tqdm=True,
+            **QUIET_CPU_RUN,
         )
         settings.update(overrides)
         if model is None:
@@ -128,6 +123,12 @@ def keep_loss_in_float64(model):
     """Give a float64 causal LM a float64 loss (see ORDER_ONLY)."""
     model._loss_function = float64_causal_lm_loss
     return model
+
+
+# TrainingArguments of every test run: on the CPU, seeded, a log line per step, nothing saved or reported
+QUIET_CPU_RUN = dict(
+    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True
+)
 
 
 def parameters(model) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = None) -> None:
-    from conftest import ORDER_ONLY, Recording, keep_loss_in_float64
+    from conftest import ORDER_ONLY, QUIET_CPU_RUN, Recording, keep_loss_in_float64
     from transformers import (
         DataCollatorForLanguageModeling,
         DataCollatorWithFlattening,
@@ -48,12 +48,7 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         num_train_epochs=2,
         learning_rate=ORDER_ONLY["learning_rate"],
         optim=ORDER_ONLY["optim"],
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
+        **QUIET_CPU_RUN,
         ddp_backend="gloo" if world_size > 1 else None,
     )
     schedule = PhaseSchedule([4, 8], boundaries=[0.5])

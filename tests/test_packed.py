@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import (
     ORDER_ONLY,
+    QUIET_CPU_RUN,
     Recording,
     assert_close_parameters,
     logged,
@@ -178,12 +179,7 @@ def test_trl_packing_with_the_one_line_trains_as_whole_packed_steps(tokenizer, t
             train_sampling_strategy="sequential",
             optim=ORDER_ONLY["optim"],
             learning_rate=ORDER_ONLY["learning_rate"],
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            seed=0,
-            disable_tqdm=True,
+            **QUIET_CPU_RUN,
             bf16=False,  # SFTConfig's default is True
         )
         trainer = RecordingSFT(
