@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import (
     ORDER_ONLY,
+    ORDER_TOLERANCE,
     MeanLossModel,
     Recording,
     assert_close_parameters,
@@ -32,6 +33,17 @@ def test_same_as_the_plain_trainer_on_the_same_samples(make_trainer):
     assert_close_parameters(parameters(plugin.model), parameters(plain.model))
     # the sample clock gives the plain schedule's step exactly when the batch is constant
     assert logged(plugin, "learning_rate") == logged(plain, "learning_rate")
+
+
+def test_the_tolerance_is_far_below_what_one_sample_changes(make_trainer, rows):
+    sequential = dict(train_sampling_strategy="sequential", num_train_epochs=2, **ORDER_ONLY)
+    plain = train(make_trainer, dataset=rows[:48], **sequential)
+    swapped = train(make_trainer, dataset=rows[:47] + [rows[48]], **sequential)  # one sample swapped
+    worst = max(
+        float((a - b).norm() / b.norm())
+        for a, b in zip(parameters(swapped.model).values(), parameters(plain.model).values())
+    )
+    assert worst > 1e4 * ORDER_TOLERANCE  # a lost or repeated sample cannot hide under the tolerance
 
 
 @pytest.mark.parametrize("per_device, accumulation", [(8, 1), (4, 2), (1, 8)])
