@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .cut import cheapest_chunks, fewest_chunks
+
 IGNORE_INDEX = -100
 LABEL_KEYS = ("labels", "shift_labels")
 PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
@@ -81,18 +83,21 @@ class StepBatch:
                 return (labels != IGNORE_INDEX).sum(dim=1)
         return None
 
-    def token_chunks(self, budget: int, row_cap: int | None = None) -> list[int]:
-        """Micro-batch sizes that cut the step's rows (longest first) into as few as hold `budget` padded tokens each.
+    def token_chunks(self, budget: int, row_cap: int | None = None, overhead: int | None = None) -> list[int]:
+        """Micro-batch sizes that cut the step's rows (longest first) into runs of at most `budget` padded tokens
+        and `row_cap` rows (a row longer than `budget` alone): the least `overhead` x micro-batches + padded tokens
+        ([`cut.cheapest_chunks`]), or with no `overhead` the fewest micro-batches with the lowest peak
+        ([`cut.fewest_chunks`]).
 
         A micro-batch's padded tokens are its rows x the length `take` pads them to (its longest row's kept length,
-        or `seq_len` when padding cannot be cut). Each micro-batch takes as many rows as fit, at most `row_cap`; a
-        row longer than `budget` runs alone. The budget is then lowered to the least that gives as few micro-batches,
-        which lowers the peak without adding a micro-batch.
+        or `seq_len` when padding cannot be cut).
 
-        Example: rows of 30, 20, 20, 10, 10 and 10 tokens with a budget of 60 give 1, 2, 3 (30, 40 and 30 padded
-        tokens), where taking as many rows as fit gives 2, 3, 1 (60, 60 and 10).
+        Example: rows of 30, 20, 20, 10, 10 and 10 tokens with a budget of 60 and no overhead give 1, 2, 3 (30, 40
+        and 30 padded tokens), where taking as many rows as fit gives 2, 3, 1 (60, 60 and 10).
         """
-        return chunks_by_tokens(self.padded_lengths, budget, row_cap)
+        if overhead is None:
+            return fewest_chunks(self.padded_lengths, budget, row_cap)
+        return cheapest_chunks(self.padded_lengths, budget, row_cap, overhead)
 
     def longest_row(self) -> int:
         """Padded tokens of a micro-batch holding only the longest row."""
@@ -147,39 +152,6 @@ def labels_ignored(chunk: dict[str, Any]) -> dict[str, Any]:
         if isinstance(chunk.get(key), torch.Tensor):
             chunk[key] = torch.full_like(chunk[key], IGNORE_INDEX)
     return chunk
-
-
-def chunks_by_tokens(lengths: list[int], budget: int, row_cap: int | None, packed: bool = False) -> list[int]:
-    """Cut `lengths` in order into as few chunks of at most `budget` tokens as they allow (a longer row alone), at
-    most `row_cap` rows each, then with the least budget that keeps that count (a lower peak, no more chunks).
-
-    A chunk's tokens are its rows x its longest row (rows padded to it), or with `packed` the sum of its lengths.
-    """
-    count = len(_greedy_chunks(lengths, budget, row_cap, packed))
-    # the least budget that still gives `count` micro-batches (a smaller budget never gives fewer)
-    low, high = 1, budget
-    while low < high:
-        middle = (low + high) // 2
-        if len(_greedy_chunks(lengths, middle, row_cap, packed)) <= count:
-            high = middle
-        else:
-            low = middle + 1
-    return _greedy_chunks(lengths, low, row_cap, packed)
-
-
-def _greedy_chunks(lengths: list[int], budget: int, row_cap: int | None, packed: bool = False) -> list[int]:
-    """Cut `lengths` in order: each chunk takes rows while its tokens stay within `budget`."""
-    sizes, start = [], 0
-    while start < len(lengths):
-        size, longest, total = 1, lengths[start], lengths[start]
-        while start + size < len(lengths) and (row_cap is None or size < row_cap):
-            longer, more = max(longest, lengths[start + size]), total + lengths[start + size]
-            if (more if packed else (size + 1) * longer) > budget:
-                break
-            size, longest, total = size + 1, longer, more
-        sizes.append(size)
-        start += size
-    return sizes
 
 
 def _count_rows(batch: Mapping[str, Any]) -> int:

@@ -44,14 +44,19 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     Args:
         schedule: the effective batch over training: `None` (the user's), an `int`, a
             [`PhaseSchedule`] (e.g. a batch-size warmup 8 -> 16 -> 32) or a callable `Progress -> int`.
-        micro_batch_size: `"auto"` (start at `per_device_train_batch_size`, double while tokens/s improve by
-            `growth_margin`) or a fixed `int`. Either shrinks and retries the step on out-of-memory.
+        micro_batch_size: `"auto"` or a fixed `int`. Either shrinks and retries the step on out-of-memory. On rows
+            of one length, `"auto"` starts at `per_device_train_batch_size` and doubles while tokens/s improve by
+            `growth_margin`. On rows whose lengths vary (read from the dataset's `input_ids`), it cuts each step by
+            padded tokens instead, with a budget that starts at `per_device_train_batch_size` x the longest row
+            and doubles while the cut needs more and the measured memory allows.
         max_micro_batch_size: never put more samples than this in one micro-batch.
-        max_tokens_per_micro_batch: cut each step by padded tokens instead (variable-length data): as few
-            micro-batches of at most this many tokens (rows x the length they are padded to) as the rows' lengths
-            allow, longest rows first; a longer row runs alone. An `int` `micro_batch_size` caps the rows of a
-            micro-batch; nothing is explored, and an out-of-memory error halves the budget. Take it from
-            `adaptive-batch probe`: the recommended size x seq_len.
+        max_tokens_per_micro_batch: cut each step by padded tokens with this budget (rows x the length they are
+            padded to, longest rows first, a longer row alone): micro-batches of at most this many tokens at the
+            least modelled time, `micro_batch_overhead` x micro-batches + padded tokens. An `int`
+            `micro_batch_size` caps the rows of a micro-batch; an out-of-memory error halves the budget.
+        micro_batch_overhead: for cuts by tokens, the fixed time of one micro-batch in padded tokens' worth: `None`
+            measures it over the first steps (a line of time against padded tokens); a stated value makes the cut
+            depend on the rows' lengths alone.
         lr_scaling: `"none"`, `"sqrt"` (Adam family), `"linear"` (SGD) or a callable
             `(effective, starting) -> multiplier`: how the learning rate follows the effective batch, relative to
             the starting one, on top of the user's scheduler.
@@ -83,6 +88,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         micro_batch_size: int | str = "auto",
         max_micro_batch_size: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
+        micro_batch_overhead: int | None = None,
         lr_scaling="none",
         growth_margin: float = 0.01,
         memory_headroom: float = 0.10,
@@ -92,6 +98,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             micro_batch_size=micro_batch_size,
             max_micro_batch_size=max_micro_batch_size,
             max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+            micro_batch_overhead=micro_batch_overhead,
             lr_scaling=lr_scaling,
             growth_margin=growth_margin,
             memory_headroom=memory_headroom,

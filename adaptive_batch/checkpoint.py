@@ -84,6 +84,7 @@ class MicroBatchSettings:
     micro_batch_size: int | str
     max_micro_batch_size: int | None
     max_tokens_per_micro_batch: int | None
+    micro_batch_overhead: int | None = None  # absent from checkpoints written before it existed
 
     def describe(self) -> str:
         parts = [f"micro_batch_size={self.micro_batch_size!r}"]
@@ -91,6 +92,8 @@ class MicroBatchSettings:
             parts.append(f"max_micro_batch_size={self.max_micro_batch_size}")
         if self.max_tokens_per_micro_batch is not None:
             parts.append(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}")
+        if self.micro_batch_overhead is not None:
+            parts.append(f"micro_batch_overhead={self.micro_batch_overhead}")
         return ", ".join(parts)
 
 
@@ -99,7 +102,7 @@ def learned_state_applies(stored: dict | None, now: MicroBatchSettings) -> tuple
     one line that says which applies.
 
     It applies when the settings are the ones the run was started with, or when both runs leave the size to
-    `"auto"` in the same mode (rows, or a token budget stated the same): then a new `max_micro_batch_size` caps the
+    `"auto"` in the same mode (rows, or a token budget and overhead stated the same): then a new `max_micro_batch_size` caps the
     learned size. Otherwise the settings stated now win and the run starts afresh with them.
     """
     if stored is None:  # written before settings were stored: the checkpoint's state is all there is
@@ -110,6 +113,7 @@ def learned_state_applies(stored: dict | None, now: MicroBatchSettings) -> tuple
     same_auto = (
         before.micro_batch_size == now.micro_batch_size == "auto"
         and before.max_tokens_per_micro_batch == now.max_tokens_per_micro_batch
+        and before.micro_batch_overhead == now.micro_batch_overhead
     )
     if same_auto:
         return True, (

@@ -33,9 +33,17 @@ class AdaptiveBatchConfig:
     max_tokens_per_micro_batch: int | None = field(
         default=None,
         metadata={
-            "help": "Cut each step by padded tokens (rows x padded length) instead: as few micro-batches of at "
-            "most this many tokens as the rows' lengths allow; a longer row runs alone. An int micro_batch_size "
-            "then caps the rows per micro-batch. Halves on OOM."
+            "help": "Cut each step by padded tokens (rows x padded length) instead, into micro-batches of at most "
+            "this many tokens (a longer row runs alone) at the least time: micro_batch_overhead x micro-batches + "
+            "padded tokens. An int micro_batch_size then caps the rows per micro-batch. Halves on OOM. None with "
+            "micro_batch_size='auto' on rows of varying length: a budget that grows while memory allows."
+        },
+    )
+    micro_batch_overhead: int | None = field(
+        default=None,
+        metadata={
+            "help": "For cuts by tokens: the fixed time of one micro-batch, in padded tokens' worth. None measures "
+            "it over the first steps; a stated value makes the cut depend on the rows' lengths alone."
         },
     )
     lr_scaling: str | LRRule = field(
@@ -78,6 +86,15 @@ class AdaptiveBatchConfig:
             raise ValueError(
                 f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch!r} must be a positive int (padded "
                 "tokens per micro-batch) or None, e.g. 16384: adaptive-batch probe's recommended size x seq_len."
+            )
+        if self.micro_batch_overhead is not None and not (
+            isinstance(self.micro_batch_overhead, numbers.Integral)
+            and not isinstance(self.micro_batch_overhead, bool)
+            and self.micro_batch_overhead >= 0
+        ):
+            raise ValueError(
+                f"micro_batch_overhead={self.micro_batch_overhead!r} must be an int >= 0 (padded tokens' worth of "
+                "time per micro-batch) or None to measure it, e.g. 1024."
             )
         self.rule = resolve_rule(self.lr_scaling)
         if not isinstance(self.growth_margin, numbers.Real) or not 0 <= self.growth_margin < 1:

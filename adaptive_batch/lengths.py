@@ -1,6 +1,9 @@
-"""Token counts of a training dataset, read without touching its rows (Arrow columns of a `datasets.Dataset`)."""
+"""Token counts of a training dataset, read without running its transforms: the Arrow column of a
+`datasets.Dataset`, or the `input_ids` of a list of mappings. Other datasets are not read (`None`)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 
 def is_hf_dataset(dataset) -> bool:
@@ -32,11 +35,28 @@ def input_ids_lengths(dataset):
     return pc.list_value_length(dataset.data.column("input_ids"))
 
 
+def row_lengths(dataset) -> list[int] | None:
+    """The length of every row's `input_ids`, or `None` when they cannot be read cheaply."""
+    arrow = input_ids_lengths(dataset)
+    if arrow is not None:
+        return arrow.to_numpy().tolist()
+    if isinstance(dataset, (list, tuple)) and dataset:
+        if all(isinstance(row, Mapping) and "input_ids" in row for row in dataset):
+            return [len(row["input_ids"]) for row in dataset]
+    return None
+
+
 def total_tokens(dataset) -> int | None:
-    lengths = input_ids_lengths(dataset)
-    return None if lengths is None else int(lengths.to_numpy().sum())
+    lengths = row_lengths(dataset)
+    return None if lengths is None else sum(lengths)
 
 
 def longest(dataset) -> int | None:
-    lengths = input_ids_lengths(dataset)
-    return None if lengths is None else int(lengths.to_numpy().max())
+    lengths = row_lengths(dataset)
+    return None if lengths is None else max(lengths)
+
+
+def varies(dataset) -> bool:
+    """Whether the rows are known to differ in length (a dataset that cannot be read counts as not)."""
+    lengths = row_lengths(dataset)
+    return lengths is not None and min(lengths) != max(lengths)

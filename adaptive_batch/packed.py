@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from .batch import IGNORE_INDEX, LABEL_KEYS, chunks_by_tokens, labels_ignored
+from .batch import IGNORE_INDEX, LABEL_KEYS, labels_ignored
+from .cut import fewest_chunks
 
 SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
@@ -103,10 +104,11 @@ class PackedStepBatch:
         count = sum(self.lengths_list[start : start + size])
         return count, count
 
-    def token_chunks(self, budget: int, row_cap: int | None = None) -> list[int]:
+    def token_chunks(self, budget: int, row_cap: int | None = None, overhead: int | None = None) -> list[int]:
         """Sequences per micro-batch: as few micro-batches of at most `budget` tokens as the lengths allow, in order
-        (a sequence longer than `budget` alone), with the lowest peak that keeps that count."""
-        return chunks_by_tokens(self.lengths_list, budget, row_cap, packed=True)
+        (a sequence longer than `budget` alone), with the lowest peak that keeps that count. Without padding every
+        cut runs the same tokens, so the fewest micro-batches are also the cheapest whatever the `overhead`."""
+        return fewest_chunks(self.lengths_list, budget, row_cap, packed=True)
 
     def longest_row(self) -> int:
         return self.seq_len

@@ -80,10 +80,16 @@ def micro_batch_text(
     max_micro_batch_size: int | None,
     max_tokens: int | None,
     max_rows_per_rank: int,
+    tuning_tokens: bool = False,
 ) -> str:
     """How each step is cut into micro-batches, for the plan table."""
     if max_tokens is not None:
         text = f"cut by a token budget of {max_tokens:,} padded tokens (rows x padded length)"
+        if tuning_tokens:
+            text = (
+                f"auto, rows of varying length: cut by padded tokens (rows x padded length), at the least time; "
+                f"the budget starts at {max_tokens:,} and doubles while the cut needs more and memory allows"
+            )
         if size < max_rows_per_rank:
             text += f", at most {size} rows"
         return text + "; the budget halves and the step retries on out-of-memory"

@@ -75,7 +75,10 @@ class Session:
     def settings(self) -> MicroBatchSettings:
         config = self.config
         return MicroBatchSettings(
-            config.micro_batch_size, config.max_micro_batch_size, config.max_tokens_per_micro_batch
+            config.micro_batch_size,
+            config.max_micro_batch_size,
+            config.max_tokens_per_micro_batch,
+            config.micro_batch_overhead,
         )
 
     def prepare(self, checkpoint: StoredCheckpoint | None = None) -> None:
@@ -134,7 +137,7 @@ class Session:
         if self.controller is None or checkpoint is not None:  # a second train() keeps what the first learned
             self.controller = self._new_controller()
         self.controller.row_limit = self.plan.max_rows_per_rank
-        if config.max_tokens_per_micro_batch is not None and config.auto:
+        if self.controller.max_tokens is not None and config.auto:
             # with a token budget "auto" caps rows only by max_micro_batch_size, under a plan that may be new
             self.controller.size = min(config.max_micro_batch_size or math.inf, self.plan.max_rows_per_rank)
         self.runner = MicroBatchRunner(
@@ -145,11 +148,19 @@ class Session:
 
     def _new_controller(self) -> MicroBatchController:
         config, args = self.config, self.trainer.args
-        by_tokens = config.max_tokens_per_micro_batch is not None
+        budget, tune = config.max_tokens_per_micro_batch, False
+        if budget is None and config.auto and self._cut_by_tokens():
+            seq_len = lengths.longest(self.trainer.train_dataset)
+            max_length = getattr(args, "max_length", None)
+            if max_length:  # TRL truncates to max_length
+                seq_len = min(seq_len, max_length)
+            budget, tune = self._probed_start() * seq_len, True
         if not config.auto:
             start = config.micro_batch_size
-        else:  # with a token budget the start is the row cap: "auto" caps rows only by max_micro_batch_size
-            start = self.plan.max_rows_per_rank if by_tokens else self._probed_start()
+        elif budget is not None:  # the start is the row cap: "auto" caps rows only by max_micro_batch_size
+            start = self.plan.max_rows_per_rank
+        else:
+            start = self._probed_start()
         return MicroBatchController(
             start,
             auto=config.auto,
@@ -157,8 +168,15 @@ class Session:
             row_limit=self.plan.max_rows_per_rank,
             growth_margin=config.growth_margin,
             memory_limit=memory_limit(args.device, config.memory_headroom),
-            max_tokens=config.max_tokens_per_micro_batch,
+            max_tokens=budget,
+            tune_tokens=tune,
+            overhead=config.micro_batch_overhead,
         )
+
+    def _cut_by_tokens(self) -> bool:
+        """Whether "auto" cuts steps by tokens: the dataset's rows are known to vary in length and the collator
+        pads them (a padding-free collator's sequences are cut as rows, by the measured speed of each size)."""
+        return lengths.varies(self.trainer.train_dataset) and not compat.padding_free(self.trainer)
 
     def _adoption(self, checkpoint: StoredCheckpoint | None) -> Adoption | None:
         """How the plan takes over from a plain Trainer's checkpoint: the one resumed now, or the one a resumed
@@ -383,6 +401,7 @@ class Session:
                 config.max_micro_batch_size,
                 controller.max_tokens,
                 plan.max_rows_per_rank,
+                controller.tuning,
             ),
             plain_steps=plain.total_steps(args.num_train_epochs, args.max_steps),
             tokens=None

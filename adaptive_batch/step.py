@@ -54,8 +54,9 @@ class MicroBatchReport:
 
     Attributes:
         out_of_memory: a rank ran out of memory.
-        seconds, peak_bytes, real_tokens: the micro-batch's time, peak memory and non-padding tokens, for timed
-            (trial) micro-batches; the largest over ranks. `peak_bytes` is -inf where not measured (CPU).
+        seconds, peak_bytes, real_tokens, padded_tokens: the micro-batch's time, peak memory, non-padding tokens
+            and tokens as run, for timed micro-batches; the largest over ranks. `peak_bytes` is -inf where not
+            measured (CPU).
         failed_rows, failed_tokens: the rows and padded tokens of the smallest micro-batch that ran out of memory on
             any rank (sent negated, so MAX gives the smallest); `None` when none did.
     """
@@ -64,6 +65,7 @@ class MicroBatchReport:
     seconds: float = 0.0
     peak_bytes: float = -math.inf
     real_tokens: float = 0.0
+    padded_tokens: float = 0.0
     failed_rows: int | None = None
     failed_tokens: int | None = None
 
@@ -73,18 +75,20 @@ class MicroBatchReport:
             self.seconds,
             self.peak_bytes,
             self.real_tokens,
+            self.padded_tokens,
             -math.inf if self.failed_rows is None else -float(self.failed_rows),
             -math.inf if self.failed_tokens is None else -float(self.failed_tokens),
         ]
 
     @classmethod
     def from_list(cls, values: list[float]) -> MicroBatchReport:
-        out_of_memory, seconds, peak, real, rows, tokens = values
+        out_of_memory, seconds, peak, real, padded, rows, tokens = values
         return cls(
             bool(out_of_memory),
             seconds,
             peak,
             real,
+            padded,
             None if rows == -math.inf else int(-rows),
             None if tokens == -math.inf else int(-tokens),
         )
@@ -189,6 +193,7 @@ class MicroBatchRunner:
         if was_exploring and not self.controller.exploring:
             # the search is over: give back the cache that trial sizes larger than the chosen one made grow
             release_memory(self.device)
+            logger.info("AdaptiveBatch settled: %s.", self.controller.settled_because)
         return outcome.loss
 
     def warn_long_row(self, length: int) -> None:
@@ -232,25 +237,34 @@ class MicroBatchRunner:
 
     def _attempt_by_tokens(self, step: _Step) -> _Outcome:
         """Micro-batches of at most `max_tokens` padded tokens, cut by this rank's own row lengths."""
-        batch, budget = step.batch, self.controller.max_tokens
-        sizes = batch.token_chunks(budget, self.controller.size)
+        controller, batch = self.controller, step.batch
+        budget, cap = controller.max_tokens, controller.size
         longest = batch.longest_row()
+        overhead = controller.token_overhead(longest)
+        sizes = batch.token_chunks(budget, cap, overhead)
         if longest > budget:
             self.warn_long_row(longest)
+        # while the budget grows: would a doubled one cut this step otherwise? (decided on all ranks alike)
+        bound = controller.tuning and batch.token_chunks(2 * budget, cap, overhead) != sizes
         count = len(sizes)
         if self.distributed:  # every micro-batch exchanges a report: all ranks run as many
-            count = int(_all_reduce([count], self.device, dist.ReduceOp.MAX)[0])
+            count, bound = _all_reduce([count, bound], self.device, dist.ReduceOp.MAX)
+            count, bound = int(count), bool(bound)
         outcome = _Outcome(loss=torch.zeros((), device=self.device))
         start = 0
         for index in range(count):
             own = sizes[index] if index < len(sizes) else 0
-            report = self._micro_batch(step, start, own, outcome)
+            timed = controller.needs_timing(own)
+            report = self._micro_batch(step, start, own, outcome, timed)
             if report.out_of_memory:
                 outcome.failed = report
                 return outcome
+            if timed:
+                controller.record(own, report.seconds, report.padded_tokens, report.measured_peak)
             start += own
             outcome.chunks += 1
             outcome.largest = max(outcome.largest, own)
+        controller.end_token_step(bound)
         return outcome
 
     def _micro_batch(
@@ -286,7 +300,7 @@ class MicroBatchRunner:
         if stopwatch is not None and not local.out_of_memory:
             local.seconds = stopwatch.seconds
             local.peak_bytes = stopwatch.peak_bytes if stopwatch.peak_bytes is not None else -math.inf
-            local.real_tokens = batch.tokens(start, max(own, 1))[0]
+            local.real_tokens, local.padded_tokens = batch.tokens(start, max(own, 1))
         return self._exchange(local)
 
     def _exchange(self, report: MicroBatchReport) -> MicroBatchReport:

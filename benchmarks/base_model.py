@@ -53,9 +53,12 @@ def save_random_llama(path: str, shape: dict = LLAMA2_7B, on_gpu: bool = True) -
     return os.fspath(path)
 
 
-def qlora_trainer(model, dataset, callbacks, output_dir, per_device, accumulation, steps, tiny, **extra):
+def qlora_trainer(
+    model, dataset, callbacks, output_dir, per_device, accumulation, steps, tiny, data_collator=None, **extra
+):
     """The plain Trainer as a QLoRA script sets it up (paged 8-bit AdamW, bf16, gradient checkpointing, a constant
-    LR); `tiny` runs the same code on the CPU. `extra`: more TrainingArguments."""
+    LR); `tiny` runs the same code on the CPU. `data_collator`: the default one if `None`; `extra`: more
+    TrainingArguments."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     args = TrainingArguments(
@@ -82,6 +85,6 @@ def qlora_trainer(model, dataset, callbacks, output_dir, per_device, accumulatio
         model=model,
         args=args,
         train_dataset=dataset,
-        data_collator=default_data_collator,
+        data_collator=data_collator or default_data_collator,
         callbacks=callbacks,
     )

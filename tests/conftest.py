@@ -43,6 +43,13 @@ def rows(tokenizer, texts):
     return token_dataset(tokenizer, texts[:400], max_length=32)
 
 
+@pytest.fixture(scope="session")
+def fixed_rows(rows):
+    """The same rows, each repeated to exactly 32 tokens: data of one length, where "auto" measures rows (on rows
+    of varying length it cuts by tokens)."""
+    return [{"input_ids": (row["input_ids"] * 32)[:32]} for row in rows]
+
+
 @pytest.fixture
 def make_trainer(tokenizer, rows, tmp_path):
     """Build a `transformers.Trainer` on a tiny Llama. Keyword arguments go to TrainingArguments, except

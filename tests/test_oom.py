@@ -46,9 +46,12 @@ def test_a_late_out_of_memory_shrinks_from_there_on(make_trainer, tmp_path):
     assert_same_parameters(trainer.model, reference.model)
 
 
-def test_growth_stops_below_the_size_that_ran_out(make_trainer):
+def test_growth_stops_below_the_size_that_ran_out(make_trainer, fixed_rows):
     trainer = make_trainer(
-        [AdaptiveBatch()], num_rows=64, per_device_train_batch_size=1, gradient_accumulation_steps=16
+        [AdaptiveBatch()],
+        dataset=fixed_rows[:64],
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=16,
     )
     watcher = FakeOutOfMemory(trainer.model, max_rows=5)
     trainer.train()

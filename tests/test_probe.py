@@ -143,7 +143,7 @@ def test_cli_probe_of_a_4bit_lora_model_on_the_cpu(capsys, model_dir, probe_cach
 
 @pytest.mark.parametrize("dtype", [None, torch.float64])
 def test_adaptive_batch_starts_at_the_probed_size_or_says_why_not(
-    capsys, caplog, make_trainer, tokenizer, tmp_path, rows, dtype
+    capsys, caplog, make_trainer, tokenizer, tmp_path, fixed_rows, dtype
 ):
     from datasets import Dataset
 
@@ -157,7 +157,7 @@ def test_adaptive_batch_starts_at_the_probed_size_or_says_why_not(
 
     model = AutoModelForCausalLM.from_pretrained(path)
     model.config.use_cache = False
-    dataset = Dataset.from_list(rows[:64])
+    dataset = Dataset.from_list(fixed_rows[:64])  # rows of the probed length
     with caplog.at_level("INFO", logger="adaptive_batch"):
         trainer = make_trainer(
             [AdaptiveBatch()],

@@ -51,8 +51,12 @@ def saved_state(checkpoint) -> dict:
     return state["attributes"]["checkpoint"]
 
 
-def test_what_auto_learned_lives_in_the_checkpoint_and_resumes_bitwise(make_trainer, tmp_path, caplog):
-    full = run(make_trainer, tmp_path / "full", "auto", per_device_train_batch_size=1)
+def test_what_auto_learned_lives_in_the_checkpoint_and_resumes_bitwise(
+    make_trainer, fixed_rows, tmp_path, caplog
+):
+    full = run(
+        make_trainer, tmp_path / "full", "auto", per_device_train_batch_size=1, dataset=fixed_rows[:44]
+    )
     sizes = logged(full, "adaptive_batch/micro_batch_size")
     assert len(set(sizes)) > 1
     checkpoints = [tmp_path / "full" / f"checkpoint-{k}" for k in range(1, len(sizes))]
@@ -61,7 +65,12 @@ def test_what_auto_learned_lives_in_the_checkpoint_and_resumes_bitwise(make_trai
     assert checkpoint != checkpoints[0]
     with caplog.at_level("INFO", logger="adaptive_batch"):
         resumed = run(
-            make_trainer, tmp_path / "resumed", "auto", resume=str(checkpoint), per_device_train_batch_size=1
+            make_trainer,
+            tmp_path / "resumed",
+            "auto",
+            resume=str(checkpoint),
+            per_device_train_batch_size=1,
+            dataset=fixed_rows[:44],
         )
     assert "Micro-batches: as the run had learned them before the checkpoint" in caplog.text
     assert logged(resumed, "adaptive_batch/micro_batch_size") == sizes
@@ -121,12 +130,18 @@ def test_resuming_without_skipping_the_trained_steps_is_refused(make_trainer, tm
     ],
 )
 def test_micro_batch_settings_stated_now_win_over_the_checkpoint(
-    make_trainer, tmp_path, caplog, stated, expected
+    make_trainer, fixed_rows, tmp_path, caplog, stated, expected
 ):
-    run(make_trainer, tmp_path / "full", micro_batch_size=8, per_device_train_batch_size=1)
+    run(
+        make_trainer,
+        tmp_path / "full",
+        micro_batch_size=8,
+        per_device_train_batch_size=1,
+        dataset=fixed_rows[:44],
+    )
     resumed = make_trainer(
         [AdaptiveBatch(schedule=SCHEDULE, **stated)],
-        num_rows=44,
+        dataset=fixed_rows[:44],
         num_train_epochs=2,
         per_device_train_batch_size=1,
         output_dir=str(tmp_path / "resumed"),

@@ -20,10 +20,12 @@ from conftest import (
 
 from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
 from adaptive_batch.batch import IGNORE_INDEX, StepBatch
-from adaptive_batch.microbatch import MicroBatchController
+from adaptive_batch.microbatch import CALIBRATION_STEPS, MicroBatchController
 from adaptive_batch.testing import FakeOutOfMemory
 
 BUDGET = 64
+# a stated overhead above any step's tokens: the cut is the fewest micro-batches, whatever a measurement would say
+FEWEST = 10**6
 
 
 def padded_batch(lengths: list[int], left: bool = False) -> dict[str, torch.Tensor]:
@@ -127,14 +129,14 @@ def test_a_budget_that_is_not_a_positive_int_is_refused(value):
 
 
 def test_the_controller_holds_the_budget_and_halves_it_on_out_of_memory():
-    controller = MicroBatchController(start=8, row_limit=8, max_tokens=BUDGET)
+    controller = MicroBatchController(start=8, row_limit=8, max_tokens=BUDGET, overhead=FEWEST)
     assert not controller.exploring and controller.settled_because == "cut by max_tokens_per_micro_batch"
     controller.on_out_of_memory(4, padded_tokens=60)
     assert controller.max_tokens == 30
     controller.on_out_of_memory(2, padded_tokens=64)  # never raised again by a larger failure
     assert controller.max_tokens == 30
     saved = json.loads(json.dumps(controller.state_dict()))
-    restored = MicroBatchController(start=8, row_limit=8, max_tokens=BUDGET)
+    restored = MicroBatchController(start=8, row_limit=8, max_tokens=BUDGET, overhead=FEWEST)
     restored.load_state_dict(saved)
     assert restored.max_tokens == 30 and restored.oom_sizes == [4, 2]
     with pytest.raises(MicroBatchTooLargeError) as error:
@@ -192,11 +194,13 @@ def test_training_by_tokens_is_the_plain_trainer_with_whole_steps(make_trainer, 
 
 def test_an_int_micro_batch_size_caps_the_rows(make_trainer, varied):
     trainer = train(
-        make_trainer, varied, [AdaptiveBatch(max_tokens_per_micro_batch=1000, micro_batch_size=3)]
+        make_trainer,
+        varied,
+        [AdaptiveBatch(max_tokens_per_micro_batch=1000, micro_batch_size=3, micro_batch_overhead=FEWEST)],
     )
     per_step = [[rows for step, rows, *_ in trainer.micro_batches if step == k] for k in range(12)]
-    # 1,000 tokens would hold the whole step; of 3 micro-batches, the one of the longest rows is the smaller
-    assert per_step == [[2, 3, 3]] * 12
+    # 1,000 tokens would hold the whole step: 3 rows at most make 3 micro-batches of the 8 rows
+    assert all(sum(rows) == 8 and len(rows) == 3 and max(rows) == 3 for rows in per_step), per_step
 
 
 @pytest.mark.parametrize("mean_loss", [False, True])
@@ -256,10 +260,8 @@ def test_a_row_longer_than_the_budget_is_warned_about_once(make_trainer, varied,
         r.getMessage() for r in caplog.records if "longer than max_tokens_per_micro_batch" in r.getMessage()
     ]
     assert len(warnings) == 1
-    longest_in_first_step = max(len(row["input_ids"]) for row in varied[:8])
-    assert warnings[0].startswith(
-        f"A row of {longest_in_first_step} tokens is longer than max_tokens_per_micro_batch=20"
-    )
+    longest = max(len(row["input_ids"]) for row in varied)  # read from the dataset before training
+    assert warnings[0].startswith(f"A row of {longest} tokens is longer than max_tokens_per_micro_batch=20")
     assert "Raise max_tokens_per_micro_batch" in warnings[0] and "lower max_length" in warnings[0]
     assert all(rows == 1 or rows * length <= 20 for _, rows, length, *_ in trainer.micro_batches)
     assert any(rows == 1 and length > 20 for _, rows, length, *_ in trainer.micro_batches)
@@ -289,11 +291,13 @@ def test_a_dataset_row_longer_than_the_budget_is_warned_about_before_training(ma
 
 
 def test_out_of_memory_halves_the_budget_and_the_result_is_unchanged(make_trainer, varied):
-    trainer = make_trainer([AdaptiveBatch(max_tokens_per_micro_batch=128)], dataset=varied, **SETTINGS)
-    fits = 84  # the first micro-batch of the first step (84 tokens) fits, the second (85) does not
+    # an overhead of 16 tokens cuts the first step's 28, 25, 20, 17, 14, 9, 6 and 3 tokens into 2, 3 and 3 rows
+    callback = AdaptiveBatch(max_tokens_per_micro_batch=128, micro_batch_overhead=16)
+    trainer = make_trainer([callback], dataset=varied, **SETTINGS)
     first_step = StepBatch(next(iter(trainer.get_train_dataloader())))
-    sizes = first_step.token_chunks(128)
+    sizes = first_step.token_chunks(128, 8, 16)
     tokens = padded_tokens(first_step, sizes)
+    fits = tokens[0]  # the first micro-batch of the first step fits, the second (more tokens) does not
     failing = next(i for i, count in enumerate(tokens) if count > fits)
     assert failing == 1
     watcher = FakeOutOfMemory(trainer.model, max_rows=None, max_tokens=fits)
@@ -303,12 +307,15 @@ def test_out_of_memory_halves_the_budget_and_the_result_is_unchanged(make_traine
     assert watcher.raised == [sizes[failing]]
     assert watcher.tokens[: failing + 1] == tokens[: failing + 1]
     assert halved == tokens[failing] // 2 <= 64
-    assert max(watcher.tokens[failing + 1 :]) <= halved  # the step ran again from its first micro-batch
+    after = zip(watcher.sizes[failing + 1 :], watcher.tokens[failing + 1 :])
+    assert all(rows == 1 or tokens <= halved for rows, tokens in after)  # the step ran again from its start
     assert sum(watcher.sizes[failing + 1 :]) == 2 * len(varied)  # every sample once per epoch, none twice
     plain = train(make_trainer, varied)
     assert_close_parameters(parameters(trainer.model), parameters(plain.model))
     # the failed attempt left nothing behind: the same as a run at the halved budget from the start, bit for bit
-    from_start = train(make_trainer, varied, [AdaptiveBatch(max_tokens_per_micro_batch=halved)])
+    from_start = train(
+        make_trainer, varied, [AdaptiveBatch(max_tokens_per_micro_batch=halved, micro_batch_overhead=16)]
+    )
     assert_same_parameters(trainer.model, from_start.model)
 
 
@@ -350,3 +357,66 @@ def test_one_row_out_of_memory_is_one_clear_error(make_trainer, varied):
         trainer.train()
     assert error.value.tried[-1] == 1 and all(rows > 1 for rows in error.value.tried[:-1])
     assert trainer.state.global_step == 0
+
+
+# -- "auto" on rows of varying length ----------------------------------------------------------------------------------
+
+
+def test_auto_on_rows_of_varying_length_cuts_by_tokens_at_the_least_measured_time(
+    make_trainer, varied, caplog
+):
+    with caplog.at_level("INFO", logger="adaptive_batch"):
+        trainer = train(make_trainer, varied, [AdaptiveBatch()])
+    table = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("AdaptiveBatch plan"))
+    assert "auto, rows of varying length: cut by padded tokens" in table
+    assert "the budget starts at 256" in table  # the per-device 8 rows x the longest row, 32 tokens
+    controller = trainer._adaptive_batch.controller
+    assert (
+        not controller.exploring
+    )  # the overhead measured (or none fitted: the fewest micro-batches), budget set
+    assert len(controller.time_points) >= 2  # the micro-batches of the calibration steps, timed
+    settled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AdaptiveBatch settled")]
+    assert settled == [f"AdaptiveBatch settled: {controller.settled_because}."]
+    per_step = [[rows for step, rows, *_ in trainer.micro_batches if step == k] for k in range(12)]
+    assert [sum(rows) for rows in per_step] == [8] * 12  # every sample once, the effective batch exact
+    assert_close_parameters(parameters(trainer.model), parameters(train(make_trainer, varied).model))
+
+
+def test_auto_on_rows_of_one_length_measures_rows(make_trainer, fixed_rows):
+    trainer = make_trainer([AdaptiveBatch()], dataset=fixed_rows[:16], max_steps=1)
+    trainer.train()
+    assert trainer._adaptive_batch.controller.max_tokens is None
+
+
+def test_auto_by_tokens_resumes_bitwise_once_its_measurements_are_done(make_trainer, varied, tmp_path):
+    def run(output_dir, resume=None):
+        trainer = make_trainer(
+            [AdaptiveBatch()],
+            **{**SETTINGS, "dataset": varied, "save_strategy": "steps", "save_steps": 1},
+            output_dir=str(output_dir),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    states = {
+        k: json.loads((tmp_path / "full" / f"checkpoint-{k}" / "trainer_state.json").read_text())
+        for k in range(1, 12)
+    }
+    measured = [
+        k
+        for k, state in states.items()
+        if not state["stateful_callbacks"]["AdaptiveBatch"]["attributes"]["checkpoint"]["micro_batch"][
+            "calibrating"
+        ]
+    ]
+    first = min(measured)
+    assert first == CALIBRATION_STEPS + 1  # a warm-up step, then the timed ones
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "full" / f"checkpoint-{first}"))
+    assert (
+        step_logs(resumed)[-1]["adaptive_batch/tokens_seen"]
+        == step_logs(full)[-1]["adaptive_batch/tokens_seen"]
+    )
+    cuts = [(log["step"], log["adaptive_batch/accumulation_steps"]) for log in step_logs(full)]
+    assert [(log["step"], log["adaptive_batch/accumulation_steps"]) for log in step_logs(resumed)] == cuts
+    assert_same_parameters(full.model, resumed.model)

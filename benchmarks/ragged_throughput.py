@@ -1,0 +1,269 @@
+"""Ragged lengths: real (non-padding) tokens per second of the plain Trainer's ways of batching them and of each
+AdaptiveBatch mode, one process, one model, the same effective batch.
+
+The setup is qlora_throughput.py's (Llama-2-7B shape, NF4 QLoRA, LoRA r=16 on q/v, gradient checkpointing,
+paged 8-bit AdamW, sdpa attention), with sequences whose lengths follow a stated distribution: lognormal with a
+median of 200 tokens and sigma 0.8, clipped to [16, 1024] (SFT-like: instructions and chat turns; the histogram is
+in the JSON). Token ids are random. The user's config is 8 x 8 (effective batch 64).
+
+Arms (`--arms`, in this order by default):
+- `random`: the plain Trainer, a padding collator (right padding to the longest row of each batch), random order;
+- `grouped`: the same with `train_sampling_strategy="group_by_length"`;
+- `flat8`, `flat32`, `flat64`: the plain Trainer with `DataCollatorWithFlattening` (padding-free) at 8 x 8,
+  32 x 2 and 64 x 1;
+- `auto`: `AdaptiveBatch()` with the padding collator, nothing tuned;
+- `tokens16k`, `tokens64k`: `AdaptiveBatch(max_tokens_per_micro_batch=16384 or 65536)`;
+- `auto_flat`: `AdaptiveBatch()` with `DataCollatorWithFlattening`.
+
+Measured: the wall time of every optimizer step (device synchronised at each step end) and the real tokens each step
+trained on (counted in the collator); tokens per second over the steps after the first, and for AdaptiveBatch
+also over the steps after its measurements ended ("steady").
+
+Usage (results go to OUT/ragged_throughput.json, written after every arm, and a table at the end):
+
+    python benchmarks/ragged_throughput.py --out OUT            # the H200 run (needs CUDA and bitsandbytes)
+    python benchmarks/ragged_throughput.py --out OUT --tiny     # a CPU dry run of the same code on a tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from base_model import qlora_trainer  # noqa: E402
+from qlora_throughput import StepClock, build_model  # noqa: E402
+
+MEDIAN, SIGMA, SHORTEST, LONGEST = 200, 0.8, 16, 1024
+ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments or None, extra TrainingArguments)
+    "random": (8, 8, "pad", None, {}),
+    "grouped": (8, 8, "pad", None, {"train_sampling_strategy": "group_by_length"}),
+    "flat8": (8, 8, "flat", None, {}),
+    "flat32": (32, 2, "flat", None, {}),
+    "flat64": (64, 1, "flat", None, {}),
+    "auto": (8, 8, "pad", {}, {}),
+    "tokens16k": (8, 8, "pad", {"max_tokens_per_micro_batch": 16384}, {}),
+    "tokens64k": (8, 8, "pad", {"max_tokens_per_micro_batch": 65536}, {}),
+    "auto_flat": (8, 8, "flat", {}, {}),
+}
+
+
+def lengths(count: int, seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    drawn = torch.exp(math.log(MEDIAN) + SIGMA * torch.randn(count, generator=generator, dtype=torch.float64))
+    return drawn.round().clamp(SHORTEST, LONGEST).long().tolist()
+
+
+class CountingCollator:
+    """A collator that counts the real tokens of every batch it builds (`tokens`, a running total)."""
+
+    def __init__(self, kind: str):
+        from transformers import DataCollatorWithFlattening
+
+        self.flatten = DataCollatorWithFlattening() if kind == "flat" else None
+        self.padding_free = kind == "flat"  # what AdaptiveBatch reads to know the collator flattens
+        self.tokens = 0
+
+    def __call__(self, features):
+        self.tokens += sum(len(f["input_ids"]) for f in features)
+        if self.flatten is not None:
+            return self.flatten(features)
+        width = max(len(f["input_ids"]) for f in features)
+        ids = torch.zeros(len(features), width, dtype=torch.long)
+        mask = torch.zeros(len(features), width, dtype=torch.long)
+        for row, feature in enumerate(features):
+            n = len(feature["input_ids"])
+            ids[row, :n] = torch.tensor(feature["input_ids"])
+            mask[row, :n] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def run_arm(name, model, dataset, steps, tiny, workdir):
+    from transformers import TrainerCallback
+
+    from adaptive_batch import AdaptiveBatch
+
+    per_device, accumulation, kind, adaptive, extra = ARMS[name]
+    clock, collator = StepClock(), CountingCollator(kind)
+    counts = []
+
+    class Tokens(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            counts.append(collator.tokens)
+
+    callbacks = [clock.callback, Tokens()]
+    if adaptive is not None:
+        callbacks.append(AdaptiveBatch(**adaptive))
+    trainer = qlora_trainer(
+        model,
+        dataset,
+        callbacks,
+        os.path.join(workdir, "trainer"),
+        per_device,
+        accumulation,
+        steps,
+        tiny,
+        data_collator=collator,
+        **extra,
+    )
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    seconds = clock.step_seconds
+    tokens = [b - a for a, b in zip([0, *counts], counts)]
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    result = {
+        "arm": name,
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accumulation,
+        "collator": "padding" if kind == "pad" else "DataCollatorWithFlattening",
+        "adaptive_batch": adaptive,
+        "training_arguments": extra,
+        "step_seconds": seconds,
+        "real_tokens_per_step": tokens,
+        "real_tokens_per_second": sum(tokens[1:]) / sum(seconds[1:]),
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30
+        if torch.cuda.is_available()
+        else None,
+        "accumulation_steps_per_step": [log.get("adaptive_batch/accumulation_steps") for log in logs],
+        "micro_batch_size_per_step": [log.get("adaptive_batch/micro_batch_size") for log in logs],
+    }
+    if adaptive is not None:
+        controller = trainer._adaptive_batch.controller
+        result["controller"] = controller.state_dict()
+        result["settled_because"] = controller.settled_because
+        # steady: the steps after the last one that measured (a timed step also synchronises the device)
+        measured = (controller.token_steps if controller.max_tokens is not None else 0) or 1
+        if controller.max_tokens is None:  # rows: the steps after the search settled on its size
+            sizes = result["micro_batch_size_per_step"]
+            measured = next((i for i in range(len(sizes)) if all(m == sizes[-1] for m in sizes[i:])), 1)
+        steady = slice(max(measured, 1), None)
+        result["first_steady_step"] = max(measured, 1)
+        result["real_tokens_per_second_steady"] = (
+            sum(tokens[steady]) / sum(seconds[steady]) if seconds[steady] else None
+        )
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tiny", action="store_true", help="a CPU dry run on a tiny model")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, from: " + ", ".join(ARMS))
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps of each plain arm")
+    parser.add_argument(
+        "--adaptive-steps", type=int, default=16, help="optimizer steps of each AdaptiveBatch arm"
+    )
+    parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
+    options = parser.parse_args()
+    os.makedirs(options.out, exist_ok=True)
+    os.makedirs(options.workdir, exist_ok=True)
+
+    import transformers
+
+    import adaptive_batch
+
+    model, config = build_model(options.tiny, options.workdir)
+    arms = options.arms.split(",")
+    count = 64 * max(options.steps, options.adaptive_steps)
+    row_lengths = lengths(count)
+    generator = torch.Generator().manual_seed(1)
+    dataset = [
+        {"input_ids": torch.randint(0, config.vocab_size, (n,), generator=generator).tolist()}
+        for n in row_lengths
+    ]
+    edges = [16, 64, 128, 256, 512, 768, 1024]
+    report = {
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "adaptive_batch": adaptive_batch.__version__,
+            "python": platform.python_version(),
+        },
+        "model": "tiny"
+        if options.tiny
+        else "Llama-2-7B shape, NF4 double-quant, bf16 compute, LoRA r=16 q/v, sdpa",
+        "lengths": {
+            "distribution": f"lognormal, median {MEDIAN}, sigma {SIGMA}, clipped to [{SHORTEST}, {LONGEST}]",
+            "rows": count,
+            "mean": sum(row_lengths) / count,
+            "histogram": {
+                f"{low}-{high}": sum(
+                    low <= n < high or (high == LONGEST and n == LONGEST) for n in row_lengths
+                )
+                for low, high in zip(edges, edges[1:])
+            },
+        },
+        "runs": [],
+    }
+    path = os.path.join(options.out, "ragged_throughput.json")
+    for name in arms:
+        started = time.perf_counter()
+        steps = options.adaptive_steps if ARMS[name][3] is not None else options.steps
+        result = run_arm(name, model, dataset, steps, options.tiny, options.workdir)
+        report["runs"].append(result)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(
+            f"{name:>10}: {result['real_tokens_per_second']:,.0f} real tokens/s "
+            f"(steady {result.get('real_tokens_per_second_steady') or 0:,.0f}) in "
+            f"{time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
+    summarise(report)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print_table(report)
+
+
+def summarise(report):
+    runs = {run["arm"]: run for run in report["runs"]}
+    if "random" not in runs:
+        return
+    base = runs["random"]["real_tokens_per_second"]
+    flat = [run["real_tokens_per_second"] for name, run in runs.items() if name.startswith("flat")]
+    summary = {"random_real_tokens_per_second": base}
+    for name, run in runs.items():
+        speed = run.get("real_tokens_per_second_steady") or run["real_tokens_per_second"]
+        summary[name] = {
+            "over_random": speed / base,
+            "over_best_plain_flat": speed / max(flat) if flat else None,
+        }
+    report["summary"] = summary
+
+
+def print_table(report):
+    print(f"\n{report['device']}, {report['model']}; lengths {report['lengths']['distribution']}")
+    print(f"{'arm':>10} {'pair':>6} {'real tok/s':>11} {'steady':>8} {'x random':>9} {'peak GiB':>9}")
+    summary = report.get("summary", {})
+    for run in report["runs"]:
+        steady = run.get("real_tokens_per_second_steady")
+        peak = f"{run['peak_allocated_gib']:.1f}" if run["peak_allocated_gib"] else "-"
+        ratio = summary.get(run["arm"], {}).get("over_random")
+        print(
+            f"{run['arm']:>10} {run['per_device_train_batch_size']}x{run['gradient_accumulation_steps']:<3} "
+            f"{run['real_tokens_per_second']:>11,.0f} {steady or 0:>8,.0f} "
+            f"{ratio or 0:>9.2f} {peak:>9}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The token cut (`cut.py`) against brute force, and the token budget's measurements in the controller: the
+overhead of a micro-batch fitted from timings, the budget grown while the cut needs more and memory allows."""
+
+import json
+import random
+
+from adaptive_batch.cut import cheapest_chunks, chunk_tokens, fewest_chunks
+from adaptive_batch.microbatch import CALIBRATION_STEPS, MicroBatchController, fitted_overhead
+
+
+def set_partitions(items: list[int]):
+    """Every way to split `items` into blocks (Bell-number many)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in set_partitions(rest):
+        yield [[first], *partition]
+        for i in range(len(partition)):
+            yield [*partition[:i], [first, *partition[i]], *partition[i + 1 :]]
+
+
+def brute_force(lengths, budget, row_cap, overhead):
+    """(cost, micro-batches, peak) of the best of all groupings of the padded rows, in any order."""
+    best = None
+    for partition in set_partitions(list(range(len(lengths)))):
+        tokens = [len(block) * max(lengths[i] for i in block) for block in partition]
+        if any(len(b) > 1 and t > budget for b, t in zip(partition, tokens)):
+            continue
+        if row_cap is not None and any(len(b) > row_cap for b in partition):
+            continue
+        key = (overhead * len(partition) + sum(tokens), len(partition), max(tokens))
+        best = key if best is None or key < best else best
+    return best
+
+
+def test_the_cheapest_cut_is_the_best_of_all_groupings():
+    generator = random.Random(0)
+    for _ in range(150):
+        lengths = sorted((generator.randint(1, 40) for _ in range(generator.randint(1, 7))), reverse=True)
+        budget = generator.randint(1, 160)
+        row_cap = generator.choice([None, 1, 2, 3])
+        overhead = generator.choice([0, 1, 5, 20, 100])
+        sizes = cheapest_chunks(lengths, budget, row_cap, overhead)
+        assert sum(sizes) == len(lengths)
+        tokens = chunk_tokens(lengths, sizes)
+        assert all(size == 1 or t <= budget for size, t in zip(sizes, tokens))
+        assert row_cap is None or max(sizes) <= row_cap
+        found = (overhead * len(sizes) + sum(tokens), len(sizes), max(tokens))
+        assert found == brute_force(lengths, budget, row_cap, overhead), (lengths, budget, overhead)
+
+
+def test_the_overhead_decides_between_padding_and_micro_batches():
+    lengths = [100, 100, 10, 10]
+    assert cheapest_chunks(lengths, 400, None, overhead=50) == [2, 2]  # 220 tokens + 2 x 50 < 400 + 50
+    assert cheapest_chunks(lengths, 400, None, overhead=200) == [4]  # 400 + 200 < 220 + 2 x 200
+    assert cheapest_chunks(lengths, 400, None, overhead=0) == [2, 2]  # rows of one length stay together
+    assert fewest_chunks(lengths, 400, None) == [4]
+
+
+def test_a_large_overhead_gives_the_fewest_micro_batches():
+    generator = random.Random(1)
+    for _ in range(100):
+        lengths = sorted((generator.randint(1, 50) for _ in range(generator.randint(1, 20))), reverse=True)
+        budget, row_cap = generator.randint(1, 300), generator.choice([None, 2, 4])
+        cheapest = cheapest_chunks(lengths, budget, row_cap, overhead=10**6)
+        assert len(cheapest) == len(fewest_chunks(lengths, budget, row_cap))
+
+
+# -- the overhead, measured ------------------------------------------------------------------------------------------
+
+
+def test_the_fitted_overhead_is_the_intercept_over_the_slope():
+    assert fitted_overhead([(1000, 0.2), (3000, 0.4), (2000, 0.3)]) == 1000
+    assert fitted_overhead([(500, 0.05), (1500, 0.15)]) == 0  # no fixed part
+    assert fitted_overhead([(1000, 0.3), (3000, 0.2)]) is None  # time falling with tokens: no line to trust
+    assert fitted_overhead([(1000, 0.3), (1000, 0.2)]) is None  # one size: no slope
+
+
+def tuned(max_tokens=100, memory_limit=None, overhead=None):
+    return MicroBatchController(
+        8, row_limit=8, max_tokens=max_tokens, tune_tokens=True, memory_limit=memory_limit, overhead=overhead
+    )
+
+
+def test_the_overhead_is_measured_after_a_warm_up_step_and_then_fixed():
+    controller = MicroBatchController(8, row_limit=8, max_tokens=100)
+    assert controller.exploring and controller.token_overhead(longest=32) == 32  # meanwhile: one longest row
+    seconds = lambda tokens: 0.01 + 0.0001 * tokens  # noqa: E731 - an overhead of 100 tokens
+    controller.record(4, 5.0, 50)  # the warm-up step: slow, not counted
+    controller.end_token_step(bound=False)
+    for _ in range(CALIBRATION_STEPS):
+        assert controller.needs_timing(4)
+        for tokens in (40, 80):
+            controller.record(4, seconds(tokens), tokens)
+        controller.end_token_step(bound=False)
+    assert not controller.exploring and not controller.needs_timing(4)
+    assert controller.overhead == 100 and controller.token_overhead(longest=32) == 100
+    assert controller.settled_because == "token budget 100 (stated), overhead 100 tokens"
+
+
+def test_a_stated_overhead_is_not_measured():
+    controller = MicroBatchController(8, row_limit=8, max_tokens=100, overhead=7)
+    assert not controller.exploring and controller.token_overhead(longest=32) == 7
+
+
+def test_the_budget_doubles_while_the_cut_needs_more_and_memory_allows():
+    # peak memory: 1 GB + 1 MB per token; a limit of 1.5 GB admits up to 500,000 tokens
+    controller = tuned(max_tokens=100_000, memory_limit=1.5e9, overhead=0)
+    for tokens in (50_000, 100_000):
+        controller.record(1, 1.0, tokens, peak_bytes=1e9 + 1e3 * tokens)
+    controller.end_token_step(bound=True)
+    assert controller.max_tokens == 200_000 and controller.exploring
+    controller.end_token_step(bound=True)
+    assert controller.max_tokens == 400_000
+    controller.end_token_step(bound=True)  # 800,000 is predicted at 1.8 GB
+    assert controller.max_tokens == 400_000 and not controller.exploring
+    assert "800,000 is predicted to exceed the memory limit" in controller.settled_because
+
+
+def test_the_budget_stops_growing_when_a_larger_one_would_not_change_the_cut():
+    controller = tuned(overhead=0)
+    controller.end_token_step(bound=True)
+    controller.end_token_step(bound=False)
+    assert controller.max_tokens == 200 and not controller.exploring
+    assert (
+        controller.settled_because
+        == "token budget 200 (a larger one would not change the cut), overhead 0 tokens"
+    )
+
+
+def test_out_of_memory_halves_the_budget_and_ends_its_growth():
+    controller = tuned(overhead=0)
+    controller.end_token_step(bound=True)
+    controller.on_out_of_memory(4, padded_tokens=180)
+    assert controller.max_tokens == 90 and not controller.tuning
+    assert "180 padded tokens ran out of memory" in controller.budget_because
+
+
+def test_what_the_token_budget_learned_survives_a_checkpoint():
+    controller = tuned()
+    controller.record(4, 5.0, 50)
+    controller.end_token_step(bound=True)
+    controller.record(4, 0.2, 60)
+    restored = tuned()
+    restored.load_state_dict(json.loads(json.dumps(controller.state_dict())))
+    assert restored.state_dict() == controller.state_dict()
+    assert restored.max_tokens == 200 and restored.time_points == [(60.0, 0.2)] and restored.calibrating
+
+
+def test_a_checkpoint_from_before_the_overhead_loads_as_the_fewest_micro_batches():
+    old = MicroBatchController(8, row_limit=8, max_tokens=100, overhead=5).state_dict()
+    for key in ("tuning", "budget_because", "overhead", "calibrating", "token_steps", "time_points"):
+        del old[key]
+    controller = MicroBatchController(8, row_limit=8, max_tokens=100)
+    controller.load_state_dict(old)
+    assert not controller.exploring and controller.token_overhead(longest=32) is None
+
+
+def test_the_budget_waits_for_the_measured_overhead_before_it_stops_growing():
+    controller = tuned()  # the overhead is measured: a larger one may want larger micro-batches
+    controller.end_token_step(bound=False)
+    assert controller.tuning and controller.max_tokens == 100
+    for _ in range(CALIBRATION_STEPS):
+        controller.record(4, 0.3, 40)
+        controller.record(4, 0.5, 80)
+        controller.end_token_step(bound=False)
+    assert not controller.calibrating and controller.tuning  # the next step is cut with the measured overhead
+    controller.end_token_step(bound=True)
+    assert controller.max_tokens == 200 and controller.tuning
+    controller.end_token_step(bound=False)
+    assert not controller.exploring and controller.max_tokens == 200
