@@ -1,12 +1,13 @@
 """Finding the largest micro-batch that fits in memory, in few trials, and choosing one by throughput.
 
 Peak memory is close to affine in the batch size (weights and optimizer states, plus activations per sample), so
-three small trials (1, 2, 4 by default) predict the boundary; one trial confirms it and one just above brackets
+two small trials (2 and 4 by default; 1 only when 2 does not fit) predict the boundary; one trial confirms it and one just above brackets
 it; a trial that runs out of memory or over the limit turns the search into a bisection, which also serves when
 the prediction is off. The search stops once the boundary is known to within `tolerance` (5%).
 
 Step time is close to affine in the size too, once the device is busy, so tokens/s rises towards a plateau: the
-smallest size within 2% of the best is predicted from the same trials and confirmed by one more
+smallest size within 2% of the best is predicted from the same trials (aiming at 1%, the middle of the band) and
+confirmed by one more
 ([`next_throughput_size`]). That confirmation runs the forward pass only: its step time is the forward's scaled by
 the ratio of step to forward time of the largest full step that fits ([`with_estimated_step`]), which is close to
 constant across sizes (the backward and the recomputed forwards grow with the batch as the forward does), and it
@@ -76,7 +77,7 @@ def find_boundary(
     limit: float | None,
     max_size: int,
     tolerance: float = 0.05,
-    start: tuple[int, ...] = (1, 2, 4),
+    start: tuple[int, ...] = (2, 4),
     max_trials: int = 16,
 ) -> Search:
     """Search for the largest size in `[1, max_size]` whose trial fits under `limit` bytes.
@@ -200,7 +201,8 @@ def next_throughput_size(
     """The next size to time so that [`recommend`] finds a small size within `within` of the best, or `None`.
 
     An affine fit of step time against size (t = a + c x size, on the trials of 4 samples and more, where the device
-    is busy) predicts the smallest size whose tokens/s is within `within` of the best measured; it is rounded to the
+    is busy) predicts the smallest size whose tokens/s is within `within / 2` of the best measured (the middle of the
+    band, so that the fit's error rarely leaves it outside `within`); it is rounded to the
     nearest multiple of `granule` (sizes an effective batch splits into evenly) and timed. If it falls short, the refit
     predicts the next one; a prediction outside the gap between the largest size that fell short and the smallest
     size within halves that gap instead. `None` once a size smaller than the largest one timed is within (the search
@@ -214,7 +216,8 @@ def next_throughput_size(
     if good < max(t.size for t in fitting):
         return None
     short = max((t.size for t in fitting if t.size < good), default=0)
-    candidate = _predicted_within(trials, best * (1 - within))
+    # aimed at the middle of the band, so that the first confirmation lands inside it despite the fit's error
+    candidate = _predicted_within(trials, best * (1 - within / 2))
     if candidate is None or not short < candidate < good:
         candidate = (short + good) // 2
     if candidate >= 2 * granule:

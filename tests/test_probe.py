@@ -35,10 +35,10 @@ def test_the_sizes_tried_against_a_model_that_runs_out_of_memory_above_five(toke
     model = tiny_llama(tokenizer)
     watcher = FakeOutOfMemory(model, max_rows=5)
     report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64)
-    assert watcher.sizes == [1, 1, 2, 4, 8, 6, 5]  # warm-up, 1-2-4, doubling to the first failure, bisection
+    assert watcher.sizes == [1, 2, 4, 8, 6, 5]  # warm-up, 2-4, doubling to the first failure, bisection
     assert report.boundary == 5 and report.first_failing == 6
-    assert [t["size"] for t in report.trials] == [1, 2, 4, 5, 6, 8]
-    assert report.recommended in (1, 2, 4, 5)
+    assert [t["size"] for t in report.trials] == [2, 4, 5, 6, 8]
+    assert report.recommended in (2, 4, 5)
 
 
 def test_the_warm_up_is_one_short_sample_and_every_trial_is_full_length(tokenizer):
@@ -46,7 +46,7 @@ def test_the_warm_up_is_one_short_sample_and_every_trial_is_full_length(tokenize
     watcher = FakeOutOfMemory(model, max_rows=5)
     report = probe(model, seq_len=128, memory_budget=math.inf, max_size=64)
     assert (watcher.sizes[0], watcher.tokens[0]) == (1, 64) and report.warm_up_tokens == 64
-    assert watcher.sizes[1:] == [1, 2, 4, 8, 6, 5]
+    assert watcher.sizes[1:] == [2, 4, 8, 6, 5]
     assert watcher.tokens[1:] == [size * 128 for size in watcher.sizes[1:]]
 
 
@@ -130,7 +130,7 @@ def test_cli_probe_of_a_4bit_lora_model_on_the_cpu(capsys, model_dir, probe_cach
     failing = by_size[result["first_failing"]]
     assert failing["out_of_memory"] or failing["peak_bytes"] > limit
     assert result["first_failing"] <= max(result["boundary"] + 1, math.ceil(result["boundary"] * 1.05))
-    assert [t["size"] for t in result["trials"]][:3] == [1, 2, 4]
+    assert [t["size"] for t in result["trials"]][:2] == [2, 4]
     assert result["boundary_tokens"] == result["boundary"] * 32
     per_device, accumulation = result["per_device_train_batch_size"], result["gradient_accumulation_steps"]
     assert per_device * accumulation == 48 and per_device <= result["recommended"]
@@ -332,9 +332,9 @@ def test_the_throughput_confirmation_runs_the_forward_pass_only(tokenizer, monke
     backwards = []
     model.lm_head.weight.register_hook(lambda grad: backwards.append(len(watcher.sizes)))
     report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64)
-    # warm-up, 1, 2, 4, 8 and 6 (out of memory in the forward), 5, then 3: its forward alone, no backward
-    assert watcher.sizes == [1, 1, 2, 4, 8, 6, 5, 3]
-    assert backwards == [1, 2, 3, 4, 7]  # the forwards seen when each backward ran
+    # warm-up, 2, 4, 8 and 6 (out of memory in the forward), 5, then 3: its forward alone, no backward
+    assert watcher.sizes == [1, 2, 4, 8, 6, 5, 3]
+    assert backwards == [1, 2, 3, 6]  # the forwards seen when each backward ran
     confirmed = next(t for t in report.trials if t["size"] == 3)
     assert confirmed["forward_only"] and confirmed["fits"]  # below the boundary (5), whose whole step fitted
     boundary = next(t for t in report.trials if t["size"] == 5)
