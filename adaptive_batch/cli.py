@@ -298,8 +298,9 @@ def _print_probe(result: dict) -> None:
     )
     print(f"recommended: {result['recommended']} ({result['recommended_by']})")
     print(
-        "variable-length data: AdaptiveBatch(max_tokens_per_micro_batch="
-        f"{result['recommended'] * result['seq_len']})"
+        "variable-length data: AdaptiveBatch() cuts steps by padded tokens itself; at most "
+        f"{result['boundary_tokens']:,} fit in one micro-batch "
+        f"(AdaptiveBatch(max_tokens_per_micro_batch={result['boundary_tokens']}) states that budget)"
     )
     if result["effective_batch_size"]:
         print(

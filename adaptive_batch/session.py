@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from dataclasses import asdict
 from typing import ClassVar
 
@@ -37,6 +36,7 @@ from .sampler import StepBatchSampler
 from .schedule import Progress, check_effective_batch_size, describe
 from .scheduler import follow_sample_clock
 from .step import MicroBatchRunner
+from .tokenbudget import TokenBudgetController
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -137,41 +137,50 @@ class Session:
         if self.controller is None or checkpoint is not None:  # a second train() keeps what the first learned
             self.controller = self._new_controller()
         self.controller.row_limit = self.plan.max_rows_per_rank
-        if self.controller.max_tokens is not None and config.auto:
-            # with a token budget "auto" caps rows only by max_micro_batch_size, under a plan that may be new
-            self.controller.size = min(config.max_micro_batch_size or math.inf, self.plan.max_rows_per_rank)
+        if isinstance(self.controller, TokenBudgetController):  # the row cap, under a plan that may be new
+            self.controller.size = self._token_row_cap()
         self.runner = MicroBatchRunner(
             trainer, self.controller, self.world_size, packed=compat.padding_free(trainer)
         )
         if checkpoint is not None:
             self._restore(checkpoint)
 
-    def _new_controller(self) -> MicroBatchController:
+    def _new_controller(self) -> MicroBatchController | TokenBudgetController:
         config, args = self.config, self.trainer.args
-        budget, tune = config.max_tokens_per_micro_batch, False
-        if budget is None and config.auto and self._cut_by_tokens():
+        limit = memory_limit(args.device, config.memory_headroom)
+        budget = config.max_tokens_per_micro_batch
+        tune = budget is None and config.auto and self._cut_by_tokens()
+        if tune:  # the per-device size the user (or the probe) gave, at the longest row
             seq_len = lengths.longest(self.trainer.train_dataset)
             max_length = getattr(args, "max_length", None)
             if max_length:  # TRL truncates to max_length
                 seq_len = min(seq_len, max_length)
-            budget, tune = self._probed_start() * seq_len, True
-        if not config.auto:
-            start = config.micro_batch_size
-        elif budget is not None:  # the start is the row cap: "auto" caps rows only by max_micro_batch_size
-            start = self.plan.max_rows_per_rank
-        else:
-            start = self._probed_start()
+            budget = self._probed_start() * seq_len
+        if budget is not None:
+            return TokenBudgetController(
+                budget,
+                self._token_row_cap(),
+                tune=tune,
+                overhead=config.micro_batch_overhead,
+                memory_limit=limit,
+            )
         return MicroBatchController(
-            start,
+            config.micro_batch_size if not config.auto else self._probed_start(),
             auto=config.auto,
             max_size=config.max_micro_batch_size,
             row_limit=self.plan.max_rows_per_rank,
             growth_margin=config.growth_margin,
-            memory_limit=memory_limit(args.device, config.memory_headroom),
-            max_tokens=budget,
-            tune_tokens=tune,
-            overhead=config.micro_batch_overhead,
+            memory_limit=limit,
         )
+
+    def _token_row_cap(self) -> int:
+        """The most rows a micro-batch cut by tokens holds: a step's rows on one rank, capped by
+        max_micro_batch_size and by an int micro_batch_size."""
+        config, cap = self.config, self.plan.max_rows_per_rank
+        for stated in (config.max_micro_batch_size, None if config.auto else config.micro_batch_size):
+            if stated is not None:
+                cap = min(cap, stated)
+        return cap
 
     def _cut_by_tokens(self) -> bool:
         """Whether "auto" cuts steps by tokens: the dataset's rows are known to vary in length and the collator
@@ -249,14 +258,12 @@ class Session:
 
     def _check_longest_row(self) -> None:
         """Warn before any compute when the dataset holds a row longer than the token budget (it will run alone)."""
-        budget = self.controller.max_tokens
-        if budget is None or getattr(
-            self.trainer.args, "packing", False
-        ):  # a packed row is cut between sequences
-            return
+        controller = self.controller
+        if not isinstance(controller, TokenBudgetController) or getattr(self.trainer.args, "packing", False):
+            return  # a packed row is cut between sequences
         longest = lengths.longest(self.trainer.train_dataset)
-        if longest is not None and longest > budget:
-            self.runner.warn_long_row(longest)
+        if longest is not None and longest > controller.max_tokens:
+            controller.warn_long_row(longest)
 
     def initial_training_values(self) -> tuple:
         """What `Trainer.set_initial_training_values` returns, from the plan: the loop sees one epoch of all steps.
@@ -353,8 +360,18 @@ class Session:
         self.runner.last.micro_batch_size = int(state.get("last_micro_batch_size", 0))
         self.runner.last.accumulation_steps = int(state.get("last_accumulation_steps", 0))
         applies, message = learned_state_applies(state.get("settings"), self.settings)
-        if applies and state.get("micro_batch") is not None:
-            self.controller.load_state_dict(state["micro_batch"])
+        learned = state.get("micro_batch")
+        if applies and learned is not None and _cut_kind(learned) != _cut_kind(self.controller.state_dict()):
+            # the same settings, another dataset: "auto" cut the checkpoint's run by the other unit
+            applies, message = (
+                False,
+                (
+                    f"Micro-batches: cut by {_cut_kind(self.controller.state_dict())} now; the checkpoint's run cut by "
+                    f"{_cut_kind(learned)}, and what it learned is not used."
+                ),
+            )
+        if applies and learned is not None:
+            self.controller.load_state_dict(learned)
             self.controller.limit_to(self.config.max_micro_batch_size)
         logger.info("%s", message)
 
@@ -378,7 +395,7 @@ class Session:
 
     def _plan_rows(self) -> list[tuple[str, str]]:
         config, controller, plan = self.config, self.controller, self.plan
-        by_tokens = controller.max_tokens is not None
+        by_tokens = isinstance(controller, TokenBudgetController)
         plain = PlainBatching(
             plan.dataset_size,
             self.per_device_train_batch_size,
@@ -399,9 +416,9 @@ class Session:
                 controller.exploring,
                 config.growth_margin,
                 config.max_micro_batch_size,
-                controller.max_tokens,
+                controller.max_tokens if by_tokens else None,
                 plan.max_rows_per_rank,
-                controller.tuning,
+                by_tokens and controller.tuning,
             ),
             plain_steps=plain.total_steps(args.num_train_epochs, args.max_steps),
             tokens=None
@@ -417,6 +434,12 @@ class Session:
                 by_tokens,
             ),
         )
+
+
+def _cut_kind(state: dict) -> str:
+    """ "tokens" or "rows": how the controller whose state this is cuts steps (states written before the token
+    controller had its own class say so by their `max_tokens`)."""
+    return state.get("kind") or ("tokens" if state.get("max_tokens") is not None else "rows")
 
 
 def _dataset_unit(args) -> str:

@@ -32,6 +32,7 @@ from .batch import StepBatch
 from .memory import Stopwatch, is_out_of_memory, release_memory
 from .microbatch import MicroBatchController, MicroBatchTooLargeError
 from .packed import PackedStepBatch, check_packed_inputs, is_packed
+from .tokenbudget import TokenBudgetController
 
 logger = logging.getLogger(__name__)
 
@@ -111,19 +112,25 @@ class MicroBatchRunner:
 
     Args:
         trainer: the Trainer (its `current_gradient_accumulation_steps`, `accelerator` and TRL metrics are used).
-        controller: decides micro-batch sizes.
+        controller: decides how each step is cut: by rows ([`MicroBatchController`]) or by padded tokens
+            ([`TokenBudgetController`]); its `cut` gives the micro-batches of a step, which one loop runs.
         world_size: data-parallel processes.
         packed: the collator flattens every batch into one padding-free row (cut between its sequences).
     """
 
-    def __init__(self, trainer, controller: MicroBatchController, world_size: int, packed: bool = False):
+    def __init__(
+        self,
+        trainer,
+        controller: MicroBatchController | TokenBudgetController,
+        world_size: int,
+        packed: bool = False,
+    ):
         self.trainer = trainer
         self.controller = controller
         self.world_size = world_size
         self.packed = packed  # the collator flattens every batch (a step of one sequence looks unpacked)
         self.device = trainer.args.device
         self.last = StepStats()
-        self.warned_long_row = False
 
     @property
     def distributed(self) -> bool:
@@ -169,20 +176,7 @@ class MicroBatchRunner:
                 self.controller.on_out_of_memory(failed.failed_rows, failed.failed_tokens)
             except MicroBatchTooLargeError as error:
                 raise MicroBatchTooLargeError(_too_large_message(batch, self.device), error.tried) from None
-            if self.controller.max_tokens is not None:
-                logger.warning(
-                    "Out of memory at a micro-batch of %d rows and %d padded tokens; running the step again with "
-                    "max_tokens_per_micro_batch=%d.",
-                    failed.failed_rows,
-                    failed.failed_tokens,
-                    self.controller.max_tokens,
-                )
-            else:
-                logger.warning(
-                    "Out of memory at micro-batch %d; running the step again at %d.",
-                    failed.failed_rows,
-                    self.controller.size,
-                )
+            logger.warning("%s", self.controller.retry_message(failed.failed_rows, failed.failed_tokens))
         real_tokens = batch.real_tokens()
         if self.distributed:
             real_tokens = int(_all_reduce([real_tokens], self.device, dist.ReduceOp.SUM)[0])
@@ -196,76 +190,26 @@ class MicroBatchRunner:
             logger.info("AdaptiveBatch settled: %s.", self.controller.settled_because)
         return outcome.loss
 
-    def warn_long_row(self, length: int) -> None:
-        """Say, once per run, that a row longer than the token budget runs alone (a row cannot be split)."""
-        if self.warned_long_row:
-            return
-        self.warned_long_row = True
-        budget = self.controller.max_tokens
-        logger.warning(
-            "A row of %d tokens is longer than max_tokens_per_micro_batch=%d, so it runs alone in its micro-batch, "
-            "above the budget (a row cannot be split). Raise max_tokens_per_micro_batch to at least %d, or lower "
-            "max_length.",
-            length,
-            budget,
-            length,
-        )
-
     def _attempt(self, step: _Step, max_rows: int) -> _Outcome:
-        if self.controller.max_tokens is not None:
-            return self._attempt_by_tokens(step)
-        controller, batch = self.controller, step.batch
+        """Run the micro-batches the controller cuts the step into; stop at the first that ran out of memory on any
+        rank (its report in `failed`)."""
+        cut = self.controller.cut(step.batch, max_rows, self._agree)
         outcome = _Outcome(loss=torch.zeros((), device=self.device))
-        start = 0
-        remaining = max_rows
-        while remaining > 0:
-            size = controller.next_size(remaining)
-            own = min(size, batch.rows - start)
-            timed = controller.needs_timing(size)
-            report = self._micro_batch(step, start, own, outcome, timed)
+        for micro in cut:
+            report = self._micro_batch(step, micro.start, micro.rows, outcome, micro.timed)
             if report.out_of_memory:
-                report.failed_rows = size  # every rank runs the same sizes: the size that failed somewhere
+                report.failed_rows = cut.failed_rows(micro, report)
                 outcome.failed = report
                 return outcome
-            if timed:
-                controller.record(size, report.seconds, report.real_tokens, report.measured_peak)
-            start += own
-            remaining -= size
+            cut.record(micro, report)
             outcome.chunks += 1
-            outcome.largest = max(outcome.largest, size)
+            outcome.largest = max(outcome.largest, micro.size)
+        cut.finish()
         return outcome
 
-    def _attempt_by_tokens(self, step: _Step) -> _Outcome:
-        """Micro-batches of at most `max_tokens` padded tokens, cut by this rank's own row lengths."""
-        controller, batch = self.controller, step.batch
-        budget, cap = controller.max_tokens, controller.size
-        longest = batch.longest_row()
-        overhead = controller.token_overhead(longest)
-        sizes = batch.token_chunks(budget, cap, overhead)
-        if longest > budget:
-            self.warn_long_row(longest)
-        # while the budget grows: would a doubled one cut this step otherwise? (decided on all ranks alike)
-        bound = controller.tuning and batch.token_chunks(2 * budget, cap, overhead) != sizes
-        count = len(sizes)
-        if self.distributed:  # every micro-batch exchanges a report: all ranks run as many
-            count, bound = _all_reduce([count, bound], self.device, dist.ReduceOp.MAX)
-            count, bound = int(count), bool(bound)
-        outcome = _Outcome(loss=torch.zeros((), device=self.device))
-        start = 0
-        for index in range(count):
-            own = sizes[index] if index < len(sizes) else 0
-            timed = controller.needs_timing(own)
-            report = self._micro_batch(step, start, own, outcome, timed)
-            if report.out_of_memory:
-                outcome.failed = report
-                return outcome
-            if timed:
-                controller.record(own, report.seconds, report.padded_tokens, report.measured_peak)
-            start += own
-            outcome.chunks += 1
-            outcome.largest = max(outcome.largest, own)
-        controller.end_token_step(bound)
-        return outcome
+    def _agree(self, values: list[float]) -> list[float]:
+        """The largest of each value over the ranks (the values themselves without DDP)."""
+        return _all_reduce(values, self.device, dist.ReduceOp.MAX) if self.distributed else values
 
     def _micro_batch(
         self, step: _Step, start: int, own: int, outcome: _Outcome, timed: bool = False

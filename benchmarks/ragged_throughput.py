@@ -142,9 +142,10 @@ def run_arm(name, model, dataset, steps, tiny, workdir):
         controller = trainer._adaptive_batch.controller
         result["controller"] = controller.state_dict()
         result["settled_because"] = controller.settled_because
-        # steady: the steps after the last one that measured (a timed step also synchronises the device)
-        measured = (controller.token_steps if controller.max_tokens is not None else 0) or 1
-        if controller.max_tokens is None:  # rows: the steps after the search settled on its size
+        # steady: the steps after the last one that measured (a timed micro-batch synchronises the device)
+        if hasattr(controller, "steps_measured"):  # cut by tokens
+            measured = controller.steps_measured
+        else:  # rows: the steps after the search settled on its size
             sizes = result["micro_batch_size_per_step"]
             measured = next((i for i in range(len(sizes)) if all(m == sizes[-1] for m in sizes[i:])), 1)
         steady = slice(max(measured, 1), None)

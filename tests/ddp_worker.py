@@ -52,7 +52,9 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         ddp_backend="gloo" if world_size > 1 else None,
     )
     schedule = PhaseSchedule([4, 8], boundaries=[0.5])
-    if kind in ("tokens", "packed"):
+    if micro == "auto":  # on rows of varying length: cut by tokens, the overhead and budget measured
+        callback = AdaptiveBatch(schedule=schedule)
+    elif kind in ("tokens", "packed"):
         callback = AdaptiveBatch(schedule=schedule, max_tokens_per_micro_batch=int(micro))
     else:
         callback = AdaptiveBatch(schedule=schedule, micro_batch_size=int(micro))
@@ -101,7 +103,8 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         "raised": watcher.raised if watcher else [],
         # (step, rows, padded length, label tokens, sequences): a flattened row holds several sequences
         "micro_batches": [(*m[:4], len(m[4])) for m in getattr(trainer, "micro_batches", [])],
-        "max_tokens": session.controller.max_tokens,
+        "max_tokens": getattr(session.controller, "max_tokens", None),
+        "controller": session.controller.state_dict(),
     }
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -1,11 +1,11 @@
-"""The token cut (`cut.py`) against brute force, and the token budget's measurements in the controller: the
+"""The token cut (`cut.py`) against brute force, and the token budget's measurements (`tokenbudget.py`): the
 overhead of a micro-batch fitted from timings, the budget grown while the cut needs more and memory allows."""
 
 import json
 import random
 
 from adaptive_batch.cut import cheapest_chunks, chunk_tokens, fewest_chunks
-from adaptive_batch.microbatch import CALIBRATION_STEPS, MicroBatchController, fitted_overhead
+from adaptive_batch.tokenbudget import CALIBRATION_STEPS, TokenBudgetController, fitted_overhead
 
 
 def set_partitions(items: list[int]):
@@ -78,29 +78,27 @@ def test_the_fitted_overhead_is_the_intercept_over_the_slope():
 
 
 def tuned(max_tokens=100, memory_limit=None, overhead=None):
-    return MicroBatchController(
-        8, row_limit=8, max_tokens=max_tokens, tune_tokens=True, memory_limit=memory_limit, overhead=overhead
-    )
+    return TokenBudgetController(max_tokens, 8, tune=True, overhead=overhead, memory_limit=memory_limit)
 
 
 def test_the_overhead_is_measured_after_a_warm_up_step_and_then_fixed():
-    controller = MicroBatchController(8, row_limit=8, max_tokens=100)
+    controller = TokenBudgetController(100, 8)
     assert controller.exploring and controller.token_overhead(longest=32) == 32  # meanwhile: one longest row
     seconds = lambda tokens: 0.01 + 0.0001 * tokens  # noqa: E731 - an overhead of 100 tokens
-    controller.record(4, 5.0, 50)  # the warm-up step: slow, not counted
-    controller.end_token_step(bound=False)
+    controller.record(5.0, 50)  # the warm-up step: slow, not counted
+    controller.end_step(bound=False)
     for _ in range(CALIBRATION_STEPS):
-        assert controller.needs_timing(4)
+        assert controller.exploring
         for tokens in (40, 80):
-            controller.record(4, seconds(tokens), tokens)
-        controller.end_token_step(bound=False)
-    assert not controller.exploring and not controller.needs_timing(4)
+            controller.record(seconds(tokens), tokens)
+        controller.end_step(bound=False)
+    assert not controller.exploring
     assert controller.overhead == 100 and controller.token_overhead(longest=32) == 100
     assert controller.settled_because == "token budget 100 (stated), overhead 100 tokens"
 
 
 def test_a_stated_overhead_is_not_measured():
-    controller = MicroBatchController(8, row_limit=8, max_tokens=100, overhead=7)
+    controller = TokenBudgetController(100, 8, overhead=7)
     assert not controller.exploring and controller.token_overhead(longest=32) == 7
 
 
@@ -108,20 +106,20 @@ def test_the_budget_doubles_while_the_cut_needs_more_and_memory_allows():
     # peak memory: 1 GB + 1 MB per token; a limit of 1.5 GB admits up to 500,000 tokens
     controller = tuned(max_tokens=100_000, memory_limit=1.5e9, overhead=0)
     for tokens in (50_000, 100_000):
-        controller.record(1, 1.0, tokens, peak_bytes=1e9 + 1e3 * tokens)
-    controller.end_token_step(bound=True)
+        controller.record(1.0, tokens, peak_bytes=1e9 + 1e3 * tokens)
+    controller.end_step(bound=True)
     assert controller.max_tokens == 200_000 and controller.exploring
-    controller.end_token_step(bound=True)
+    controller.end_step(bound=True)
     assert controller.max_tokens == 400_000
-    controller.end_token_step(bound=True)  # 800,000 is predicted at 1.8 GB
+    controller.end_step(bound=True)  # 800,000 is predicted at 1.8 GB
     assert controller.max_tokens == 400_000 and not controller.exploring
     assert "800,000 is predicted to exceed the memory limit" in controller.settled_because
 
 
 def test_the_budget_stops_growing_when_a_larger_one_would_not_change_the_cut():
     controller = tuned(overhead=0)
-    controller.end_token_step(bound=True)
-    controller.end_token_step(bound=False)
+    controller.end_step(bound=True)
+    controller.end_step(bound=False)
     assert controller.max_tokens == 200 and not controller.exploring
     assert (
         controller.settled_because
@@ -131,7 +129,7 @@ def test_the_budget_stops_growing_when_a_larger_one_would_not_change_the_cut():
 
 def test_out_of_memory_halves_the_budget_and_ends_its_growth():
     controller = tuned(overhead=0)
-    controller.end_token_step(bound=True)
+    controller.end_step(bound=True)
     controller.on_out_of_memory(4, padded_tokens=180)
     assert controller.max_tokens == 90 and not controller.tuning
     assert "180 padded tokens ran out of memory" in controller.budget_because
@@ -139,9 +137,9 @@ def test_out_of_memory_halves_the_budget_and_ends_its_growth():
 
 def test_what_the_token_budget_learned_survives_a_checkpoint():
     controller = tuned()
-    controller.record(4, 5.0, 50)
-    controller.end_token_step(bound=True)
-    controller.record(4, 0.2, 60)
+    controller.record(5.0, 50)
+    controller.end_step(bound=True)
+    controller.record(0.2, 60)
     restored = tuned()
     restored.load_state_dict(json.loads(json.dumps(controller.state_dict())))
     assert restored.state_dict() == controller.state_dict()
@@ -149,24 +147,32 @@ def test_what_the_token_budget_learned_survives_a_checkpoint():
 
 
 def test_a_checkpoint_from_before_the_overhead_loads_as_the_fewest_micro_batches():
-    old = MicroBatchController(8, row_limit=8, max_tokens=100, overhead=5).state_dict()
-    for key in ("tuning", "budget_because", "overhead", "calibrating", "token_steps", "time_points"):
+    old = TokenBudgetController(100, 8, overhead=5).state_dict()
+    for key in (
+        "kind",
+        "tuning",
+        "budget_because",
+        "overhead",
+        "calibrating",
+        "steps_measured",
+        "time_points",
+    ):
         del old[key]
-    controller = MicroBatchController(8, row_limit=8, max_tokens=100)
+    controller = TokenBudgetController(100, 8)
     controller.load_state_dict(old)
     assert not controller.exploring and controller.token_overhead(longest=32) is None
 
 
 def test_the_budget_waits_for_the_measured_overhead_before_it_stops_growing():
     controller = tuned()  # the overhead is measured: a larger one may want larger micro-batches
-    controller.end_token_step(bound=False)
+    controller.end_step(bound=False)
     assert controller.tuning and controller.max_tokens == 100
     for _ in range(CALIBRATION_STEPS):
-        controller.record(4, 0.3, 40)
-        controller.record(4, 0.5, 80)
-        controller.end_token_step(bound=False)
+        controller.record(0.3, 40)
+        controller.record(0.5, 80)
+        controller.end_step(bound=False)
     assert not controller.calibrating and controller.tuning  # the next step is cut with the measured overhead
-    controller.end_token_step(bound=True)
+    controller.end_step(bound=True)
     assert controller.max_tokens == 200 and controller.tuning
-    controller.end_token_step(bound=False)
+    controller.end_step(bound=False)
     assert not controller.exploring and controller.max_tokens == 200

@@ -134,6 +134,17 @@ def test_ranks_cut_their_own_rows_by_tokens_and_run_as_many_micro_batches(tmp_pa
     assert_close_weights(weights[0], single_weights[0])
 
 
+def test_auto_by_tokens_makes_the_same_decisions_on_every_rank(tmp_path):
+    single, single_weights = launch(tmp_path, "single", "tokens", micro="auto", world_size=1)
+    ranks, weights = launch(tmp_path, "ddp", "tokens", micro="auto", world_size=2)
+    assert ranks[0]["controller"]["kind"] == "tokens"
+    assert not ranks[0]["controller"]["calibrating"] and ranks[0]["controller"]["time_points"]
+    # the overhead, the budget and every measurement behind them: the same on both ranks (combined before use)
+    assert ranks[0]["controller"] == ranks[1]["controller"]
+    assert_same_weights(weights[0], weights[1])
+    assert_close_weights(weights[0], single_weights[0])
+
+
 def test_padding_free_steps_under_ddp_are_cut_by_each_rank_and_survive_one_ranks_oom(tmp_path):
     single, single_weights = launch(tmp_path, "single", "packed", micro=40, world_size=1)
     ranks, weights = launch(tmp_path, "ddp", "packed", micro=40, world_size=2, fake_oom_rank=1)

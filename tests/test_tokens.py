@@ -20,8 +20,9 @@ from conftest import (
 
 from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
 from adaptive_batch.batch import IGNORE_INDEX, StepBatch
-from adaptive_batch.microbatch import CALIBRATION_STEPS, MicroBatchController
+from adaptive_batch.microbatch import MicroBatchController
 from adaptive_batch.testing import FakeOutOfMemory
+from adaptive_batch.tokenbudget import CALIBRATION_STEPS, TokenBudgetController
 
 BUDGET = 64
 # a stated overhead above any step's tokens: the cut is the fewest micro-batches, whatever a measurement would say
@@ -129,27 +130,19 @@ def test_a_budget_that_is_not_a_positive_int_is_refused(value):
 
 
 def test_the_controller_holds_the_budget_and_halves_it_on_out_of_memory():
-    controller = MicroBatchController(start=8, row_limit=8, max_tokens=BUDGET, overhead=FEWEST)
+    controller = TokenBudgetController(BUDGET, 8, overhead=FEWEST)
     assert not controller.exploring and controller.settled_because == "cut by max_tokens_per_micro_batch"
     controller.on_out_of_memory(4, padded_tokens=60)
     assert controller.max_tokens == 30
     controller.on_out_of_memory(2, padded_tokens=64)  # never raised again by a larger failure
     assert controller.max_tokens == 30
     saved = json.loads(json.dumps(controller.state_dict()))
-    restored = MicroBatchController(start=8, row_limit=8, max_tokens=BUDGET, overhead=FEWEST)
+    restored = TokenBudgetController(BUDGET, 8, overhead=FEWEST)
     restored.load_state_dict(saved)
     assert restored.max_tokens == 30 and restored.oom_sizes == [4, 2]
     with pytest.raises(MicroBatchTooLargeError) as error:
         controller.on_out_of_memory(1, padded_tokens=20)
     assert error.value.tried == [4, 2, 1]
-
-
-def test_a_checkpoint_from_before_token_budgets_still_loads():
-    old = MicroBatchController(start=4, auto=False).state_dict()
-    del old["max_tokens"]
-    controller = MicroBatchController(start=4, auto=False, max_tokens=BUDGET)
-    controller.load_state_dict(old)
-    assert controller.max_tokens is None
 
 
 # -- training --------------------------------------------------------------------------------------------------------
@@ -385,7 +378,7 @@ def test_auto_on_rows_of_varying_length_cuts_by_tokens_at_the_least_measured_tim
 def test_auto_on_rows_of_one_length_measures_rows(make_trainer, fixed_rows):
     trainer = make_trainer([AdaptiveBatch()], dataset=fixed_rows[:16], max_steps=1)
     trainer.train()
-    assert trainer._adaptive_batch.controller.max_tokens is None
+    assert isinstance(trainer._adaptive_batch.controller, MicroBatchController)
 
 
 def test_auto_by_tokens_resumes_bitwise_once_its_measurements_are_done(make_trainer, varied, tmp_path):
@@ -420,3 +413,24 @@ def test_auto_by_tokens_resumes_bitwise_once_its_measurements_are_done(make_trai
     cuts = [(log["step"], log["adaptive_batch/accumulation_steps"]) for log in step_logs(full)]
     assert [(log["step"], log["adaptive_batch/accumulation_steps"]) for log in step_logs(resumed)] == cuts
     assert_same_parameters(full.model, resumed.model)
+
+
+def test_a_checkpoint_cut_by_rows_is_not_taken_as_a_token_budget(
+    make_trainer, varied, fixed_rows, tmp_path, caplog
+):
+    def run(dataset, output_dir, resume=None):
+        trainer = make_trainer(
+            [AdaptiveBatch()],
+            **{**SETTINGS, "dataset": dataset, "save_strategy": "steps", "save_steps": 2},
+            output_dir=str(output_dir),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    run(fixed_rows[: len(varied)], tmp_path / "rows")  # "auto" on rows of one length: cut by rows
+    with caplog.at_level("INFO", logger="adaptive_batch"):
+        resumed = run(varied, tmp_path / "tokens", resume=str(tmp_path / "rows" / "checkpoint-2"))
+    assert (
+        "cut by tokens now; the checkpoint's run cut by rows, and what it learned is not used" in caplog.text
+    )
+    assert isinstance(resumed._adaptive_batch.controller, TokenBudgetController)

@@ -1,0 +1,245 @@
+"""The micro-batch policy for rows of varying length: each step cut by padded tokens, at the least measured time.
+
+Each step's rows are cut by their lengths ([`cut.py`]) into micro-batches of at most `max_tokens` padded tokens
+(a longer row alone) and at most `size` rows, at the least modelled time: `overhead` x micro-batches + padded
+tokens. The overhead (the fixed time of one micro-batch, in tokens' worth) is stated, or measured: the micro-batches
+of `CALIBRATION_STEPS` steps after a warm-up step are timed and a line of seconds against padded tokens is fitted
+(its intercept over its slope; no rising line means the fixed part dominates, and the cut is then the fewest
+micro-batches). With `tune` ("auto" on rows of varying length) the budget also grows: it doubles after each step
+whose cut a doubled budget would change, while peak memory, measured against padded tokens, predicts that the
+doubled budget fits. An out-of-memory error halves the budget for good. Once measuring is over the cut depends on the
+rows' lengths alone, so a resumed run cuts its steps as the uninterrupted one did.
+
+Under DDP each rank cuts its own rows; the ranks agree on the number of micro-batches (a rank with fewer runs rows
+that add nothing) and on whether the budget bound the cut, and are fed the same combined measurements, so they
+make the same decisions.
+
+Pure Python: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from .fit import affine
+from .microbatch import MicroBatch, MicroBatchTooLargeError, predict_peak
+
+logger = logging.getLogger("adaptive_batch")
+
+CALIBRATION_STEPS = 3  # steps timed to measure the overhead of a micro-batch, after one warm-up step
+
+
+class TokenBudgetController:
+    """Cuts every step by padded tokens. See the module docstring.
+
+    Args:
+        max_tokens: the budget of padded tokens per micro-batch (the first one, with `tune`).
+        max_rows: the most rows a micro-batch holds.
+        tune: grow the budget while the cut needs more and memory allows.
+        overhead: the fixed time of one micro-batch in padded tokens' worth; `None`: measured.
+        memory_limit: bytes a micro-batch's peak may reach (`None`: not known, as on the CPU).
+    """
+
+    def __init__(
+        self,
+        max_tokens: int,
+        max_rows: int,
+        tune: bool = False,
+        overhead: int | None = None,
+        memory_limit: float | None = None,
+    ):
+        self.max_tokens = max_tokens
+        self.size = max_rows
+        self.row_limit = max_rows
+        self.tuning = tune
+        self.overhead = overhead
+        self.calibrating = overhead is None
+        self.memory_limit = memory_limit
+        self.steps_measured = 0
+        self.time_points: list[tuple[float, float]] = []  # (padded tokens of a micro-batch, seconds)
+        self.memory_points: list[tuple[float, float]] = []  # (padded tokens of a micro-batch, peak bytes)
+        self.oom_sizes: list[int] = []
+        self.budget_because = None if tune else "stated"
+        self.settled_because = None if self.exploring else "cut by max_tokens_per_micro_batch"
+        self.warned_long_row = False
+
+    @property
+    def exploring(self) -> bool:
+        """Still measuring: the overhead of a micro-batch, or the budget."""
+        return self.calibrating or self.tuning
+
+    def cut(self, batch, max_rows: int, agree: Callable[[list[float]], list[float]]) -> TokenCut:
+        """The micro-batches of a step (`batch`: a `StepBatch` or `PackedStepBatch`); `agree` combines values of
+        all ranks by their maximum (the identity on one)."""
+        return TokenCut(self, batch, agree)
+
+    def token_overhead(self, longest: int) -> int | None:
+        """The overhead a cut uses now: stated or measured; while measuring, one longest row's worth (`longest`
+        padded tokens); `None` (the fewest micro-batches) when the measurements gave no rising line."""
+        if self.overhead is not None:
+            return self.overhead
+        return longest if self.calibrating else None
+
+    # -- what happened -----------------------------------------------------------------------------------------
+
+    def record(self, seconds: float, padded_tokens: float, peak_bytes: float | None = None) -> None:
+        """Feed the time, padded tokens and peak memory of a micro-batch timed while measuring."""
+        if peak_bytes is not None:
+            self.memory_points.append((float(padded_tokens), float(peak_bytes)))
+        if self.calibrating and self.steps_measured > 0 and seconds > 0:  # the first step warms up
+            self.time_points.append((float(padded_tokens), seconds))
+
+    def end_step(self, bound: bool) -> None:
+        """A step is done; `bound`: a doubled budget would have cut it otherwise (on some rank)."""
+        if not self.exploring:
+            return
+        self.steps_measured += 1
+        cut_with_measured_overhead = not self.calibrating
+        if self.calibrating and self.steps_measured > CALIBRATION_STEPS:
+            self.calibrating = False
+            self.overhead = fitted_overhead(self.time_points)
+        if self.tuning:
+            bigger = 2 * self.max_tokens
+            if not bound:
+                if cut_with_measured_overhead:  # else the measured overhead may still ask for more
+                    self._stop_tuning("a larger one would not change the cut")
+            elif (
+                self.memory_limit is not None and predict_peak(self.memory_points, bigger) > self.memory_limit
+            ):
+                self._stop_tuning(f"{bigger:,} is predicted to exceed the memory limit")
+            else:
+                self.max_tokens = bigger
+        if not self.exploring:
+            overhead = (
+                "fewest micro-batches" if self.overhead is None else f"overhead {self.overhead:,} tokens"
+            )
+            self.settled_because = f"token budget {self.max_tokens:,} ({self.budget_because}), {overhead}"
+
+    def on_out_of_memory(self, rows: int, padded_tokens: int) -> None:
+        """A micro-batch of `rows` rows and `padded_tokens` ran out of memory: the budget becomes at most half of
+        that, for good, and stops growing.
+
+        Raises:
+            MicroBatchTooLargeError: if it was one row.
+        """
+        self.oom_sizes.append(rows)
+        if rows == 1:
+            raise MicroBatchTooLargeError(
+                "one sample per micro-batch runs out of memory", list(self.oom_sizes)
+            )
+        self.max_tokens = max(1, min(self.max_tokens, padded_tokens // 2))
+        if self.tuning:
+            self._stop_tuning(f"{padded_tokens:,} padded tokens ran out of memory")
+
+    def retry_message(self, rows: int, padded_tokens: int | None) -> str:
+        return (
+            f"Out of memory at a micro-batch of {rows} rows and {padded_tokens} padded tokens; running the step "
+            f"again with max_tokens_per_micro_batch={self.max_tokens}."
+        )
+
+    def warn_long_row(self, length: int) -> None:
+        """Say, once per run, that a row longer than the budget runs alone (a row cannot be split)."""
+        if self.warned_long_row:
+            return
+        self.warned_long_row = True
+        logger.warning(
+            "A row of %d tokens is longer than max_tokens_per_micro_batch=%d, so it runs alone in its micro-batch, "
+            "above the budget (a row cannot be split). Raise max_tokens_per_micro_batch to at least %d, or lower "
+            "max_length.",
+            length,
+            self.max_tokens,
+            length,
+        )
+
+    def limit_to(self, max_size: int | None) -> None:
+        """Apply a `max_micro_batch_size` stated after the budget was learned (a resumed run)."""
+        if max_size is not None:
+            self.size = min(self.size, max_size)
+
+    def _stop_tuning(self, because: str) -> None:
+        self.tuning = False
+        self.budget_because = because
+
+    # -- checkpoint --------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Plain JSON: what a resumed run needs to cut steps exactly as the uninterrupted run would."""
+        return {
+            "kind": "tokens",
+            "max_tokens": self.max_tokens,
+            "size": self.size,
+            "tuning": self.tuning,
+            "budget_because": self.budget_because,
+            "overhead": self.overhead,
+            "calibrating": self.calibrating,
+            "steps_measured": self.steps_measured,
+            "time_points": [list(point) for point in self.time_points],
+            "memory_points": [list(point) for point in self.memory_points],
+            "oom_sizes": list(self.oom_sizes),
+            "settled_because": self.settled_because,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.max_tokens = int(state["max_tokens"])
+        self.size = int(state["size"])
+        # absent from checkpoints written before the overhead was measured: their cut was the fewest micro-batches
+        self.tuning = bool(state.get("tuning", False))
+        self.budget_because = state.get("budget_because", "stated")
+        overhead = state.get("overhead")
+        self.overhead = None if overhead is None else int(overhead)
+        self.calibrating = bool(state.get("calibrating", False))
+        self.steps_measured = int(state.get("steps_measured", 0))
+        self.time_points = [(float(t), float(s)) for t, s in state.get("time_points", [])]
+        self.memory_points = [(float(t), float(p)) for t, p in state.get("memory_points", [])]
+        self.oom_sizes = [int(size) for size in state.get("oom_sizes", [])]
+        self.settled_because = state.get("settled_because")
+
+
+class TokenCut:
+    """The micro-batches of one step cut by tokens, decided before it runs from this rank's row lengths; all ranks
+    run as many (a rank with fewer runs rows that add nothing)."""
+
+    def __init__(self, controller: TokenBudgetController, batch, agree: Callable[[list[float]], list[float]]):
+        self.controller = controller
+        budget, cap = controller.max_tokens, controller.size
+        longest = batch.longest_row()
+        overhead = controller.token_overhead(longest)
+        self.sizes = batch.token_chunks(budget, cap, overhead)
+        if longest > budget:
+            controller.warn_long_row(longest)
+        # while the budget grows: would a doubled one cut this step otherwise?
+        bound = controller.tuning and batch.token_chunks(2 * budget, cap, overhead) != self.sizes
+        count, bound = agree([len(self.sizes), float(bound)])
+        self.count, self.bound = int(count), bool(bound)
+
+    def __iter__(self):
+        start, timed = 0, self.controller.exploring
+        for index in range(self.count):
+            own = self.sizes[index] if index < len(self.sizes) else 0
+            yield MicroBatch(start, own, own, timed)
+            start += own
+
+    def record(self, micro: MicroBatch, report) -> None:
+        """What a micro-batch measured (`report`: seconds, padded tokens, peak bytes, all ranks combined)."""
+        if micro.timed:
+            self.controller.record(report.seconds, report.padded_tokens, report.measured_peak)
+
+    def failed_rows(self, micro: MicroBatch, report) -> int:
+        return report.failed_rows  # the smallest micro-batch that ran out on any rank
+
+    def finish(self) -> None:
+        self.controller.end_step(self.bound)
+
+
+def fitted_overhead(points: list[tuple[float, float]]) -> int | None:
+    """The fixed time of a micro-batch in tokens' worth: the intercept over the slope of the least-squares line of
+    seconds against padded tokens (at least 0); `None` when the points give no rising line.
+
+    Example: micro-batches of 1,000 and 3,000 tokens taking 0.2 s and 0.4 s: 0.1 s + 0.0001 s per token, so 1,000.
+    """
+    line = affine(points)
+    if line is None or line[1] <= 0:
+        return None
+    intercept, slope = line
+    return max(0, round(intercept / slope))
