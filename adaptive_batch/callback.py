@@ -57,6 +57,11 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         micro_batch_overhead: for cuts by tokens, the fixed time of one micro-batch in padded tokens' worth: `None`
             measures it over the first steps (a line of time against padded tokens); a stated value makes the cut
             depend on the rows' lengths alone.
+        padding_free: run a padding collator's rows padding-free (opt-in): each step batch is flattened into one
+            row of sequences (`position_ids` restarting at each, no `attention_mask`, each row's first label
+            ignored) and cut between sequences, as for `DataCollatorWithFlattening`. The loss terms are the padded
+            batch's; no padding is computed. Needs right padding and an attention implementation that keeps packed
+            sequences apart (eager, sdpa, flex, flash).
         lr_scaling: `"none"`, `"sqrt"` (Adam family), `"linear"` (SGD) or a callable
             `(effective, starting) -> multiplier`: how the learning rate follows the effective batch, relative to
             the starting one, on top of the user's scheduler.
@@ -89,6 +94,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         max_micro_batch_size: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
         micro_batch_overhead: int | None = None,
+        padding_free: bool = False,
         lr_scaling="none",
         growth_margin: float = 0.01,
         memory_headroom: float = 0.10,
@@ -99,6 +105,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             max_micro_batch_size=max_micro_batch_size,
             max_tokens_per_micro_batch=max_tokens_per_micro_batch,
             micro_batch_overhead=micro_batch_overhead,
+            padding_free=padding_free,
             lr_scaling=lr_scaling,
             growth_margin=growth_margin,
             memory_headroom=memory_headroom,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers' name for the file
 STATE_KEY = "AdaptiveBatch"  # the callback's class name, under which TrainerState stores its state
@@ -85,6 +85,7 @@ class MicroBatchSettings:
     max_micro_batch_size: int | None
     max_tokens_per_micro_batch: int | None
     micro_batch_overhead: int | None = None  # absent from checkpoints written before it existed
+    padding_free: bool = False  # likewise
 
     def describe(self) -> str:
         parts = [f"micro_batch_size={self.micro_batch_size!r}"]
@@ -94,6 +95,8 @@ class MicroBatchSettings:
             parts.append(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}")
         if self.micro_batch_overhead is not None:
             parts.append(f"micro_batch_overhead={self.micro_batch_overhead}")
+        if self.padding_free:
+            parts.append("padding_free=True")
         return ", ".join(parts)
 
 
@@ -107,13 +110,19 @@ def learned_state_applies(stored: dict | None, now: MicroBatchSettings) -> tuple
     """
     if stored is None:  # written before settings were stored: the checkpoint's state is all there is
         return True, "Micro-batches: as the run had learned them before the checkpoint."
-    before = MicroBatchSettings(**{f.name: stored.get(f.name) for f in fields(MicroBatchSettings)})
+    before = MicroBatchSettings(
+        **{
+            f.name: stored.get(f.name, None if f.default is MISSING else f.default)
+            for f in fields(MicroBatchSettings)
+        }
+    )
     if before == now:
         return True, f"Micro-batches: as the run had learned them before the checkpoint ({now.describe()})."
     same_auto = (
         before.micro_batch_size == now.micro_batch_size == "auto"
         and before.max_tokens_per_micro_batch == now.max_tokens_per_micro_batch
         and before.micro_batch_overhead == now.micro_batch_overhead
+        and before.padding_free == now.padding_free
     )
     if same_auto:
         return True, (

@@ -46,6 +46,14 @@ class AdaptiveBatchConfig:
             "it over the first steps; a stated value makes the cut depend on the rows' lengths alone."
         },
     )
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Run a padding collator's rows padding-free: each step flattened into one row of sequences "
+            "(position_ids restarting, no attention_mask), cut between sequences. Needs right padding and an "
+            "attention that keeps packed sequences apart (eager, sdpa, flex, flash). Same loss terms, no padding."
+        },
+    )
     lr_scaling: str | LRRule = field(
         default="none",
         metadata={
@@ -96,6 +104,8 @@ class AdaptiveBatchConfig:
                 f"micro_batch_overhead={self.micro_batch_overhead!r} must be an int >= 0 (padded tokens' worth of "
                 "time per micro-batch) or None to measure it, e.g. 1024."
             )
+        if not isinstance(self.padding_free, bool):
+            raise ValueError(f"padding_free={self.padding_free!r} must be True or False.")
         self.rule = resolve_rule(self.lr_scaling)
         if not isinstance(self.growth_margin, numbers.Real) or not 0 <= self.growth_margin < 1:
             raise ValueError(f"growth_margin={self.growth_margin!r} must be in [0, 1), e.g. 0.02 for 2%.")

@@ -13,6 +13,9 @@ Attention stays within each sequence only where the model reads the sequences fr
 model that would build a cache (`use_cache=True`), attends across sequences: [`check_packed_inputs`] refuses both.
 
 The sequences play the part of rows: [`PackedStepBatch`] has the interface of [`StepBatch`], with no padding.
+
+[`flatten_padded`] turns a padding collator's step batch into such a row (`AdaptiveBatch(padding_free=True)`): the
+same loss terms, no padding computed.
 """
 
 from __future__ import annotations
@@ -125,6 +128,53 @@ class PackedStepBatch:
             return None
         labelled = (labels[0] != IGNORE_INDEX).long()
         return torch.stack([labelled[s:e].sum() for s, e in zip(self.starts, self.ends)])
+
+
+def flatten_padded(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """A right-padded step batch as one padding-free row: each row's tokens (where its `attention_mask` is 1) laid
+    end to end, `position_ids` starting again at each, and the label at each row's first token ignored (-100).
+
+    The loss terms are those of the padded batch: a causal LM scores position t against the label at t + 1 within a
+    row, a row's first label is never a target, and nothing pairs the last token of one row with the next row's
+    first. `num_items_in_batch` counted on the padded batch stays right.
+
+    Raises:
+        ValueError: if the batch is not right-padded with an `attention_mask`, a label lies outside it, or a value is
+            neither per token (`[rows, length]`) nor the `attention_mask`; naming it and a fix.
+    """
+    mask = batch.get("attention_mask")
+    fix = "use a right-padding collator, or leave padding_free=False"
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise ValueError(
+            f"padding_free=True needs the step batch's attention_mask ([rows, length]) to flatten it; {fix}."
+        )
+    rows, width = mask.shape
+    if not bool((mask[:, :-1] >= mask[:, 1:]).all()):
+        raise ValueError(
+            "padding_free=True flattens right-padded rows, and this step batch's attention_mask has padding before a "
+            f"token (left padding would move every position); {fix}."
+        )
+    lengths = mask.sum(dim=1)
+    keep = mask.bool()
+    flat: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key == "attention_mask":
+            continue
+        if key == "shift_labels" or not isinstance(value, torch.Tensor) or value.shape[:2] != (rows, width):
+            raise ValueError(
+                f"padding_free=True flattens per-token tensors ([{rows}, {width}]), and the step batch's {key!r} is "
+                f"{'a ' + type(value).__name__ if not isinstance(value, torch.Tensor) else list(value.shape)}; {fix}."
+            )
+        if key == "labels":
+            if bool((value[~keep] != IGNORE_INDEX).any()):
+                raise ValueError(
+                    f"The step batch has labels on padding, which padding_free=True would drop; {fix}."
+                )
+            value = value.clone()
+            value[:, 0] = IGNORE_INDEX  # never a target within its row; no target across rows once flattened
+        flat[key] = value[keep].unsqueeze(0)
+    flat["position_ids"] = torch.cat([torch.arange(int(n), device=mask.device) for n in lengths]).unsqueeze(0)
+    return flat
 
 
 def check_packed_inputs(batch: Mapping[str, Any], model: torch.nn.Module) -> None:

@@ -79,6 +79,7 @@ class Session:
             config.max_micro_batch_size,
             config.max_tokens_per_micro_batch,
             config.micro_batch_overhead,
+            config.padding_free,
         )
 
     def prepare(self, checkpoint: StoredCheckpoint | None = None) -> None:
@@ -140,7 +141,11 @@ class Session:
         if isinstance(self.controller, TokenBudgetController):  # the row cap, under a plan that may be new
             self.controller.size = self._token_row_cap()
         self.runner = MicroBatchRunner(
-            trainer, self.controller, self.world_size, packed=compat.padding_free(trainer)
+            trainer,
+            self.controller,
+            self.world_size,
+            packed=compat.padding_free(trainer),
+            flatten=config.padding_free,
         )
         if checkpoint is not None:
             self._restore(checkpoint)
@@ -184,8 +189,10 @@ class Session:
 
     def _cut_by_tokens(self) -> bool:
         """Whether "auto" cuts steps by tokens: the dataset's rows are known to vary in length and the collator
-        pads them (a padding-free collator's sequences are cut as rows, by the measured speed of each size)."""
-        return lengths.varies(self.trainer.train_dataset) and not compat.padding_free(self.trainer)
+        pads them (padding-free sequences are cut as rows, by the measured speed of each size: with sdpa a larger
+        packed micro-batch can be slower, its mask being quadratic in all its tokens)."""
+        padding_free = compat.padding_free(self.trainer) or self.config.padding_free
+        return lengths.varies(self.trainer.train_dataset) and not padding_free
 
     def _adoption(self, checkpoint: StoredCheckpoint | None) -> Adoption | None:
         """How the plan takes over from a plain Trainer's checkpoint: the one resumed now, or the one a resumed

@@ -31,7 +31,7 @@ from . import compat
 from .batch import StepBatch
 from .memory import Stopwatch, is_out_of_memory, release_memory
 from .microbatch import MicroBatchController, MicroBatchTooLargeError
-from .packed import PackedStepBatch, check_packed_inputs, is_packed
+from .packed import PackedStepBatch, check_packed_inputs, flatten_padded, is_packed
 from .tokenbudget import TokenBudgetController
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class MicroBatchRunner:
             ([`TokenBudgetController`]); its `cut` gives the micro-batches of a step, which one loop runs.
         world_size: data-parallel processes.
         packed: the collator flattens every batch into one padding-free row (cut between its sequences).
+        flatten: flatten a padding collator's step batches into such a row ([`flatten_padded`]).
     """
 
     def __init__(
@@ -124,11 +125,13 @@ class MicroBatchRunner:
         controller: MicroBatchController | TokenBudgetController,
         world_size: int,
         packed: bool = False,
+        flatten: bool = False,
     ):
         self.trainer = trainer
         self.controller = controller
         self.world_size = world_size
         self.packed = packed  # the collator flattens every batch (a step of one sequence looks unpacked)
+        self.flatten = flatten
         self.device = trainer.args.device
         self.last = StepStats()
 
@@ -148,8 +151,10 @@ class MicroBatchRunner:
             num_items_in_batch: the step's label-token count from the Trainer (all ranks), or `None`.
             max_rows: the largest share of this step on any rank.
         """
-        packed = self.packed or is_packed(inputs)
-        if self.distributed and not self.packed:
+        if self.flatten and not is_packed(inputs):
+            inputs = flatten_padded(inputs)
+        packed = self.packed or self.flatten or is_packed(inputs)
+        if self.distributed and not (self.packed or self.flatten):
             # a collator not known to flatten: a rank whose flattened row holds one sequence cannot tell, so the
             # ranks must agree
             packed = bool(_all_reduce([float(packed)], self.device, dist.ReduceOp.MAX)[0])

@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import (
     ORDER_ONLY,
+    ORDER_TOLERANCE,
     QUIET_CPU_RUN,
     Recording,
     assert_close_parameters,
@@ -209,3 +210,66 @@ def test_trl_packing_with_the_one_line_trains_as_whole_packed_steps(tokenizer, t
     # TRL computes the log-probabilities itself, in float32 tiles of tokens (its fused LM head), and the whole step's
     # tokens fall into other tiles than the micro-batches': float32 rounding, which float64's 1e-10 cannot hold
     assert_close_parameters(parameters(cut.model), parameters(whole.model), rtol=1e-6)
+
+
+# -- a padding collator's rows run padding-free (padding_free=True) ---------------------------------------------------
+
+
+def test_a_padded_step_flattened_is_the_batch_the_flattening_collator_makes(tokenizer, varied):
+    from transformers import DataCollatorForLanguageModeling
+
+    from adaptive_batch.packed import flatten_padded
+
+    padded = DataCollatorForLanguageModeling(tokenizer, mlm=False)(varied[:6])
+    assert_same_batch(flatten_padded(padded), DataCollatorWithFlattening()(varied[:6]))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda b: b.update(attention_mask=b["attention_mask"].flip(1)), "has padding before a token"),
+        (lambda b: b.update(weights=torch.ones(len(b["input_ids"]))), r"'weights' is \[6\]"),
+        (lambda b: b["labels"].masked_fill_(b["attention_mask"] == 0, 5), "labels on padding"),
+        (lambda b: b.pop("attention_mask"), "needs the step batch's attention_mask"),
+    ],
+    ids=["left padding", "per-row value", "labels on padding", "no mask"],
+)
+def test_what_cannot_be_flattened_is_refused(tokenizer, varied, change, message):
+    from transformers import DataCollatorForLanguageModeling
+
+    from adaptive_batch.packed import flatten_padded
+
+    batch = DataCollatorForLanguageModeling(tokenizer, mlm=False)(varied[:6])
+    change(batch)
+    with pytest.raises(ValueError, match=message):
+        flatten_padded(batch)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("adaptive", [dict(micro_batch_size=3), dict()], ids=["3", "auto"])
+def test_padding_free_inside_the_step_trains_as_the_padded_run(make_trainer, varied, attention, adaptive):
+    def run(callbacks):
+        trainer = make_trainer(
+            callbacks,
+            dataset=varied,
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=1,
+            num_train_epochs=2,
+            train_sampling_strategy="sequential",
+            trainer_class=Recording,
+            **ORDER_ONLY,
+        )
+        trainer.model.config._attn_implementation = attention
+        trainer.train()
+        return trainer
+
+    padded = run([])
+    flat = run([AdaptiveBatch(padding_free=True, **adaptive)])
+    assert {rows for _, rows, *_ in padded.micro_batches} == {8}  # the plain Trainer: padded rows
+    assert {rows for _, rows, *_ in flat.micro_batches} == {1}  # every micro-batch one flattened row
+    trained = sorted(sequence for *_, content in flat.micro_batches for sequence in content)
+    assert trained == sorted(tuple(r["input_ids"]) for r in varied for _ in range(2))
+    assert logged(flat, "adaptive_batch/tokens_seen")[-1] == 2 * sum(len(r["input_ids"]) for r in varied)
+    # eager attention computes its softmax in float32, whose rounding depends on the row's width (padded or not)
+    tolerance = 1e-6 if attention == "eager" else ORDER_TOLERANCE
+    assert_close_parameters(parameters(flat.model), parameters(padded.model), rtol=tolerance)
