@@ -111,6 +111,11 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     torch.save(
         {k: v.detach().cpu() for k, v in trainer.model.named_parameters()}, f"{output_dir}/rank{rank}.pt"
     )
+    if torch.distributed.is_initialized():
+        # a clean exit: a gloo group left to the interpreter's shutdown can abort a rank ("terminate called
+        # without an active exception"), failing a run whose results were all written
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
