@@ -67,6 +67,15 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             the starting one, on top of the user's scheduler.
         growth_margin: the tokens/s gain a doubled micro-batch must bring to be kept (default 1%).
         memory_headroom: the share of GPU memory `"auto"` keeps free when predicting whether a size fits.
+        measure_noise: measure the gradient noise scale (McCandlish et al. 2018) from every step that has 2 or more
+            micro-batches over all ranks, at the cost of one norm of each micro-batch's gradient (read by tensor
+            hooks before it is added into `.grad`) and no extra collective; training is unchanged either way.
+            tr(Sigma) and |G|^2 come from each step's micro-batch and step gradient norms (unbiased for unequal
+            micro-batches), are averaged separately and divided ([`noise.NoiseScale`]).
+        noise_time_constant_samples: the noise scale's averages forget with exp(-samples / this), about 2 x this /
+            effective batch steps (default 4096 samples).
+        noise_preconditioner: `"none"` (raw gradients) or `"adam"` (each element divided by Adam's
+            sqrt(v_hat) + eps, read from the optimizer's `exp_avg_sq`; unmeasured until the first optimizer step).
 
     One instance may serve several Trainers in turn (a sweep, a notebook cell run twice): each Trainer gets its
     own plan and state, and the callback follows the Trainer that is training.
@@ -85,6 +94,13 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     | `adaptive_batch/samples_seen` | samples trained on since the start, all ranks |
     | `adaptive_batch/tokens_seen` | non-padding tokens trained on since the start, all ranks |
     | `adaptive_batch/lr_scale` | the LR rule's multiplier at the last step |
+    | `adaptive_batch/noise_scale` | gradient noise scale B_simple = grad_variance / grad_norm_sq, in samples |
+    | `adaptive_batch/grad_norm_sq` | squared norm of the true gradient, G^2 (averaged estimate; before clipping) |
+    | `adaptive_batch/grad_variance` | tr(Sigma), the summed variance of one sample's gradient (averaged estimate) |
+
+    The three noise keys appear from the first step measured on (one with 2 or more micro-batches over all ranks).
+    They are in the loss's own normalisation: where the loss is a mean over label tokens, the estimator works per
+    token and converts to samples by the step's samples / label tokens.
     """
 
     def __init__(
@@ -98,6 +114,9 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         lr_scaling="none",
         growth_margin: float = 0.01,
         memory_headroom: float = 0.10,
+        measure_noise: bool = True,
+        noise_time_constant_samples: float = 4096,
+        noise_preconditioner: str = "none",
     ):
         self.config = AdaptiveBatchConfig(
             schedule=schedule,
@@ -109,6 +128,9 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             lr_scaling=lr_scaling,
             growth_margin=growth_margin,
             memory_headroom=memory_headroom,
+            measure_noise=measure_noise,
+            noise_time_constant_samples=noise_time_constant_samples,
+            noise_preconditioner=noise_preconditioner,
         )
         self.session: Session | None = None
         self._epoch_end_handled_at: int | None = None

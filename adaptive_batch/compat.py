@@ -26,6 +26,18 @@ def loss_shifts_labels(trainer) -> bool:
     return bool(getattr(trainer, "_loss_shifts_labels", False))
 
 
+def loss_normalised_over_ranks(trainer) -> bool:
+    """Whether `Trainer.compute_loss` normalises the loss by `num_items_in_batch` counted over all ranks (and
+    multiplies it by the number of processes, so that the ranks' average is the step's mean): with
+    `average_tokens_across_devices` and a model or `compute_loss_func` that takes `num_items_in_batch`
+    (`model_accepts_loss_kwargs`)."""
+    args = trainer.args
+    takes_items = bool(getattr(trainer, "model_accepts_loss_kwargs", False)) or (
+        getattr(trainer, "compute_loss_func", None) is not None
+    )
+    return bool(getattr(args, "average_tokens_across_devices", False)) and takes_items
+
+
 def train_dataset_and_collator(trainer, dataset, collator):
     """The dataset and collator as `Trainer.get_train_dataloader` would use them: unused columns removed
     (`_remove_unused_columns` for a `datasets.Dataset`, `_get_collator_with_removed_columns` otherwise)."""
@@ -134,6 +146,15 @@ def before_collectives(accelerator, check: Callable[[], None]) -> Iterator[None]
 
 
 _ABSENT = object()
+
+
+def loss_scale(trainer) -> float:
+    """The factor an fp16 GradScaler (`Accelerator.scaler`) multiplies the loss by: the gradients hold it until the
+    Trainer unscales them before clipping. 1 without one."""
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    return float(scaler.get_scale())
 
 
 def no_sync(trainer, model: torch.nn.Module):

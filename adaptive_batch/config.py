@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 from .lr import LRRule, resolve_rule
+from .noise import PRECONDITIONERS
 from .schedule import Schedule, as_schedule
 
 
@@ -68,6 +70,27 @@ class AdaptiveBatchConfig:
         default=0.10,
         metadata={"help": "Share of device memory 'auto' keeps free when predicting whether a size fits."},
     )
+    measure_noise: bool = field(
+        default=True,
+        metadata={
+            "help": "Measure the gradient noise scale from the micro-batches of every step that has 2 or more (on "
+            "all ranks together), and log it. Training is unchanged either way."
+        },
+    )
+    noise_time_constant_samples: float = field(
+        default=4096,
+        metadata={
+            "help": "The noise scale's averages forget with exp(-samples / this): a step of b samples keeps "
+            "exp(-b / tau) of the past, so about 2 tau / b steps count."
+        },
+    )
+    noise_preconditioner: str = field(
+        default="none",
+        metadata={
+            "help": "'none': the noise scale of the raw gradients; 'adam': of the gradients divided element-wise "
+            "by Adam's sqrt(v_hat) + eps, read from the optimizer's exp_avg_sq (torch's Adam, AdamW)."
+        },
+    )
 
     def __post_init__(self):
         if self.schedule is not None:
@@ -111,6 +134,24 @@ class AdaptiveBatchConfig:
             raise ValueError(f"growth_margin={self.growth_margin!r} must be in [0, 1), e.g. 0.02 for 2%.")
         if not isinstance(self.memory_headroom, numbers.Real) or not 0 <= self.memory_headroom < 1:
             raise ValueError(f"memory_headroom={self.memory_headroom!r} must be in [0, 1), e.g. 0.1 for 10%.")
+        self._check_noise()
+
+    def _check_noise(self) -> None:
+        if not isinstance(self.measure_noise, bool):
+            raise ValueError(f"measure_noise={self.measure_noise!r} must be True or False.")
+        tau = self.noise_time_constant_samples
+        if not (
+            isinstance(tau, numbers.Real) and not isinstance(tau, bool) and 0 < tau and math.isfinite(tau)
+        ):
+            raise ValueError(
+                f"noise_time_constant_samples={tau!r} must be a positive, finite number of samples (the noise "
+                "scale's averages forget with exp(-samples / it)), e.g. 4096, or about 50 steps' samples."
+            )
+        if self.noise_preconditioner not in PRECONDITIONERS:
+            raise ValueError(
+                f"noise_preconditioner={self.noise_preconditioner!r} must be one of 'none' (raw gradients) or "
+                "'adam' (gradients divided by Adam's second moments), e.g. noise_preconditioner='adam'."
+            )
 
     @property
     def auto(self) -> bool:

@@ -27,9 +27,11 @@ from .checkpoint import (
 )
 from .checks import check_trainer
 from .config import AdaptiveBatchConfig
+from .gradnoise import GradientNoiseMeter
 from .lr import SampleClock, nominal_steps
 from .memory import memory_limit
 from .microbatch import MicroBatchController
+from .noise import NoiseScale
 from .plain import PlainBatching
 from .plan import Budget, StepPlan, build_plan
 from .sampler import StepBatchSampler
@@ -64,6 +66,7 @@ class Session:
         self.runner: MicroBatchRunner | None = None
         self.tokens_seen = 0
         self.last_step = -1
+        self.noise = self._new_noise()
 
     # -- planning ------------------------------------------------------------------------------------------------
 
@@ -146,9 +149,16 @@ class Session:
             self.world_size,
             packed=compat.padding_free(trainer),
             flatten=config.padding_free,
+            noise=GradientNoiseMeter(config.noise_preconditioner, args.device)
+            if config.measure_noise
+            else None,
         )
         if checkpoint is not None:
             self._restore(checkpoint)
+
+    def _new_noise(self) -> NoiseScale | None:
+        config = self.config
+        return NoiseScale(config.noise_time_constant_samples) if config.measure_noise else None
 
     def _new_controller(self) -> MicroBatchController | TokenBudgetController:
         config, args = self.config, self.trainer.args
@@ -250,6 +260,7 @@ class Session:
                 "AdaptiveBatch's step k must take the samples the plan gives step k. Resume with "
                 "ignore_data_skip=False (skipping costs no data loading: only the sampler's indices are skipped)."
             )
+        self.noise = self._new_noise()  # (a checkpoint's averages are read in `prepare`)
         self.prepare(checkpoint)
         if self.trainer.args.should_log:
             logger.info("%s", report.format_rows("AdaptiveBatch plan", self._plan_rows()))
@@ -262,6 +273,7 @@ class Session:
         finally:
             Session.active = previous
             args.gradient_accumulation_steps = self.gradient_accumulation_steps
+            self.runner.close()
 
     def _check_longest_row(self) -> None:
         """Warn before any compute when the dataset holds a row longer than the token budget (it will run alone)."""
@@ -321,7 +333,23 @@ class Session:
         loss = self.runner.run(inner_step, model, inputs, num_items_in_batch, self.plan.max_rows(step))
         self.tokens_seen += self.runner.last.real_tokens
         self.last_step = step
+        self._average_noise(step)
         return loss
+
+    def _average_noise(self, step: int) -> None:
+        """Average in what the step measured for the noise scale, its tr(Sigma) per sample of the step."""
+        measured = self.runner.last.noise
+        if self.noise is None or measured is None:
+            return
+        samples = self.plan.sizes[step]
+        estimate = measured.sums.estimate(measured.step_norm_sq, samples)
+        if not self.noise.update(estimate, samples):
+            self.runner.noise.warn_once(
+                "non-finite",
+                f"Step {step}'s gradient noise estimates are not finite (|G|^2={estimate.grad_norm_sq}, "
+                f"tr(Sigma)={estimate.grad_variance}; an fp16 overflow, or a NaN loss): such steps are left out of "
+                "the noise scale's averages.",
+            )
 
     def metrics(self) -> dict[str, float]:
         """The `adaptive_batch/*` values after the last optimizer step."""
@@ -334,6 +362,18 @@ class Session:
             "adaptive_batch/samples_seen": self.plan.samples_before_step[step + 1],
             "adaptive_batch/tokens_seen": self.tokens_seen,
             "adaptive_batch/lr_scale": self.clock.scale(step),
+            **self.noise_metrics(),
+        }
+
+    def noise_metrics(self) -> dict[str, float]:
+        """The gradient noise scale's values, once a step has measured it."""
+        noise = self.noise
+        if noise is None or noise.value is None:
+            return {}
+        return {
+            "adaptive_batch/noise_scale": noise.value,
+            "adaptive_batch/grad_norm_sq": noise.grad_norm_sq,
+            "adaptive_batch/grad_variance": noise.grad_variance,
         }
 
     def add_metrics(self, logs: dict) -> None:
@@ -353,6 +393,7 @@ class Session:
             "micro_batch": self.controller.state_dict() if self.controller else None,
             "last_micro_batch_size": self.runner.last.micro_batch_size if self.runner else 0,
             "last_accumulation_steps": self.runner.last.accumulation_steps if self.runner else 0,
+            "noise": self.noise.state_dict() if self.noise is not None else None,
         }
 
     def _restore(self, checkpoint: StoredCheckpoint) -> None:
@@ -366,6 +407,9 @@ class Session:
         self.last_step = int(state.get("last_step", -1))
         self.runner.last.micro_batch_size = int(state.get("last_micro_batch_size", 0))
         self.runner.last.accumulation_steps = int(state.get("last_accumulation_steps", 0))
+        stored_noise = state.get("noise")  # (none in checkpoints written before the noise scale was measured)
+        if self.noise is not None and stored_noise:
+            self.noise.load_state_dict(stored_noise)
         applies, message = learned_state_applies(state.get("settings"), self.settings)
         learned = state.get("micro_batch")
         if applies and learned is not None and _cut_kind(learned) != _cut_kind(self.controller.state_dict()):

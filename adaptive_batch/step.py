@@ -14,6 +14,11 @@ all of them run the step again, smaller; then the gradients are averaged once, a
 is exchanged before every collective the Trainer or TRL make inside a micro-batch (TRL gathers metrics in
 `compute_loss`): a rank that ran out of memory before such a collective answers there, and every rank leaves the
 micro-batch together instead of waiting for ever.
+
+When the noise meter is on ([`gradnoise.GradientNoiseMeter`]), each micro-batch's contribution to the gradient is
+read as it is made, with the micro-batch's units (label tokens, or rows) and its share of the step gradient; the
+ranks' sums travel in the all-reduce that counts the step's tokens, and the step gradient's norm is read after the
+average, before clipping and the optimizer.
 """
 
 from __future__ import annotations
@@ -29,14 +34,25 @@ import torch.distributed as dist
 
 from . import compat
 from .batch import StepBatch
+from .gradnoise import GradientNoiseMeter
 from .memory import Stopwatch, is_out_of_memory, release_memory
 from .microbatch import MicroBatchController, MicroBatchTooLargeError
+from .noise import MicroBatchSums
 from .packed import PackedStepBatch, check_packed_inputs, flatten_padded, is_packed
 from .tokenbudget import TokenBudgetController
 
 logger = logging.getLogger(__name__)
 
 InnerStep = Callable[[torch.nn.Module, dict, object], torch.Tensor]
+
+
+@dataclass
+class StepNoise:
+    """What the last step measured for the gradient noise scale: the micro-batches' sums (all ranks) and S_big, the
+    squared norm of the step gradient, both unscaled ([`noise.MicroBatchSums.estimate`] makes the estimates)."""
+
+    sums: MicroBatchSums
+    step_norm_sq: float
 
 
 @dataclass
@@ -47,6 +63,7 @@ class StepStats:
     accumulation_steps: int = 0
     real_tokens: int = 0
     retries: int = 0
+    noise: StepNoise | None = None  # `None` when not measured (off, one micro-batch, or skipped)
 
 
 @dataclass
@@ -117,6 +134,7 @@ class MicroBatchRunner:
         world_size: data-parallel processes.
         packed: the collator flattens every batch into one padding-free row (cut between its sequences).
         flatten: flatten a padding collator's step batches into such a row ([`flatten_padded`]).
+        noise: measures each micro-batch's contribution to the gradient for the noise scale (`None`: off).
     """
 
     def __init__(
@@ -126,6 +144,7 @@ class MicroBatchRunner:
         world_size: int,
         packed: bool = False,
         flatten: bool = False,
+        noise: GradientNoiseMeter | None = None,
     ):
         self.trainer = trainer
         self.controller = controller
@@ -133,6 +152,7 @@ class MicroBatchRunner:
         self.packed = packed  # the collator flattens every batch (a step of one sequence looks unpacked)
         self.flatten = flatten
         self.device = trainer.args.device
+        self.noise = noise
         self.last = StepStats()
 
     @property
@@ -166,7 +186,13 @@ class MicroBatchRunner:
                 max_rows = int(_all_reduce([max_rows], self.device, dist.ReduceOp.MAX)[0])
         elif batch.rows not in (max_rows, max_rows - 1):
             raise RuntimeError(f"Step batch of {batch.rows} rows where the plan gives {max_rows} per rank.")
-        step = _Step(inner_step, model, batch, num_items_in_batch, _loss_weights(batch, self.trainer))
+        weights = _loss_weights(batch, self.trainer)
+        share_total = (
+            self._share_total(weights, batch, num_items_in_batch) if self.noise is not None else math.nan
+        )
+        step = _Step(inner_step, model, batch, num_items_in_batch, weights, share_total)
+        if self.noise is not None:
+            self.noise.begin_step(model, self.trainer.optimizer)
         metrics = compat.TrlMetrics(self.trainer)
         was_exploring = self.controller.exploring
         retries = 0
@@ -183,12 +209,16 @@ class MicroBatchRunner:
                 raise MicroBatchTooLargeError(_too_large_message(batch, self.device), error.tried) from None
             logger.warning("%s", self.controller.retry_message(failed.failed_rows, failed.failed_tokens))
         real_tokens = batch.real_tokens()
-        if self.distributed:
-            real_tokens = int(_all_reduce([real_tokens], self.device, dist.ReduceOp.SUM)[0])
+        sums = (
+            self.noise.step_sums(self.ranks, self.distributed) if self.noise is not None else MicroBatchSums()
+        )
+        if self.distributed:  # the noise sums travel with the token count: no collective of their own
+            totals = _all_reduce([real_tokens, *sums.to_list()], self.device, dist.ReduceOp.SUM)
+            real_tokens, sums = int(totals[0]), MicroBatchSums.from_list(totals[1:])
             _average_gradients(model, self.world_size)
             _broadcast_buffers(model)
         metrics.correct(real_tokens)
-        self.last = StepStats(outcome.largest, outcome.chunks, real_tokens, retries)
+        self.last = StepStats(outcome.largest, outcome.chunks, real_tokens, retries, self._step_noise(sums))
         if was_exploring and not self.controller.exploring:
             # the search is over: give back the cache that trial sizes larger than the chosen one made grow
             release_memory(self.device)
@@ -200,6 +230,8 @@ class MicroBatchRunner:
         rank (its report in `failed`)."""
         cut = self.controller.cut(step.batch, max_rows, self._agree)
         outcome = _Outcome(loss=torch.zeros((), device=self.device))
+        if self.noise is not None:
+            self.noise.begin_attempt()
         for micro in cut:
             report = self._micro_batch(step, micro.start, micro.rows, outcome, micro.timed)
             if report.out_of_memory:
@@ -211,6 +243,43 @@ class MicroBatchRunner:
             outcome.largest = max(outcome.largest, micro.size)
         cut.finish()
         return outcome
+
+    @property
+    def ranks(self) -> int:
+        """The processes whose gradients are averaged."""
+        return self.world_size if self.distributed else 1
+
+    def close(self) -> None:
+        """Take the noise measurement's hooks off the model (at the end of training)."""
+        if self.noise is not None:
+            self.noise.remove()
+
+    def _share_total(self, weights: _LossWeights, batch, num_items) -> float:
+        """What a micro-batch's units are divided by to give its share of the step gradient: the Trainer's
+        `num_items_in_batch` where it normalises the loss by the label tokens of all ranks; otherwise each rank's
+        loss is a mean over its own units, and the ranks' gradients are averaged: this rank's units x ranks."""
+        if self.distributed and num_items is not None and compat.loss_normalised_over_ranks(self.trainer):
+            return float(num_items)
+        return self.ranks * weights.total(batch)
+
+    def _step_noise(self, sums: MicroBatchSums) -> StepNoise | None:
+        """The step's noise measurement, unscaled, from the ranks' sums (`None` if there is nothing to estimate)."""
+        if self.noise is None or not sums.count >= 2:
+            return None
+        if not sums.complete:
+            if math.isfinite(sums.shares):  # NaN: a rank could not measure, and said why
+                self.noise.warn_once(
+                    "shares",
+                    f"The micro-batches' shares of the step gradient add up to {sums.shares:.6g}, not 1: the "
+                    "label tokens AdaptiveBatch counts differ from the Trainer's num_items_in_batch, so the "
+                    "gradient noise scale is not measured.",
+                )
+            return None
+        scale_sq = (
+            compat.loss_scale(self.trainer) ** 2
+        )  # an fp16 GradScaler's gradients are still scaled here
+        sums.small /= scale_sq
+        return StepNoise(sums, self.noise.step_norm_sq() / scale_sq)
 
     def _agree(self, values: list[float]) -> list[float]:
         """The largest of each value over the ranks (the values themselves without DDP)."""
@@ -229,10 +298,14 @@ class MicroBatchRunner:
                 if own > 0:
                     chunk = batch.take(start, own)
                     compat.set_loss_divisor(trainer, step.weights.divisor(batch, start, own))
+                    if self.noise is not None:
+                        self._measure(step, start, own)
                 else:  # a rank with fewer rows: a row that adds nothing (a mean loss is divided by inf)
                     chunk = batch.dummy(count_items=step.num_items is not None)
                     compat.set_loss_divisor(trainer, float("inf"))
                 loss = step.inner_step(step.model, chunk, step.num_items)
+                if own > 0 and self.noise is not None:
+                    self.noise.end_micro_batch()
                 del chunk
             if own > 0:
                 outcome.loss += loss.detach()
@@ -251,6 +324,12 @@ class MicroBatchRunner:
             local.peak_bytes = stopwatch.peak_bytes if stopwatch.peak_bytes is not None else -math.inf
             local.real_tokens, local.padded_tokens = batch.tokens(start, max(own, 1))
         return self._exchange(local)
+
+    def _measure(self, step: _Step, start: int, own: int) -> None:
+        """Have the noise meter read this micro-batch's contribution to the gradient, with its units and share."""
+        units = step.weights.units(step.batch, start, own)
+        if units > 0:  # rows without a label token add no gradient
+            self.noise.begin_micro_batch(units, units / step.share_total)
 
     def _exchange(self, report: MicroBatchReport) -> MicroBatchReport:
         if not self.distributed:
@@ -292,6 +371,7 @@ class _Step:
     batch: StepBatch | PackedStepBatch
     num_items: object
     weights: _LossWeights
+    share_total: float  # a micro-batch's units over this are its share of the step gradient
 
 
 @dataclass
@@ -309,12 +389,19 @@ class _LossWeights:
     def __init__(self, counts: torch.Tensor | None):
         self.counts = counts
 
-    def divisor(self, batch: StepBatch, start: int, size: int) -> float:
+    def units(self, batch: StepBatch, start: int, size: int) -> float:
+        """What the micro-batch's loss is averaged over: its label tokens, or its rows without per-row labels."""
         if self.counts is None:
-            return batch.rows / size
-        part = float(self.counts[batch.order[start : start + size]].sum())
-        total = float(self.counts.sum())
-        return total / part if part > 0 else float("inf")
+            return float(size)
+        return float(self.counts[batch.order[start : start + size]].sum())
+
+    def total(self, batch: StepBatch) -> float:
+        """The same for this rank's whole step batch."""
+        return float(batch.rows) if self.counts is None else float(self.counts.sum())
+
+    def divisor(self, batch: StepBatch, start: int, size: int) -> float:
+        part = self.units(batch, start, size)
+        return self.total(batch) / part if part > 0 else float("inf")
 
 
 def _loss_weights(batch: StepBatch | PackedStepBatch, trainer) -> _LossWeights:

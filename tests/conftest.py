@@ -210,3 +210,97 @@ class MeanLossModel(torch.nn.Module):
 
 class Recording(RecordingMixin, Trainer):
     """A `transformers.Trainer` that records its micro-batches (see `RecordingMixin`)."""
+
+
+# -- a model whose gradient noise is known in closed form ----------------------------------------------------------
+
+
+class LinearRegression(torch.nn.Module):
+    """Predicts y = w . x with the loss 1/2 (w . x - y)^2, averaged over the rows (a mean loss: no
+    `num_items_in_batch`).
+
+    On rows from `RegressionRows` (x ~ N(0, I_d), y = w* . x + eps, eps ~ N(0, s^2)) and at fixed weights w (learning
+    rate 0), a sample's gradient is (r . x - eps) x with r = w - w*, so (`regression_truth`):
+    - G = E[(r . x) x] = r, |G|^2 = |r|^2;
+    - E|g|^2 = E[(r . x)^2 |x|^2] + s^2 E|x|^2 = (d + 2)|r|^2 + d s^2 (Gaussian fourth moments:
+      E[(r . x)^2 x_k^2] = |r|^2 + 2 r_k^2), so tr(Sigma) = E|g|^2 - |G|^2 = (d + 1)|r|^2 + d s^2.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.clone())
+
+    def forward(self, x, labels):
+        residual = x @ self.weight - labels
+        return {"loss": 0.5 * residual.pow(2).mean()}
+
+
+class RegressionRows(torch.utils.data.Dataset):
+    """`count` rows {"x", "labels"} with x ~ N(0, I_d) and labels = target . x + N(0, noise_std^2), float64."""
+
+    def __init__(self, count: int, target: torch.Tensor, noise_std: float, seed: int = 0):
+        generator = torch.Generator().manual_seed(seed)
+        d = target.numel()
+        self.x = torch.randn(count, d, generator=generator, dtype=torch.float64)
+        self.labels = self.x @ target.double() + noise_std * torch.randn(
+            count, generator=generator, dtype=torch.float64
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"x": self.x[index], "labels": self.labels[index]}
+
+
+REGRESSION_DIM = 8
+REGRESSION_NOISE_STD = 1.0
+REGRESSION_TARGET = torch.zeros(REGRESSION_DIM, dtype=torch.float64)
+REGRESSION_WEIGHT = torch.full((REGRESSION_DIM,), REGRESSION_DIM**-0.5, dtype=torch.float64)  # |r| = 1
+
+
+def regression_truth(weight=REGRESSION_WEIGHT, target=REGRESSION_TARGET, noise_std=REGRESSION_NOISE_STD):
+    """(|G|^2, tr(Sigma) per sample, noise scale) of `LinearRegression` at `weight` (see its docstring)."""
+    d = weight.numel()
+    norm_sq = float((weight - target).pow(2).sum())
+    variance = (d + 1) * norm_sq + d * noise_std**2
+    return norm_sq, variance, variance / norm_sq
+
+
+class GradientCapture:
+    """Records what each backward pass adds to a one-parameter model's gradient (by a hook of its own, as a copy),
+    with the rows of the forward before it: `parts[k]` holds (rows, gradient) for every micro-batch of optimizer
+    step k, in order. `step_gradients[k]` is the parameter's `.grad` when the optimizer is about to step (use
+    `max_grad_norm=0`: no clipping); `add_to(trainer)` puts its callback on a Trainer."""
+
+    def __init__(self, model: torch.nn.Module):
+        from transformers import TrainerCallback
+
+        (self.param,) = [p for p in model.parameters() if p.requires_grad]
+        self.parts: list[list[tuple[int, torch.Tensor]]] = []
+        self.step_gradients: list[torch.Tensor] = []
+        self.rows = 0
+        model.register_forward_pre_hook(self._forward, with_kwargs=True)
+        self.param.register_hook(self._backward)
+        capture = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                capture.parts.append([])
+
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                capture.step_gradients.append(capture.param.grad.detach().clone())
+
+        self.callback = Callback()
+
+    def add_to(self, trainer) -> GradientCapture:
+        trainer.add_callback(self.callback)
+        return self
+
+    def _forward(self, module, args, kwargs):
+        x = kwargs.get("x", args[0] if args else None)
+        self.rows = int(x.shape[0])
+
+    def _backward(self, grad):
+        if self.parts:
+            self.parts[-1].append((self.rows, grad.detach().clone()))

@@ -1,6 +1,6 @@
 """Run by test_ddp.py, under torchrun (2 ranks, gloo) or alone: a short run whose results the test compares.
 
-usage: ddp_worker.py OUTPUT_DIR {trainer,sft,tokens,packed} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
+usage: ddp_worker.py OUTPUT_DIR {trainer,sft,tokens,packed,noise} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
 
 With `tokens`, rows of 3 to 24 tokens are cut by a token budget of MICRO_BATCH_SIZE, every micro-batch is recorded,
 and the fake out-of-memory error comes above 30 tokens instead of 1 row. `packed` is the same with the rows
@@ -8,6 +8,9 @@ flattened into one padding-free row a step (DataCollatorWithFlattening), cut bet
 pass: with `sft`, before TRL's `compute_loss` gathers its metrics from every rank.
 
 Runs use the ORDER_ONLY settings of conftest (float64, SGD): two ranks and one process add in different orders.
+
+`noise` is another run (`noise_run`): conftest's `LinearRegression` at learning rate 0, whose gradient noise scale is
+known in closed form, with every micro-batch's gradient captured on each rank.
 """
 
 import json
@@ -20,6 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = None) -> None:
+    if kind == "noise":
+        return noise_run(output_dir, int(micro))
     from conftest import ORDER_ONLY, QUIET_CPU_RUN, Recording, keep_loss_in_float64
     from transformers import (
         DataCollatorForLanguageModeling,
@@ -114,6 +119,66 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     if torch.distributed.is_initialized():
         # a clean exit: a gloo group left to the interpreter's shutdown can abort a rank ("terminate called
         # without an active exception"), failing a run whose results were all written
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+NOISE_STEPS, NOISE_EFFECTIVE_BATCH = 300, 64
+
+
+def noise_run(output_dir: str, micro: int) -> None:
+    """`LinearRegression` at learning rate 0 for NOISE_STEPS steps of NOISE_EFFECTIVE_BATCH fresh rows (the last one
+    row short: 32 and 31 on two ranks) cut into micro-batches of `micro`: the logs, every micro-batch's (rows,
+    gradient) on this rank and the step gradients before the optimizer."""
+    from conftest import (
+        QUIET_CPU_RUN,
+        REGRESSION_NOISE_STD,
+        REGRESSION_TARGET,
+        REGRESSION_WEIGHT,
+        GradientCapture,
+        LinearRegression,
+        RegressionRows,
+    )
+    from transformers import Trainer, TrainingArguments
+
+    from adaptive_batch import AdaptiveBatch
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    callback = AdaptiveBatch(
+        schedule=NOISE_EFFECTIVE_BATCH, micro_batch_size=micro, noise_time_constant_samples=1e9
+    )
+    trainer = Trainer(
+        model=LinearRegression(REGRESSION_WEIGHT),
+        args=TrainingArguments(
+            output_dir=output_dir,
+            per_device_train_batch_size=micro,
+            num_train_epochs=1,
+            learning_rate=0.0,
+            max_grad_norm=0,
+            **QUIET_CPU_RUN,
+            ddp_backend="gloo" if world_size > 1 else None,
+        ),
+        train_dataset=RegressionRows(
+            NOISE_STEPS * NOISE_EFFECTIVE_BATCH - 1, REGRESSION_TARGET, REGRESSION_NOISE_STD
+        ),
+        callbacks=[callback],
+    )
+    capture = GradientCapture(trainer.model).add_to(trainer)
+    trainer.train()
+    rank = trainer.args.process_index
+    result = {
+        "rank": rank,
+        "logs": [log for log in trainer.state.log_history if "loss" in log],
+        "lower_bound": callback.session.noise.lower_bound(),
+        "parts": [[(rows, d.tolist()) for rows, d in step] for step in capture.parts],
+        "step_gradients": [g.tolist() for g in capture.step_gradients],
+    }
+    with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    torch.save(
+        {k: v.detach().cpu() for k, v in trainer.model.named_parameters()}, f"{output_dir}/rank{rank}.pt"
+    )
+    if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """Invariants 1, 2 and 6 under DDP: two CPU processes (gloo) train exactly as one process on the same plan, ranks
 with one sample fewer, one rank's out-of-memory error (in TRL's SFTTrainer too, where the other rank is already
-inside a collective of `compute_loss`) and steps cut by a token budget included, and nothing hangs.
+inside a collective of `compute_loss`) and steps cut by a token budget included, and nothing hangs. The gradient
+noise scale is measured over the micro-batches of both ranks, as one process would measure it.
 
 Two ranks and one process add in different orders: those are compared within conftest's ORDER_TOLERANCE (the worker
 runs with its ORDER_ONLY settings). A retried run and the clean run at the size it settled on, and the two ranks of a
@@ -15,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ORDER_TOLERANCE
+from conftest import ORDER_TOLERANCE, regression_truth
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 pytestmark = pytest.mark.slow
+NOISE_KEYS = ("adaptive_batch/noise_scale", "adaptive_batch/grad_norm_sq", "adaptive_batch/grad_variance")
 
 
 def launch(tmp_path, name, kind, micro, world_size, fake_oom_rank=None):
@@ -86,6 +88,12 @@ def test_two_ranks_train_exactly_as_one_process(tmp_path, kind):
         ]
     assert_same_weights(rank_weights[0], rank_weights[1])  # the ranks agree
     assert_close_weights(rank_weights[0], single_weights[0])
+    # micro-batches of one row: the same micro-batches (each rank's own, its rows that add nothing left out), so the
+    # same noise estimates as one process (the step's label tokens counted over both ranks)
+    for key in NOISE_KEYS:
+        values = [log[key] for log in ranks[0]["logs"]]
+        assert values == [log[key] for log in ranks[1]["logs"]], key
+        assert values == pytest.approx([log[key] for log in single[0]["logs"]], rel=1e-9), key
 
 
 @pytest.mark.parametrize("kind", ["trainer", "sft"])
@@ -160,3 +168,44 @@ def test_padding_free_steps_under_ddp_are_cut_by_each_rank_and_survive_one_ranks
     assert [log[key] for log in ranks[0]["logs"]] == [log[key] for log in single[0]["logs"]]
     assert_same_weights(weights[0], weights[1])
     assert_close_weights(weights[0], single_weights[0])
+
+
+def test_the_noise_scale_over_two_ranks_is_that_of_their_micro_batches_together(tmp_path):
+    """Linear regression (see conftest): 300 steps of 64 fresh rows cut into micro-batches of 8, the last step one
+    row short (32 and 31 rows: 8, 8, 8, 8 and 8, 8, 8, 7). Each rank's loss is a mean over its own rows, and the
+    ranks' gradients are averaged."""
+    from adaptive_batch.noise import MicroBatchSums, NoiseScale
+
+    ranks, weights = launch(tmp_path, "noise", "noise", micro=8, world_size=2)
+    assert_same_weights(weights[0], weights[1])
+    logs = ranks[0]["logs"]
+    assert [[log[key] for key in NOISE_KEYS] for log in logs] == [
+        [log[key] for key in NOISE_KEYS] for log in ranks[1]["logs"]
+    ]
+    norm_sq, variance, noise_scale = regression_truth()
+    assert logs[-1]["adaptive_batch/noise_scale"] == pytest.approx(noise_scale, rel=0.10)
+    assert logs[-1]["adaptive_batch/grad_norm_sq"] == pytest.approx(norm_sq, rel=0.10)
+    assert logs[-1]["adaptive_batch/grad_variance"] == pytest.approx(variance, rel=0.10)
+    assert 0 < ranks[0]["lower_bound"] < logs[-1]["adaptive_batch/noise_scale"]
+
+    # the micro-batches' gradients, read by the test's own hook on each rank: halved (the ranks' average), they add
+    # up to the step's gradient; the logged estimates are the estimator's on them, with the shares n_j / (2 x the
+    # rank's rows), which differ from n_j / 63 in the last step
+    expected = NoiseScale(1e9)
+    steps = zip(ranks[0]["parts"], ranks[1]["parts"], ranks[0]["step_gradients"], logs, strict=True)
+    for parts_0, parts_1, gradient, log in steps:
+        rows = [[n for n, _ in parts_0], [n for n, _ in parts_1]]
+        assert rows == [[8, 8, 8, 8], [8, 8, 8, 8 if log["step"] < 300 else 7]]
+        gradient = torch.tensor(gradient, dtype=torch.float64)
+        contributions = [torch.tensor(d, dtype=torch.float64) / 2 for _, d in parts_0 + parts_1]
+        assert torch.allclose(sum(contributions), gradient, rtol=1e-13, atol=0)
+        sums = MicroBatchSums()
+        for parts, own in zip((parts_0, parts_1), rows):
+            for n, d in parts:
+                contribution = torch.tensor(d, dtype=torch.float64) / 2
+                sums.add(n, n / (2 * sum(own)), float(contribution @ contribution))
+        samples = sum(rows[0]) + sum(rows[1])
+        expected.update(sums.estimate(float(gradient @ gradient), samples=samples), samples=samples)
+        assert log["adaptive_batch/grad_norm_sq"] == pytest.approx(expected.grad_norm_sq, rel=1e-10)
+        assert log["adaptive_batch/grad_variance"] == pytest.approx(expected.grad_variance, rel=1e-10)
+    assert expected.steps == len(logs) == 300
