@@ -4,10 +4,13 @@
         --optim paged_adamw_8bit --effective-batch 64
     adaptive-batch plan --dataset-size 52000 --per-device 4 --accumulation 8 --gpus 2 --epochs 3 \\
         --schedule 32,64,128 --boundaries 0.1,0.3 --lr-scaling sqrt
+    adaptive-batch plot ./out
 
 `probe` finds the largest micro-batch that fits and the fastest one, and caches the result for
 `AdaptiveBatch(micro_batch_size="auto")`. `plan` prints what a run will do before it starts: optimizer steps,
-samples, tokens, epochs and the learning-rate multiplier of every phase, with warnings for the classic traps.
+samples, tokens, epochs and the learning-rate multiplier of every phase, with warnings for the classic traps. `plot`
+draws a run's effective batch, micro-batch, noise scale, learning rate and loss against samples seen into a PNG,
+from the log history the Trainer saved (needs matplotlib: `pip install "adaptive-batch[plot]"`).
 `--json` prints one JSON object on stdout (logs go to stderr); a failure is one line on stderr and exit code 1.
 """
 
@@ -112,6 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--drop-last", action="store_true", help="dataloader_drop_last")
     plan.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's batch sizes, noise scale, LR and loss against samples seen (PNG)",
+        formatter_class=_HelpFormatter,
+    )
+    plot.add_argument(
+        "run_dir",
+        type=Path,
+        help="a Trainer output_dir (its trainer_state.json, else its newest checkpoint's) or a trainer_state.json",
+    )
+    plot.add_argument("--out", type=Path, help="the PNG to write (default: RUN_DIR/adaptive_batch.png)")
+    plot.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return parser
 
 
@@ -249,6 +265,24 @@ def probe_command(options: argparse.Namespace) -> dict:
     return result
 
 
+def plot_command(options: argparse.Namespace) -> dict:
+    """Draw the run into a PNG and return where it went, with what was read."""
+    from . import plot
+
+    state_file = plot.find_trainer_state(options.run_dir)
+    series = plot.read_series(plot.load_log_history(state_file), source=str(state_file))
+    png = plot.write_png(series, options.out or plot.default_png(options.run_dir))
+    return {
+        "png": str(png),
+        "trainer_state": str(state_file),
+        "logged_steps": len(series.step),
+        "last_step": series.step[-1],
+        "samples_seen": series.samples_seen[-1],
+        "evaluations": len(series.eval_loss),
+        "noise_scale_measured": series.noise_measured,
+    }
+
+
 def _check_memory_budget(memory_budget: float | None) -> None:
     """Refuse a budget no step can run under, before any model is loaded."""
     if memory_budget is not None and not (math.isfinite(memory_budget) and memory_budget > 0):
@@ -261,10 +295,10 @@ def _check_memory_budget(memory_budget: float | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     options = parser.parse_args(argv)
-    command = {"plan": plan_command, "probe": probe_command}[options.command]
+    command = {"plan": plan_command, "probe": probe_command, "plot": plot_command}[options.command]
     try:
         result = command(options)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, ImportError) as error:
         print(f"adaptive-batch: error: {error}", file=sys.stderr)
         return 1
     if options.json:
@@ -273,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif options.command == "plan":
         _print_plan(result)
+    elif options.command == "plot":
+        print(
+            f"{result['png']}: {result['logged_steps']} logged steps to step {result['last_step']}, "
+            f"{result['samples_seen']:,} samples (from {result['trainer_state']})"
+        )
     else:
         _print_probe(result)
     return 0
