@@ -7,6 +7,7 @@ trainer = Trainer(..., callbacks=[AdaptiveBatch()])
 ```
 """
 
+from .goodput import NoiseScaleSchedule
 from .microbatch import MicroBatchTooLargeError
 from .schedule import ConstantSchedule, PhaseSchedule, Progress
 
@@ -16,6 +17,7 @@ __all__ = [
     "AdaptiveBatch",
     "ConstantSchedule",
     "MicroBatchTooLargeError",
+    "NoiseScaleSchedule",
     "PhaseSchedule",
     "Progress",
     "__version__",

@@ -44,6 +44,7 @@ def even_chunk(remaining: int, size: int) -> int:
 
 
 DECISIVE = 5  # a gain of this many margins needs no second measurement
+ROWS_REACHED = "it reached max_micro_batch_size or the rows of a step"
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,11 @@ class MicroBatchController:
     def exploring(self) -> bool:
         return self.trial is not None
 
-    def cut(self, batch, max_rows: int, agree=None) -> RowCut:
+    def cut(self, batch, max_rows: int, agree=None, row_cap: int | None = None) -> RowCut:
         """The micro-batches of a step whose batch holds `batch.rows` rows on this rank and `max_rows` on the rank
-        with most (`agree` is not needed: every rank runs the same sizes)."""
-        return RowCut(self, batch.rows, max_rows)
+        with most (`agree` is not needed: every rank runs the same sizes), at most `row_cap` rows each (for this
+        step only)."""
+        return RowCut(self, batch.rows, max_rows, row_cap)
 
     def next_size(self, remaining: int) -> int:
         """Size of the next micro-batch of a step with `remaining` rows left (the most of any rank)."""
@@ -169,7 +171,7 @@ class MicroBatchController:
         if self.oom_sizes and bigger >= min(self.oom_sizes):
             self._settle(f"{min(self.oom_sizes)} ran out of memory")
         elif bigger <= trial:
-            self._settle("it reached max_micro_batch_size or the rows of a step")
+            self._settle(ROWS_REACHED)
         elif not self._predicted_to_fit(bigger * tokens_per_row):
             self._settle(f"{bigger} is predicted to exceed the memory limit")
         else:
@@ -189,6 +191,16 @@ class MicroBatchController:
         if self.memory_limit is None:
             return True
         return predict_peak(self.memory_points, tokens) <= self.memory_limit
+
+    def raise_row_limit(self, row_limit: int) -> None:
+        """A step now holds up to `row_limit` rows on a rank (the effective batch grew): a search that stopped at the
+        old limit goes on doubling."""
+        old, self.row_limit = self.row_limit, row_limit
+        if self.trial is not None or self.settled_because != ROWS_REACHED or old is None or row_limit <= old:
+            return
+        bigger = min(2 * self.size, row_limit, self.max_size or row_limit)
+        if bigger > self.size and not (self.oom_sizes and bigger >= min(self.oom_sizes)):
+            self.trial, self.trial_left, self.settled_because = bigger, self.repeats, None
 
     def limit_to(self, max_size: int | None) -> None:
         """Apply a `max_size` stated after the size was learned (a resumed run): never above it from now on."""
@@ -228,13 +240,17 @@ class RowCut:
     that settles the search changes the size of the rest of the step). Every rank runs the same sizes; a rank with a
     row fewer runs its last micro-batch a row short, or a row that adds nothing."""
 
-    def __init__(self, controller: MicroBatchController, rows: int, max_rows: int):
-        self.controller, self.rows, self.max_rows = controller, rows, max_rows
+    def __init__(
+        self, controller: MicroBatchController, rows: int, max_rows: int, row_cap: int | None = None
+    ):
+        self.controller, self.rows, self.max_rows, self.row_cap = controller, rows, max_rows, row_cap
 
     def __iter__(self):
         start, remaining = 0, self.max_rows
         while remaining > 0:
             size = self.controller.next_size(remaining)
+            if self.row_cap is not None and size > self.row_cap:  # (a trial size is then not timed this step)
+                size = even_chunk(remaining, self.row_cap)
             own = max(0, min(size, self.rows - start))
             yield MicroBatch(start, own, size, self.controller.needs_timing(size))
             start += own

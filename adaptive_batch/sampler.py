@@ -25,6 +25,10 @@ class StepBatchSampler(Sampler[list[int]]):
         rank: this process's index among the data-parallel ranks.
         shuffle: permute each epoch; `False` reads the dataset in order.
         start_step: first step to yield.
+
+    The plan may be replaced while the sampler is iterated (a [`goodput.NoiseScaleSchedule`] grew the batch): each
+    step is read from the plan when it is drawn, and `issued` tells the last step drawn (the data loader draws a few
+    ahead of training), which a new plan must leave as it was.
     """
 
     def __init__(self, plan: StepPlan, seed: int, rank: int = 0, shuffle: bool = True, start_step: int = 0):
@@ -36,13 +40,17 @@ class StepBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.start_step = start_step
         self._permutation: tuple[int, torch.Tensor] | None = None
+        self.issued = start_step - 1
 
     def __len__(self) -> int:
         return self.plan.num_steps - self.start_step
 
     def __iter__(self) -> Iterator[list[int]]:
-        for step in range(self.start_step, self.plan.num_steps):
+        step = self.start_step
+        while step < self.plan.num_steps:
+            self.issued = step
             yield self.indices(step)
+            step += 1
 
     def indices(self, step: int, rank: int | None = None) -> list[int]:
         """Dataset indices of `step` on `rank` (this sampler's rank by default)."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import asdict
+import time
+from dataclasses import asdict, replace
 from typing import ClassVar
 
 from torch.utils.data import DataLoader
@@ -27,10 +28,11 @@ from .checkpoint import (
 )
 from .checks import check_trainer
 from .config import AdaptiveBatchConfig
+from .goodput import NoiseScaleSchedule, StepTimeModel
 from .gradnoise import GradientNoiseMeter
 from .lr import SampleClock, nominal_steps
 from .memory import memory_limit
-from .microbatch import MicroBatchController
+from .microbatch import ROWS_REACHED, MicroBatchController
 from .noise import NoiseScale
 from .plain import PlainBatching
 from .plan import Budget, StepPlan, build_plan
@@ -67,6 +69,15 @@ class Session:
         self.tokens_seen = 0
         self.last_step = -1
         self.noise = self._new_noise()
+        self.sampler: StepBatchSampler | None = None
+        self.growing: NoiseScaleSchedule | None = None  # the schedule when it grows by goodput
+        self.step_time = StepTimeModel()
+        self._timing: tuple[float, tuple[int, int] | None] | None = (
+            None  # (start of the last step, what it ran)
+        )
+        self._usual_micro_batches = (
+            1  # a step's micro-batches on a rank, outside the steps cut in two to measure
+        )
 
     # -- planning ------------------------------------------------------------------------------------------------
 
@@ -94,6 +105,9 @@ class Session:
             raise ValueError("Trainer: training requires a train_dataset.")
         check_trainer(trainer)
         schedule = config.resolved_schedule(self.default_effective_batch_size)
+        self.growing = schedule if isinstance(schedule, NoiseScaleSchedule) else None
+        if self.growing is not None:
+            self._check_growing(checkpoint)
         starting = check_effective_batch_size(schedule(Progress(0, 0, 0.0)), where="The schedule at step 0")
         if args.max_steps > 0:
             self.budget = Budget.from_max_steps(args.max_steps, starting)
@@ -111,19 +125,15 @@ class Session:
                 adopted.drop_last,
             )
             done = plain.done_steps(adopted.global_step)
-        self.plan = build_plan(
-            schedule,
-            len(dataset),
-            self.budget,
-            self.world_size,
-            args.dataloader_drop_last,
-            done=done,
-            unit=_dataset_unit(args),
-        )
+        self._done = done
+        self.plan = self._build_plan(schedule)
         self.clock = SampleClock(
             self.plan, config.rule, starting, nominal_steps(self.budget.samples, starting)
         )
         self.clock.check()
+        if self.growing is not None:  # every size it may grow to, before any compute
+            for size in self.growing.sizes(self.world_size):
+                self.clock.multiplier(size)
         self.identity = PlanIdentity(
             dataset_size=len(dataset),
             budget_samples=self.budget.samples,
@@ -155,6 +165,44 @@ class Session:
         )
         if checkpoint is not None:
             self._restore(checkpoint)
+
+    def _build_plan(self, schedule) -> StepPlan:
+        args = self.trainer.args
+        return build_plan(
+            schedule,
+            len(self.trainer.train_dataset),
+            self.budget,
+            self.world_size,
+            args.dataloader_drop_last,
+            done=self._done,
+            unit=_dataset_unit(args),
+        )
+
+    def _check_growing(self, checkpoint: StoredCheckpoint | None) -> None:
+        """A NoiseScaleSchedule's requirements, and its changes: none for a new run, a checkpoint's to resume."""
+        schedule, config = self.growing, self.config
+        if not config.measure_noise:
+            raise ValueError(
+                "schedule=NoiseScaleSchedule(...) decides by the gradient noise scale, but measure_noise=False turns "
+                "its measurement off. Leave measure_noise=True (the default), or use a PhaseSchedule."
+            )
+        if schedule.start % self.world_size:
+            raise ValueError(
+                f"NoiseScaleSchedule start={schedule.start} is not divisible by world_size={self.world_size}: every "
+                f"rank must take the same share. Use {schedule.start // self.world_size * self.world_size or self.world_size} "
+                "or a multiple of the world size."
+            )
+        largest = schedule.sizes(self.world_size)[-1]
+        if largest > len(self.trainer.train_dataset):
+            raise ValueError(
+                f"NoiseScaleSchedule may grow the effective batch to {largest}, more than the dataset's "
+                f"{len(self.trainer.train_dataset)} {_dataset_unit(self.trainer.args)}: one optimizer step cannot "
+                f"hold more than one epoch. Use max_size <= {len(self.trainer.train_dataset)}."
+            )
+        schedule.reset()
+        stored = checkpoint.state.get("schedule") if checkpoint is not None and checkpoint.state else None
+        if stored:
+            schedule.load_state_dict(stored)
 
     def _new_noise(self) -> NoiseScale | None:
         config = self.config
@@ -252,8 +300,10 @@ class Session:
     def training(self, checkpoint: StoredCheckpoint | None):
         """Around `Trainer.train`: plan (taking the checkpoint into account), log the plan, run the loop with
         accumulation 1 as the active session, then put the argument back."""
+        self._timing = None
         if checkpoint is None:
             self.tokens_seen, self.last_step = 0, -1
+            self.step_time = StepTimeModel()
         elif self.trainer.args.ignore_data_skip:
             raise ValueError(
                 "ignore_data_skip=True makes a resumed run read its batches from the first step again, while "
@@ -303,6 +353,7 @@ class Session:
     def train_dataloader(self) -> DataLoader:
         args = self.trainer.args
         sampler = StepBatchSampler(self.plan, seed=self._data_seed(), rank=self.rank, shuffle=self._shuffle())
+        self.sampler = sampler
         dataset, collator = compat.train_dataset_and_collator(
             self.trainer, self.trainer.train_dataset, self.trainer.data_collator
         )
@@ -322,7 +373,9 @@ class Session:
 
     def wrap_scheduler(self, scheduler, optimizer):
         batch_changes = (
-            len(set(self.plan.sizes[self.plan.done_steps :])) > 1 or self.config.lr_scaling != "none"
+            len(set(self.plan.sizes[self.plan.done_steps :])) > 1
+            or self.config.lr_scaling != "none"
+            or self.growing is not None
         )
         return follow_sample_clock(scheduler, optimizer, self.clock, batch_changes)
 
@@ -330,11 +383,101 @@ class Session:
 
     def training_step(self, inner_step, model, inputs, num_items_in_batch):
         step = self.trainer.state.global_step
-        loss = self.runner.run(inner_step, model, inputs, num_items_in_batch, self.plan.max_rows(step))
+        self._time_step(step)
+        exploring = self.controller.exploring
+        split = self._split(step)
+        loss = self.runner.run(
+            inner_step, model, inputs, num_items_in_batch, self.plan.max_rows(step), split=split
+        )
         self.tokens_seen += self.runner.last.real_tokens
         self.last_step = step
         self._average_noise(step)
+        if self.growing is not None:
+            last = self.runner.last
+            timed = not exploring and not self.controller.exploring and not last.retries
+            self._timing = (
+                self._timing[0],
+                (self.plan.max_rows(step), last.accumulation_steps) if timed else None,
+            )
+            if not split:
+                self._usual_micro_batches = last.accumulation_steps
+            self._maybe_grow(step)
         return loss
+
+    # -- growing by goodput ----------------------------------------------------------------------------------------
+
+    def _time_step(self, step: int) -> None:
+        """Time the last step, from its start to this one's (its optimizer step, logging and data loading included)."""
+        if self.growing is None:
+            return
+        now = time.perf_counter()
+        if self._timing is not None and self._timing[1] is not None and step == self.last_step + 1:
+            rows, micro_batches = self._timing[1]
+            self.step_time.record(rows, micro_batches, now - self._timing[0])
+        self._timing = (now, None)
+
+    def _split(self, step: int) -> bool:
+        """Whether to cut this step in two so that one process measures the noise scale (NoiseScaleSchedule's
+        measure_every)."""
+        every = self.growing.measure_every if self.growing is not None else 0
+        return bool(every) and self.world_size == 1 and step % every == every - 1
+
+    def _maybe_grow(self, step: int) -> None:
+        """Ask the schedule, after `step`, whether a larger effective batch pays; if so, plan again from the first
+        step the data loader has not drawn yet."""
+        schedule, plan = self.growing, self.plan
+        current, samples = plan.scheduled[step], plan.samples_before_step[step + 1]
+        noise = self.noise.lower_bound(schedule.confidence_z)
+        proposal = schedule.propose(
+            current,
+            samples,
+            self.world_size,
+            noise,
+            self.step_time,
+            self._usual_micro_batches,
+            self._micro_batch_cap(),
+        )
+        size, reason = proposal if proposal is not None else (0, "")
+        first = (self.sampler.issued if self.sampler is not None else step) + 1
+        if self.runner.distributed:
+            # timings differ between ranks: the largest proposal holds for all, from the latest undrawn step
+            size, first = (int(x) for x in self.runner.agree([size, first]))
+            if size and not reason:
+                reason = "another rank's step times"
+        if not size or first >= plan.num_steps:
+            return
+        change = schedule.change(first, size, samples, reason)
+        self.plan = self._build_plan(schedule)
+        if self.plan.sizes[:first] != plan.sizes[:first] or self.plan.starts[:first] != plan.starts[:first]:
+            raise RuntimeError("A new plan changed steps already drawn; this is a bug in AdaptiveBatch.")
+        self.clock.plan = self.plan
+        if self.sampler is not None:
+            self.sampler.plan = self.plan
+        self.identity = replace(self.identity, fingerprint=self.plan.fingerprint())
+        if isinstance(self.controller, TokenBudgetController):
+            self.controller.size = self._token_row_cap()
+        else:
+            self.controller.raise_row_limit(self.plan.max_rows_per_rank)
+        self.trainer.state.max_steps = self.plan.num_steps
+        if self.trainer.args.should_log:
+            logger.info(
+                "AdaptiveBatch: effective batch %d -> %d from step %d (after %s samples): %s; %d steps in all now.",
+                current,
+                size,
+                first,
+                f"{samples:,}",
+                change.reason,
+                self.plan.num_steps,
+            )
+
+    def _micro_batch_cap(self) -> int | None:
+        """The most rows a micro-batch may hold at a larger step, as far as known (see `NoiseScaleSchedule.propose`)."""
+        controller = self.controller
+        if isinstance(controller, TokenBudgetController):
+            return max(1, self.runner.last.micro_batch_size) if self._usual_micro_batches > 1 else None
+        if controller.settled_because is not None and controller.settled_because != ROWS_REACHED:
+            return controller.size  # fixed, or stopped by memory or by speed
+        return controller.max_size
 
     def _average_noise(self, step: int) -> None:
         """Average in what the step measured for the noise scale, its tr(Sigma) per sample of the step."""
@@ -394,6 +537,8 @@ class Session:
             "last_micro_batch_size": self.runner.last.micro_batch_size if self.runner else 0,
             "last_accumulation_steps": self.runner.last.accumulation_steps if self.runner else 0,
             "noise": self.noise.state_dict() if self.noise is not None else None,
+            "schedule": self.growing.state_dict() if self.growing is not None else None,
+            "step_time": self.step_time.state_dict() if self.growing is not None else None,
         }
 
     def _restore(self, checkpoint: StoredCheckpoint) -> None:
@@ -410,6 +555,10 @@ class Session:
         stored_noise = state.get("noise")  # (none in checkpoints written before the noise scale was measured)
         if self.noise is not None and stored_noise:
             self.noise.load_state_dict(stored_noise)
+        if self.growing is not None and state.get(
+            "step_time"
+        ):  # (the schedule's changes are read in `prepare`)
+            self.step_time.load_state_dict(state["step_time"])
         applies, message = learned_state_applies(state.get("settings"), self.settings)
         learned = state.get("micro_batch")
         if applies and learned is not None and _cut_kind(learned) != _cut_kind(self.controller.state_dict()):

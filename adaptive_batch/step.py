@@ -160,7 +160,13 @@ class MicroBatchRunner:
         return self.world_size > 1 and dist.is_available() and dist.is_initialized()
 
     def run(
-        self, inner_step: InnerStep, model, inputs: dict, num_items_in_batch, max_rows: int
+        self,
+        inner_step: InnerStep,
+        model,
+        inputs: dict,
+        num_items_in_batch,
+        max_rows: int,
+        split: bool = False,
     ) -> torch.Tensor:
         """Forward and backward of one whole step batch; returns the step's loss (detached), as the Trainer does.
 
@@ -170,6 +176,7 @@ class MicroBatchRunner:
             inputs: this rank's share of the step batch.
             num_items_in_batch: the step's label-token count from the Trainer (all ranks), or `None`.
             max_rows: the largest share of this step on any rank.
+            split: cut the step into at least two micro-batches (so that one process measures the noise scale).
         """
         if self.flatten and not is_packed(inputs):
             inputs = flatten_padded(inputs)
@@ -197,7 +204,9 @@ class MicroBatchRunner:
         was_exploring = self.controller.exploring
         retries = 0
         while True:
-            outcome = self._attempt(step, max_rows)
+            outcome = self._attempt(
+                step, max_rows, math.ceil(max_rows / 2) if split and max_rows > 1 else None
+            )
             if outcome.failed is None:
                 break
             retries += 1
@@ -225,10 +234,10 @@ class MicroBatchRunner:
             logger.info("AdaptiveBatch settled: %s.", self.controller.settled_because)
         return outcome.loss
 
-    def _attempt(self, step: _Step, max_rows: int) -> _Outcome:
+    def _attempt(self, step: _Step, max_rows: int, row_cap: int | None = None) -> _Outcome:
         """Run the micro-batches the controller cuts the step into; stop at the first that ran out of memory on any
         rank (its report in `failed`)."""
-        cut = self.controller.cut(step.batch, max_rows, self._agree)
+        cut = self.controller.cut(step.batch, max_rows, self.agree, row_cap)
         outcome = _Outcome(loss=torch.zeros((), device=self.device))
         if self.noise is not None:
             self.noise.begin_attempt()
@@ -281,7 +290,7 @@ class MicroBatchRunner:
         sums.small /= scale_sq
         return StepNoise(sums, self.noise.step_norm_sq() / scale_sq)
 
-    def _agree(self, values: list[float]) -> list[float]:
+    def agree(self, values: list[float]) -> list[float]:
         """The largest of each value over the ranks (the values themselves without DDP)."""
         return _all_reduce(values, self.device, dist.ReduceOp.MAX) if self.distributed else values
 

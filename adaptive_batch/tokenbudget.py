@@ -69,10 +69,12 @@ class TokenBudgetController:
         """Still measuring: the overhead of a micro-batch, or the budget."""
         return self.calibrating or self.tuning
 
-    def cut(self, batch, max_rows: int, agree: Callable[[list[float]], list[float]]) -> TokenCut:
+    def cut(
+        self, batch, max_rows: int, agree: Callable[[list[float]], list[float]], row_cap: int | None = None
+    ) -> TokenCut:
         """The micro-batches of a step (`batch`: a `StepBatch` or `PackedStepBatch`); `agree` combines values of
-        all ranks by their maximum (the identity on one)."""
-        return TokenCut(self, batch, agree)
+        all ranks by their maximum (the identity on one); at most `row_cap` rows each (for this step only)."""
+        return TokenCut(self, batch, agree, row_cap)
 
     def token_overhead(self, longest: int) -> int | None:
         """The overhead a cut uses now: stated or measured; while measuring, one longest row's worth (`longest`
@@ -200,9 +202,17 @@ class TokenCut:
     """The micro-batches of one step cut by tokens, decided before it runs from this rank's row lengths; all ranks
     run as many (a rank with fewer runs rows that add nothing)."""
 
-    def __init__(self, controller: TokenBudgetController, batch, agree: Callable[[list[float]], list[float]]):
+    def __init__(
+        self,
+        controller: TokenBudgetController,
+        batch,
+        agree: Callable[[list[float]], list[float]],
+        row_cap: int | None = None,
+    ):
         self.controller = controller
         budget, cap = controller.max_tokens, controller.size
+        if row_cap is not None:
+            cap = min(cap, row_cap)
         longest = batch.longest_row()
         overhead = controller.token_overhead(longest)
         self.sizes = batch.token_chunks(budget, cap, overhead)

@@ -1,6 +1,6 @@
 """Run by test_ddp.py, under torchrun (2 ranks, gloo) or alone: a short run whose results the test compares.
 
-usage: ddp_worker.py OUTPUT_DIR {trainer,sft,tokens,packed,noise} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
+usage: ddp_worker.py OUTPUT_DIR {trainer,sft,tokens,packed,noise,growing} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
 
 With `tokens`, rows of 3 to 24 tokens are cut by a token budget of MICRO_BATCH_SIZE, every micro-batch is recorded,
 and the fake out-of-memory error comes above 30 tokens instead of 1 row. `packed` is the same with the rows
@@ -10,7 +10,8 @@ pass: with `sft`, before TRL's `compute_loss` gathers its metrics from every ran
 Runs use the ORDER_ONLY settings of conftest (float64, SGD): two ranks and one process add in different orders.
 
 `noise` is another run (`noise_run`): conftest's `LinearRegression` at learning rate 0, whose gradient noise scale is
-known in closed form, with every micro-batch's gradient captured on each rank.
+known in closed form, with every micro-batch's gradient captured on each rank. `growing` trains it with SGD under a
+NoiseScaleSchedule, the ranks modelling their step times differently (`growing_run`).
 """
 
 import json
@@ -25,6 +26,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = None) -> None:
     if kind == "noise":
         return noise_run(output_dir, int(micro))
+    if kind == "growing":
+        return growing_run(output_dir, int(micro))
     from conftest import ORDER_ONLY, QUIET_CPU_RUN, Recording, keep_loss_in_float64
     from transformers import (
         DataCollatorForLanguageModeling,
@@ -172,6 +175,71 @@ def noise_run(output_dir: str, micro: int) -> None:
         "lower_bound": callback.session.noise.lower_bound(),
         "parts": [[(rows, d.tolist()) for rows, d in step] for step in capture.parts],
         "step_gradients": [g.tolist() for g in capture.step_gradients],
+    }
+    with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    torch.save(
+        {k: v.detach().cpu() for k, v in trainer.model.named_parameters()}, f"{output_dir}/rank{rank}.pt"
+    )
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def growing_run(output_dir: str, micro: int) -> None:
+    """SGD on `LinearRegression` (its noise scale rises as it converges) under NoiseScaleSchedule(32, max 256) with
+    micro-batches of `micro`. Rank 0 models a step as 1 s + 0.02 s a row (a doubled batch pays once the noise scale
+    passes 55), rank 1 as 1 s + 1 s a row (it never pays there): the ranks must still make the same changes. Writes
+    the changes, the plan, the logs and the first coordinate of every row this rank trained on."""
+    from conftest import (
+        QUIET_CPU_RUN,
+        REGRESSION_NOISE_STD,
+        REGRESSION_TARGET,
+        REGRESSION_WEIGHT,
+        LinearRegression,
+        RegressionRows,
+    )
+    from transformers import Trainer, TrainingArguments
+
+    from adaptive_batch import AdaptiveBatch, NoiseScaleSchedule
+    from adaptive_batch.goodput import StepTimeModel
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    per_row = 0.02 if int(os.environ.get("RANK", "0")) == 0 else 1.0
+    StepTimeModel.predict = lambda self, rows, micro_batches: 1.0 + per_row * rows
+    schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=640)
+    callback = AdaptiveBatch(schedule=schedule, micro_batch_size=micro, noise_time_constant_samples=320)
+    trainer = Trainer(
+        model=LinearRegression(REGRESSION_WEIGHT),
+        args=TrainingArguments(
+            output_dir=output_dir,
+            per_device_train_batch_size=micro,
+            num_train_epochs=1,
+            learning_rate=0.05,
+            lr_scheduler_type="constant",
+            optim="sgd",
+            max_grad_norm=0,
+            **QUIET_CPU_RUN,
+            ddp_backend="gloo" if world_size > 1 else None,
+        ),
+        train_dataset=RegressionRows(6400, REGRESSION_TARGET, REGRESSION_NOISE_STD),
+        callbacks=[callback],
+    )
+    seen: list[float] = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.extend(kwargs["x"][:, 0].tolist()), with_kwargs=True
+    )
+    trainer.train()
+    rank = trainer.args.process_index
+    result = {
+        "rank": rank,
+        "changes": schedule.state_dict()["changes"],
+        "plan": list(callback.session.plan.sizes),
+        "max_steps": trainer.state.max_steps,
+        "global_step": trainer.state.global_step,
+        "logs": [log for log in trainer.state.log_history if "loss" in log],
+        "seen": seen,
+        "dataset": trainer.train_dataset.x[:, 0].tolist(),
     }
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

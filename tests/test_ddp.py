@@ -209,3 +209,19 @@ def test_the_noise_scale_over_two_ranks_is_that_of_their_micro_batches_together(
         assert log["adaptive_batch/grad_norm_sq"] == pytest.approx(expected.grad_norm_sq, rel=1e-10)
         assert log["adaptive_batch/grad_variance"] == pytest.approx(expected.grad_variance, rel=1e-10)
     assert expected.steps == len(logs) == 300
+
+
+def test_a_noise_scale_schedule_makes_the_same_changes_on_every_rank(tmp_path):
+    """The ranks time their steps apart and here model them differently (see `growing_run`): the largest proposal
+    holds for both, from the same step; both train every row once between them and end with the same weights."""
+    ranks, weights = launch(tmp_path, "growing", "growing", micro=16, world_size=2)
+    assert_same_weights(weights[0], weights[1])
+    changes = ranks[0]["changes"]
+    assert [size for _, size, _, _ in changes][:2] == [64, 128]
+    assert [c[:3] for c in changes] == [c[:3] for c in ranks[1]["changes"]]
+    assert changes[0][3].startswith("goodput x") and ranks[1]["changes"][0][3] == "another rank's step times"
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    assert ranks[0]["global_step"] == ranks[0]["max_steps"] == len(ranks[0]["plan"])
+    assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == sorted(ranks[0]["dataset"])
+    sizes = [log["adaptive_batch/effective_batch_size"] for log in ranks[0]["logs"]]
+    assert sizes == ranks[0]["plan"]

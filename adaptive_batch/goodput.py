@@ -1,0 +1,320 @@
+"""Choosing the effective batch by goodput: measured speed times the statistical efficiency the noise scale predicts.
+
+A step of B samples makes about as much progress as (B_noise + B0) / (B_noise + B) steps' worth of samples at a
+small batch B0 would, per sample (McCandlish et al. 2018: the samples to a given loss grow as 1 + B / B_noise;
+Pollux, Qiao et al. 2021, calls the ratio statistical efficiency). Goodput is samples per second times that
+efficiency; a larger batch pays only where it buys more speed than it loses in efficiency:
+
+    goodput(B) = B / T(B) x (B_noise + B0) / (B_noise + B)
+
+[`NoiseScaleSchedule`] grows the effective batch to the next allowed size when the goodput there, with a lower
+confidence bound of the noise scale (a batch is not grown on a noise scale that is merely noisy), beats the current
+one by a stated margin. It only grows: the noise scale rises as the loss falls, and a batch that shrank again would
+flap with the estimate's noise.
+
+T(B), the seconds of one optimizer step, comes from [`StepTimeModel`]: steps are timed as they run and fitted by
+
+    T = f + a x n + b x r
+
+where r are a rank's rows in the step and n its micro-batches: f the per-step part (optimizer, logging), a the
+fixed part of one micro-batch (launches, the optimizer-free cost that does not grow with rows), b the part per
+row. Where the runs so far do not tell f apart, f = 0, which predicts the least gain from a larger batch.
+
+Pure Python: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from .schedule import Progress, check_effective_batch_size
+
+RECENT = 16  # step times kept per (rows, micro-batches): the median discards steps that also logged or saved
+
+
+def statistical_efficiency(batch: float, noise_scale: float) -> float:
+    """Progress per sample at `batch` relative to a very small batch: B_noise / (B_noise + B) (1 at B -> 0)."""
+    if math.isinf(noise_scale):
+        return 1.0
+    return noise_scale / (noise_scale + batch) if noise_scale + batch > 0 else 0.0
+
+
+def goodput_gain(
+    batch: int, seconds: float, candidate: int, candidate_seconds: float, noise_scale: float
+) -> float:
+    """goodput(candidate) / goodput(batch), each samples/s x statistical efficiency (the B0 of the module docstring
+    cancels in the ratio)."""
+    speed = (candidate / candidate_seconds) / (batch / seconds)
+    if math.isinf(noise_scale):
+        return speed
+    return speed * (noise_scale + batch) / (noise_scale + candidate)
+
+
+class StepTimeModel:
+    """Seconds per optimizer step as a function of a rank's rows and micro-batches (see the module docstring).
+
+    `record(rows, micro_batches, seconds)` after every timed step; `predict(rows, micro_batches)` gives the fitted
+    time, or `None` until two different (rows, micro-batches) have been timed `min_steps` times each.
+    """
+
+    def __init__(self, min_steps: int = 3):
+        self.min_steps = min_steps
+        self.times: dict[tuple[int, int], deque] = {}
+
+    def record(self, rows: int, micro_batches: int, seconds: float) -> None:
+        if rows > 0 and micro_batches > 0 and seconds > 0 and math.isfinite(seconds):
+            self.times.setdefault((rows, micro_batches), deque(maxlen=RECENT)).append(float(seconds))
+
+    def medians(self) -> dict[tuple[int, int], float]:
+        """The median time of each (rows, micro-batches) timed at least `min_steps` times."""
+        return {key: statistics.median(t) for key, t in self.times.items() if len(t) >= self.min_steps}
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(f, a, b) of T = f + a n + b r, least squares over the medians (f = 0 where three configurations do not
+        determine it, or it comes out negative); `None` when they determine neither."""
+        points = [(n, r, t) for (r, n), t in self.medians().items()]
+        if len(points) >= 3:
+            solved = _least_squares([(1.0, n, r) for n, r, _ in points], [t for _, _, t in points])
+            if solved is not None and solved[0] >= 0 and solved[1] >= 0 and solved[2] >= 0:
+                return solved
+        if len(points) >= 2:
+            solved = _least_squares([(n, r) for n, r, _ in points], [t for _, _, t in points])
+            if solved is not None:
+                a, b = solved
+                if a < 0 or b < 0:  # one of them explains nothing: the other alone, through the origin
+                    a, b = (0.0, _through_origin(points, 1)) if a < 0 else (_through_origin(points, 0), 0.0)
+                return 0.0, a, b
+        return None
+
+    def predict(self, rows: int, micro_batches: int) -> float | None:
+        coefficients = self.coefficients()
+        if coefficients is None:
+            return None
+        f, a, b = coefficients
+        seconds = f + a * micro_batches + b * rows
+        return seconds if seconds > 0 else None
+
+    def state_dict(self) -> dict:
+        return {"times": [[r, n, list(t)] for (r, n), t in self.times.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.times = {
+            (int(r), int(n)): deque((float(x) for x in t), maxlen=RECENT) for r, n, t in state["times"]
+        }
+
+
+@dataclass(frozen=True)
+class Change:
+    """The effective batch became `size` from optimizer step `step` on, decided after `samples_seen` samples."""
+
+    step: int
+    size: int
+    samples_seen: int
+    reason: str
+
+
+class NoiseScaleSchedule:
+    """An effective batch that grows when the measured goodput says it pays (see the module docstring).
+
+    Args:
+        start: the first effective batch, in samples.
+        max_size: never larger than this.
+        factor: each change multiplies the batch by this (2: doubling), then rounds down to a multiple of the world
+            size (so every rank takes the same share); at most `max_size`.
+        margin: the modelled goodput must improve by more than this share (0.05: 5%) to change.
+        confidence_z: the noise scale used is its lower confidence bound at this many standard errors (1.645: 95%
+            one-sided); 0 uses the estimate itself.
+        min_samples_between_changes: at least this many samples between two changes, and before the first, so that
+            the noise scale and the step time have been measured at the current batch.
+        measure_every: on a step that would be one micro-batch per rank on one process (where nothing measures the
+            noise scale), every this-many-th step is cut into two, so that the noise scale is measured; the step
+            time model learns the cost of the extra micro-batch from those same steps. 0 never cuts.
+
+    Example:
+        ```python
+        # start at 32 samples a step and double while it pays, up to 512
+        AdaptiveBatch(schedule=NoiseScaleSchedule(32, max_size=512), lr_scaling="sqrt")
+        ```
+
+    The schedule holds the changes made in a run (`changes`); AdaptiveBatch saves them in its checkpoints and plans a
+    resumed run with them. Like any schedule it answers `schedule(progress)`: the size of the last change made at or
+    before `progress.step`.
+    """
+
+    def __init__(
+        self,
+        start: int,
+        max_size: int,
+        factor: float = 2.0,
+        margin: float = 0.05,
+        confidence_z: float = 1.645,
+        min_samples_between_changes: int | None = None,
+        measure_every: int = 4,
+    ):
+        self.start = check_effective_batch_size(start, where="NoiseScaleSchedule start")
+        self.max_size = check_effective_batch_size(max_size, where="NoiseScaleSchedule max_size")
+        if self.max_size < self.start:
+            raise ValueError(
+                f"NoiseScaleSchedule max_size={max_size} is below start={start}; it only grows the batch, so use "
+                f"max_size >= {start}, e.g. max_size={16 * self.start}."
+            )
+        _check_real(factor, "factor", lambda x: x > 1, "greater than 1, e.g. 2 (doubling)")
+        _check_real(margin, "margin", lambda x: 0 <= x < 1, "in [0, 1), e.g. 0.05 for 5%")
+        _check_real(confidence_z, "confidence_z", lambda x: x >= 0, "at least 0, e.g. 1.645 (95% one-sided)")
+        if min_samples_between_changes is None:
+            min_samples_between_changes = 20 * self.start
+        _check_real(
+            min_samples_between_changes,
+            "min_samples_between_changes",
+            lambda x: x >= 0,
+            f"a number of samples >= 0, e.g. {20 * self.start} (20 steps of the start)",
+        )
+        if (
+            isinstance(measure_every, bool)
+            or not isinstance(measure_every, numbers.Integral)
+            or measure_every < 0
+        ):
+            raise ValueError(
+                f"NoiseScaleSchedule measure_every={measure_every!r} must be an integer >= 0 (0: never cut a step "
+                "in two to measure), e.g. 4."
+            )
+        self.factor = float(factor)
+        self.margin = float(margin)
+        self.confidence_z = float(confidence_z)
+        self.min_samples_between_changes = min_samples_between_changes
+        self.measure_every = int(measure_every)
+        self.changes: list[Change] = []
+
+    # -- a schedule ----------------------------------------------------------------------------------------------
+
+    def __call__(self, progress: Progress) -> int:
+        size = self.start
+        for change in self.changes:
+            if change.step <= progress.step:
+                size = change.size
+        return size
+
+    def describe(self) -> str:
+        return (
+            f"{self.start} growing by goodput up to {self.max_size} (x{self.factor:g}, margin {self.margin:.0%}, "
+            f"noise scale's lower bound at z={self.confidence_z:g})"
+        )
+
+    def sizes(self, world_size: int) -> list[int]:
+        """Every effective batch the schedule can reach, in order."""
+        sizes = [self.start]
+        while (bigger := self.next_size(sizes[-1], world_size)) is not None:
+            sizes.append(bigger)
+        return sizes
+
+    def next_size(self, size: int, world_size: int) -> int | None:
+        """The size a change from `size` goes to, or `None` at the maximum."""
+        bigger = min(self.max_size, math.floor(size * self.factor)) // world_size * world_size
+        return bigger if bigger > size else None
+
+    # -- deciding ------------------------------------------------------------------------------------------------
+
+    def propose(
+        self,
+        current: int,
+        samples_seen: int,
+        world_size: int,
+        noise_scale: float | None,
+        step_time: StepTimeModel,
+        micro_batches: int,
+        micro_batch_cap: int | None,
+    ) -> tuple[int, str] | None:
+        """The size to change to from `current`, after `samples_seen` samples, and why; `None` to stay.
+
+        Args:
+            noise_scale: the noise scale's lower confidence bound, in samples (`None`: not measured yet).
+            step_time: the step times measured so far.
+            micro_batches: the micro-batches a step at the current size runs on a rank.
+            micro_batch_cap: the most rows a micro-batch may hold (a fixed `micro_batch_size`, a size that ran out of
+                memory less one, `max_micro_batch_size`); `None`: the larger step runs as few micro-batches as
+                the current one (the micro-batch controller grows with the rows, if memory allows).
+        """
+        since = samples_seen - (self.changes[-1].samples_seen if self.changes else 0)
+        if since < self.min_samples_between_changes or noise_scale is None:
+            return None
+        candidate = self.next_size(current, world_size)
+        if candidate is None:
+            return None
+        rows, rows_next = current // world_size, candidate // world_size
+        micro_next = (
+            micro_batches if micro_batch_cap is None else max(micro_batches, -(-rows_next // micro_batch_cap))
+        )
+        seconds = step_time.predict(rows, micro_batches)
+        seconds_next = step_time.predict(rows_next, micro_next)
+        if seconds is None or seconds_next is None:
+            return None
+        gain = goodput_gain(current, seconds, candidate, seconds_next, noise_scale)
+        if gain <= 1 + self.margin:
+            return None
+        reason = (
+            f"goodput x{gain:.3f} at {candidate} (noise scale >= {noise_scale:,.0f} samples; a step modelled at "
+            f"{seconds:.3g} s at {current}, {seconds_next:.3g} s at {candidate})"
+        )
+        return candidate, reason
+
+    def change(self, step: int, size: int, samples_seen: int, reason: str) -> Change:
+        """Record a change to `size` from `step` on (the step after the last one whose samples are already drawn)."""
+        if self.changes and step <= self.changes[-1].step:
+            raise ValueError(
+                f"A change at step {step} comes before the last one, at {self.changes[-1].step}."
+            )
+        change = Change(step, size, samples_seen, reason)
+        self.changes.append(change)
+        return change
+
+    # -- checkpoint ----------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget the changes (a new run)."""
+        self.changes = []
+
+    def state_dict(self) -> dict:
+        return {"changes": [[c.step, c.size, c.samples_seen, c.reason] for c in self.changes]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.changes = [Change(int(s), int(b), int(n), str(r)) for s, b, n, r in state["changes"]]
+
+
+def _check_real(value, name: str, ok, rule: str) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or not ok(value)
+    ):
+        raise ValueError(f"NoiseScaleSchedule {name}={value!r} must be {rule}.")
+
+
+def _least_squares(rows: list[tuple[float, ...]], targets: list[float]) -> tuple[float, ...] | None:
+    """Solve the normal equations by Gaussian elimination; `None` when the columns are (nearly) dependent."""
+    k = len(rows[0])
+    matrix = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    vector = [sum(r[i] * t for r, t in zip(rows, targets)) for i in range(k)]
+    scale = max(abs(matrix[i][i]) for i in range(k)) or 1.0
+    for column in range(k):
+        pivot = max(range(column, k), key=lambda i: abs(matrix[i][column]))
+        if abs(matrix[pivot][column]) <= 1e-12 * scale:
+            return None
+        matrix[column], matrix[pivot] = matrix[pivot], matrix[column]
+        vector[column], vector[pivot] = vector[pivot], vector[column]
+        for i in range(k):
+            if i != column:
+                ratio = matrix[i][column] / matrix[column][column]
+                matrix[i] = [x - ratio * y for x, y in zip(matrix[i], matrix[column])]
+                vector[i] -= ratio * vector[column]
+    return tuple(vector[i] / matrix[i][i] for i in range(k))
+
+
+def _through_origin(points: list[tuple[int, int, float]], index: int) -> float:
+    """The least-squares slope through the origin of time against n (`index` 0) or r (1)."""
+    xs = [p[index] for p in points]
+    return sum(x * p[2] for x, p in zip(xs, points)) / sum(x * x for x in xs)

@@ -1,0 +1,313 @@
+"""NoiseScaleSchedule: the step time model and the goodput rule (exact values), and, through the Trainer on linear
+regression, growth where the noise scale rises, none where it stays below the batch, exact accounting after a
+change (every sample once, the budget, the LR rule, the loop's length) and an exact resume."""
+
+import math
+
+import pytest
+import torch
+from conftest import (
+    QUIET_CPU_RUN,
+    REGRESSION_DIM,
+    REGRESSION_NOISE_STD,
+    REGRESSION_TARGET,
+    REGRESSION_WEIGHT,
+    LinearRegression,
+    RegressionRows,
+    assert_same_parameters,
+    logged,
+)
+
+from adaptive_batch import AdaptiveBatch, NoiseScaleSchedule
+from adaptive_batch.goodput import StepTimeModel, goodput_gain, statistical_efficiency
+from adaptive_batch.schedule import Progress
+
+# -- the step time model -------------------------------------------------------------------------------------------
+
+
+def timed(model: StepTimeModel, rows: int, micro_batches: int, seconds: float, times: int = 3) -> None:
+    for _ in range(times):
+        model.record(rows, micro_batches, seconds)
+
+
+def test_three_configurations_give_the_per_step_per_micro_batch_and_per_row_parts():
+    model = StepTimeModel()
+    for rows, n in [(8, 1), (8, 2), (16, 1), (32, 4)]:
+        timed(model, rows, n, 0.5 + 0.2 * n + 0.01 * rows)
+    assert model.coefficients() == pytest.approx((0.5, 0.2, 0.01), rel=1e-9)
+    assert model.predict(64, 1) == pytest.approx(0.5 + 0.2 + 0.64, rel=1e-9)
+
+
+def test_two_configurations_at_one_size_assume_no_per_step_part():
+    """A step of 8 rows in one micro-batch (0.78 s) and in two (0.98 s): a micro-batch's fixed part is 0.2 s, the
+    rest, 0.58 s, is taken as per-row (the least a larger batch can gain)."""
+    model = StepTimeModel()
+    timed(model, 8, 1, 0.78)
+    timed(model, 8, 2, 0.98)
+    f, a, b = model.coefficients()
+    assert (f, a, b * 8) == pytest.approx((0.0, 0.2, 0.58), rel=1e-9)
+    assert model.predict(16, 1) == pytest.approx(0.2 + 2 * 0.58, rel=1e-9)
+
+
+def test_nothing_is_predicted_before_two_configurations_are_timed_enough():
+    model = StepTimeModel(min_steps=3)
+    timed(model, 8, 1, 1.0, times=5)
+    timed(model, 8, 2, 1.5, times=2)
+    assert model.predict(16, 1) is None
+    model.record(8, 2, 1.5)
+    assert model.predict(16, 1) is not None
+
+
+def test_the_median_discards_a_step_that_also_saved_a_checkpoint():
+    model = StepTimeModel()
+    for seconds in (1.0, 1.0, 30.0, 1.0):  # one step also wrote a checkpoint
+        model.record(8, 1, seconds)
+    assert model.medians() == {(8, 1): 1.0}
+
+
+def test_the_time_model_survives_its_state_dict():
+    model = StepTimeModel()
+    timed(model, 8, 1, 0.78)
+    timed(model, 8, 2, 0.98)
+    again = StepTimeModel()
+    again.load_state_dict(model.state_dict())
+    assert again.predict(16, 1) == model.predict(16, 1)
+
+
+# -- goodput -------------------------------------------------------------------------------------------------------
+
+
+def test_goodput_gain_is_speed_times_statistical_efficiency():
+    # 32 -> 64 samples with the step time 1.0 -> 1.5 s: 4/3 the speed; at a noise scale of 64:
+    # efficiency (64 + 32) / (64 + 64) = 3/4, so the goodput is unchanged
+    assert goodput_gain(32, 1.0, 64, 1.5, 64) == pytest.approx(1.0, rel=1e-12)
+    assert goodput_gain(32, 1.0, 64, 1.5, math.inf) == pytest.approx(4 / 3, rel=1e-12)
+    assert statistical_efficiency(32, 96) == 0.75
+
+
+def two_sizes(start_seconds: float, next_seconds: float, rows: int = 32) -> StepTimeModel:
+    """A time model with f = 0 that predicts `start_seconds` at `rows` in one micro-batch and `next_seconds` at
+    twice the rows in one."""
+    # T = a n + b r: a + b rows = start, a + 2 b rows = next
+    b = (next_seconds - start_seconds) / rows
+    a = start_seconds - b * rows
+    model = StepTimeModel()
+    timed(model, rows, 1, a + b * rows)
+    timed(model, rows, 2, 2 * a + b * rows)
+    return model
+
+
+def test_it_grows_only_where_the_goodput_gain_beats_the_margin():
+    schedule = NoiseScaleSchedule(32, max_size=256, margin=0.05, min_samples_between_changes=0)
+    times = two_sizes(1.0, 1.5)  # 4/3 the speed at 64
+    # noise scale 64: gain 1.0 (see above), stays; 1,000: 4/3 x 1032 / 1064 = 1.293, grows
+    assert schedule.propose(32, 3200, 1, 64.0, times, 1, None) is None
+    size, reason = schedule.propose(32, 3200, 1, 1000.0, times, 1, None)
+    assert size == 64 and reason.startswith("goodput x1.293 at 64")
+    # at the threshold: 4/3 (B + 32) / (B + 64) = 1.05 at B = 86.6
+    assert schedule.propose(32, 3200, 1, 86.0, times, 1, None) is None
+    assert schedule.propose(32, 3200, 1, 88.0, times, 1, None)[0] == 64
+    assert schedule.propose(32, 3200, 1, None, times, 1, None) is None  # noise not measured yet
+    assert schedule.propose(32, 3200, 1, 1000.0, StepTimeModel(), 1, None) is None  # nothing timed yet
+
+
+def test_a_capped_micro_batch_predicts_the_larger_step_in_more_micro_batches():
+    schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=0)
+    times = two_sizes(1.0, 1.1)  # a = 0.9 s per micro-batch, b = 0.1 / 32 s per row: launch-bound
+    grown = schedule.propose(32, 0, 1, 1e6, times, 1, None)
+    assert grown is not None and "1.1 s at 64" in grown[1]
+    # micro-batches of at most 32 rows: 64 rows take two, 0.9 x 2 + 0.2 = 2.0 s: 64 / 2.0 vs 32 / 1.0, no gain
+    assert schedule.propose(32, 0, 1, 1e6, times, 1, 32) is None
+
+
+def test_changes_wait_for_the_stated_samples_and_stop_at_the_maximum():
+    schedule = NoiseScaleSchedule(32, max_size=100, min_samples_between_changes=640)
+    times = two_sizes(1.0, 1.0)
+    assert schedule.propose(32, 639, 1, 1e6, times, 1, None) is None
+    assert schedule.propose(32, 640, 1, 1e6, times, 1, None)[0] == 64
+    schedule.change(20, 64, 640, "test")
+    assert schedule.propose(64, 1279, 1, 1e6, times, 1, None) is None
+    assert schedule.next_size(64, 1) == 100 and schedule.next_size(100, 1) is None
+    assert schedule.sizes(world_size=1) == [32, 64, 100]
+    assert schedule.sizes(world_size=8) == [32, 64, 96]  # multiples of the world
+
+
+def test_the_schedule_answers_by_step_from_its_changes_and_keeps_them_in_its_state():
+    schedule = NoiseScaleSchedule(16, max_size=64)
+    schedule.change(10, 32, 160, "first")
+    schedule.change(25, 64, 640, "second")
+    assert [schedule(Progress(step, 0, 0.0)) for step in (0, 9, 10, 24, 25, 99)] == [16, 16, 32, 32, 64, 64]
+    with pytest.raises(ValueError, match="before the last one"):
+        schedule.change(20, 64, 700, "late")
+    again = NoiseScaleSchedule(16, max_size=64)
+    again.load_state_dict(schedule.state_dict())
+    assert again.changes == schedule.changes
+    again.reset()
+    assert again(Progress(30, 0, 0.0)) == 16
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(start=32, max_size=16), "max_size=16 is below start=32"),
+        (dict(start=0, max_size=16), "start gave effective batch 0"),
+        (dict(start=8, max_size=16, factor=1), "factor=1 must be greater than 1"),
+        (dict(start=8, max_size=16, margin=1.5), r"margin=1.5 must be in \[0, 1\)"),
+        (dict(start=8, max_size=16, confidence_z=-1), "confidence_z=-1 must be at least 0"),
+        (dict(start=8, max_size=16, min_samples_between_changes=-5), "min_samples_between_changes=-5"),
+        (dict(start=8, max_size=16, measure_every=1.5), "measure_every=1.5 must be an integer >= 0"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_rule(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        NoiseScaleSchedule(**kwargs)
+
+
+# -- through the Trainer -------------------------------------------------------------------------------------------
+
+
+def fixed_step_time(seconds_per_row: float):
+    """A stand-in for measured step times, so that decisions do not depend on this machine's speed: 1 s a step
+    plus `seconds_per_row` a row (what `StepTimeModel.predict` returns)."""
+
+    def predict(self, rows, micro_batches):
+        return 1.0 + seconds_per_row * rows
+
+    return predict
+
+
+def growing_trainer(
+    tmp_path, schedule, learning_rate: float, weight=REGRESSION_WEIGHT, rows=6400, **overrides
+):
+    from transformers import Trainer, TrainingArguments
+
+    settings = dict(QUIET_CPU_RUN)
+    settings.update(overrides)
+    callback = AdaptiveBatch(
+        schedule=schedule, micro_batch_size=16, lr_scaling="sqrt", noise_time_constant_samples=320
+    )
+    return Trainer(
+        model=LinearRegression(weight),
+        args=TrainingArguments(
+            output_dir=str(tmp_path / "growing"),
+            per_device_train_batch_size=8,
+            num_train_epochs=1,
+            learning_rate=learning_rate,
+            lr_scheduler_type="constant",
+            optim="sgd",
+            max_grad_norm=0,
+            **settings,
+        ),
+        train_dataset=RegressionRows(rows, REGRESSION_TARGET, REGRESSION_NOISE_STD),
+        callbacks=[callback],
+    )
+
+
+class RowsSeen:
+    """Every row of x the model is given, as bytes."""
+
+    def __init__(self, model):
+        self.rows: list[bytes] = []
+        model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        self.rows.extend(row.numpy().tobytes() for row in kwargs["x"])
+
+
+def test_the_batch_grows_as_the_noise_scale_rises_and_the_accounting_stays_exact(tmp_path, monkeypatch):
+    """SGD on linear regression: |G|^2 = |w - w*|^2 shrinks while tr(Sigma) tends to d s^2, so the noise scale
+    (9 |r|^2 + 8) / |r|^2 rises from 17. With 1 s a step plus 0.02 s a row, doubling 32 pays once the noise
+    scale's lower bound passes 55."""
+    monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(0.02))
+    schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=640)
+    trainer = growing_trainer(tmp_path, schedule, learning_rate=0.05)
+    seen = RowsSeen(trainer.model)
+    trainer.train()
+    session = trainer._adaptive_batch
+    plan = session.plan
+    assert [c.size for c in schedule.changes][:2] == [64, 128]
+    sizes = logged(trainer, "adaptive_batch/effective_batch_size")
+    assert sizes == list(plan.sizes) and sizes[0] == 32
+    assert sorted(plan.scheduled) == list(
+        plan.scheduled
+    )  # it only grows (the epoch's last step holds its rest)
+    for (
+        change
+    ) in schedule.changes:  # each from the step the data loader had not drawn, after 640 samples or more
+        assert plan.scheduled[change.step - 1] < change.size == plan.scheduled[change.step]
+    assert all(b.samples_seen - a.samples_seen >= 640 for a, b in zip(schedule.changes, schedule.changes[1:]))
+    # every sample exactly once, the budget in samples unchanged, the loop ended with the plan
+    dataset = trainer.train_dataset
+    assert sorted(seen.rows) == sorted(row.numpy().tobytes() for row in dataset.x)
+    assert logged(trainer, "adaptive_batch/samples_seen")[-1] == len(dataset) == plan.num_samples
+    assert trainer.state.global_step == trainer.state.max_steps == plan.num_steps < len(dataset) // 32
+    # the LR rule follows the batch: sqrt(B / 32)
+    assert logged(trainer, "adaptive_batch/lr_scale") == [math.sqrt(size / 32) for size in sizes]
+    assert logged(trainer, "learning_rate") == pytest.approx([0.05 * math.sqrt(size / 32) for size in sizes])
+    # the micro-batch size (fixed at 16) is kept: a step of B rows runs B / 16 micro-batches
+    assert logged(trainer, "adaptive_batch/accumulation_steps") == [size // 16 for size in sizes]
+
+
+def test_the_batch_stays_where_the_noise_scale_is_below_it(tmp_path, monkeypatch):
+    """Learning rate 0 far from the optimum: |r|^2 = 100, noise scale (9 x 100 + 8) / 100 = 9.1 samples, below the
+    batch of 32: doubling would cost more in efficiency ((9.1 + 32) / (9.1 + 64) = 0.56) than it gains in speed
+    (2 x 1.64 / 2.28 = 1.44)."""
+    monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(0.02))
+    schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=320)
+    far = torch.full((REGRESSION_DIM,), 10 * REGRESSION_DIM**-0.5, dtype=torch.float64)
+    trainer = growing_trainer(tmp_path, schedule, learning_rate=0.0, weight=far, rows=3200)
+    trainer.train()
+    assert schedule.changes == []
+    assert set(logged(trainer, "adaptive_batch/effective_batch_size")) == {32}
+    assert logged(trainer, "adaptive_batch/noise_scale")[-1] == pytest.approx(9.08, rel=0.25)
+
+
+def test_a_resumed_run_continues_with_the_changes_made_before_its_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(0.02))
+
+    def run(output, resume=None):
+        schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=640)
+        trainer = growing_trainer(
+            tmp_path / output, schedule, learning_rate=0.05, save_strategy="steps", save_steps=60
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, schedule
+
+    whole, whole_schedule = run("whole")
+    assert whole_schedule.changes and whole_schedule.changes[0].step < 60  # the checkpoint holds a change
+    checkpoint = str(tmp_path / "whole" / "growing" / "checkpoint-60")
+    resumed, resumed_schedule = run("resumed", resume=checkpoint)
+    assert resumed_schedule.changes == whole_schedule.changes
+    assert list(resumed._adaptive_batch.plan.sizes) == list(whole._adaptive_batch.plan.sizes)
+    # (the resumed run's log history holds the checkpoint's 60 steps, then its own)
+    for key in ("adaptive_batch/effective_batch_size", "adaptive_batch/noise_scale", "loss"):
+        assert logged(resumed, key) == logged(whole, key)
+    assert_same_parameters(resumed.model, whole.model)
+
+
+def test_measuring_on_one_process_cuts_every_fourth_step_in_two(tmp_path, monkeypatch):
+    """A step of one micro-batch measures nothing on one process: with the micro-batch as large as the step, every
+    fourth step is cut in two, and the noise scale is measured on those."""
+    monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(0.02))
+    schedule = NoiseScaleSchedule(16, max_size=16)
+    trainer = growing_trainer(tmp_path, schedule, learning_rate=0.0, rows=16 * 12)
+    trainer.train()
+    assert logged(trainer, "adaptive_batch/accumulation_steps") == [1, 1, 1, 2] * 3
+    assert trainer._adaptive_batch.noise.steps == 3
+
+
+def test_a_noise_scale_schedule_needs_the_measurement_and_a_dataset_large_enough(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    def make(callback, rows=64):
+        return Trainer(
+            model=LinearRegression(REGRESSION_WEIGHT),
+            args=TrainingArguments(output_dir=str(tmp_path / "x"), **QUIET_CPU_RUN),
+            train_dataset=RegressionRows(rows, REGRESSION_TARGET, REGRESSION_NOISE_STD),
+            callbacks=[callback],
+        )
+
+    with pytest.raises(ValueError, match="measure_noise=False turns its measurement off"):
+        make(AdaptiveBatch(schedule=NoiseScaleSchedule(8, max_size=32), measure_noise=False))
+    with pytest.raises(ValueError, match="may grow the effective batch to 128, more than the dataset's 64"):
+        make(AdaptiveBatch(schedule=NoiseScaleSchedule(8, max_size=128)))
