@@ -1,0 +1,391 @@
+"""Time to a target eval loss: fixed effective batches, a phase warmup and NoiseScaleSchedule, from scratch.
+
+A Llama-shaped model of about 34M parameters (hidden 512, 8 layers, vocabulary 8,192) trained from random weights on
+the offline corpus of `corpus.py` (Python source, rows of 256 tokens), bf16, AdamW, cosine decay with 2% warmup
+(in samples: every arm has the same schedule over the same sample budget), the same sample order in every arm (one
+data seed). Arms:
+
+- `fixed16` ... `fixed256`: a constant effective batch, 16x range;
+- `phase`: 16 -> 32 -> 64 -> 128 -> 256 at 1/16, 1/8, 1/4 and 1/2 of the budget, `lr_scaling="sqrt"`;
+- `noise`: `NoiseScaleSchedule(16, max_size=256)` with its defaults, `lr_scaling="sqrt"`.
+
+Every arm runs `AdaptiveBatch` with `micro_batch_size="auto"`, so the micro-batch is chosen the same way in all. The
+held-out loss (the corpus's last rows) is evaluated every `--eval-every` samples; evaluation time is excluded from
+the training clock. Each run's JSON holds (samples, steps, training seconds, eval loss) at every evaluation, and the
+log history (effective batch, noise scale, LR).
+
+    python benchmarks/time_to_loss.py --out OUT --corpus .corpus --phase grid            # every arm x LR, seed 0
+    python benchmarks/time_to_loss.py --out OUT --corpus .corpus --phase seeds --best RESULTS.json --seeds 1,2
+    python benchmarks/time_to_loss.py --out OUT --tiny                                   # a CPU dry run
+
+`summarise(runs)` picks each arm's learning rate by its final eval loss on seed 0, sets the target to the median of
+the fixed arms' final eval losses at their best learning rates, and reports the training time, steps, samples and
+tokens at which each run first evaluated at or below the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+ARMS = ("fixed16", "fixed32", "fixed64", "fixed128", "fixed256", "phase", "noise")
+LEARNING_RATES = (1.5e-3, 7.5e-4, 3e-3)  # the middle one first
+
+
+def load_rows(corpus: str | None, seq_len: int, train_rows: int, eval_rows: int, tiny: bool):
+    """(train rows, eval rows, vocabulary size, corpus description): non-overlapping windows of `seq_len` tokens."""
+    if tiny:
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 128, ((train_rows + eval_rows) * seq_len,), generator=generator)
+        vocab, info = 128, {"corpus": "random tokens (tiny dry run)"}
+    else:
+        tokens = torch.from_numpy(np.load(os.path.join(corpus, "tokens.npz"))["tokens"].astype(np.int64))
+        with open(os.path.join(corpus, "corpus.json")) as f:
+            info = json.load(f)
+        vocab = info["vocab"]
+    windows = tokens[: len(tokens) // seq_len * seq_len].view(-1, seq_len)
+    if len(windows) < train_rows + eval_rows:
+        raise ValueError(
+            f"The corpus holds {len(windows)} rows of {seq_len}; {train_rows + eval_rows} needed."
+        )
+    train = [{"input_ids": row, "labels": row} for row in windows[:train_rows]]
+    held_out = windows[-eval_rows:]
+    return train, held_out, vocab, info
+
+
+def build_model(vocab: int, seq_len: int, tiny: bool, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    size = (
+        dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4)
+        if tiny
+        else dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8)
+    )
+    config = LlamaConfig(
+        vocab_size=vocab,
+        max_position_embeddings=seq_len,
+        num_key_value_heads=size["num_attention_heads"],
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        **size,
+    )
+    return LlamaForCausalLM(config)
+
+
+class EvalClock:
+    """A callback: the held-out loss every `every` samples, and the training time without the evaluations."""
+
+    def __init__(self, held_out: torch.Tensor, every: int, batch: int = 128):
+        from transformers import TrainerCallback
+
+        self.held_out, self.every, self.batch = held_out, every, batch
+        self.points: list[dict] = []
+        self.eval_seconds = 0.0
+        self.start = None
+        clock = self
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                clock.model = model
+                clock.evaluate(0, 0)
+                clock.start = clock.now()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                from adaptive_batch.session import Session
+
+                session = Session.active
+                samples = session.plan.samples_before_step[state.global_step]
+                if samples // clock.every > clock.done or state.global_step == state.max_steps:
+                    clock.evaluate(samples, state.global_step)
+
+        self.done = -1
+        self.callback = Callback()
+
+    def now(self) -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def evaluate(self, samples: int, step: int) -> None:
+        began = self.now()
+        train_seconds = 0.0 if self.start is None else began - self.start - self.eval_seconds
+        model = self.model
+        model.eval()
+        losses = []
+        with (
+            torch.no_grad(),
+            torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"),
+        ):
+            for first in range(0, len(self.held_out), self.batch):
+                ids = self.held_out[first : first + self.batch].to(model.device)
+                losses.append(float(model(input_ids=ids, labels=ids).loss) * len(ids))
+        model.train()
+        self.points.append(
+            {
+                "samples": samples,
+                "step": step,
+                "train_seconds": train_seconds,
+                "eval_loss": sum(losses) / len(self.held_out),
+            }
+        )
+        self.done = samples // self.every
+        if self.start is not None:
+            self.eval_seconds += self.now() - began
+
+
+def schedule_for(arm: str, lr_scaling_out: dict):
+    from adaptive_batch import NoiseScaleSchedule, PhaseSchedule
+
+    if arm.startswith("fixed"):
+        lr_scaling_out["rule"] = "none"
+        return int(arm[len("fixed") :])
+    lr_scaling_out["rule"] = "sqrt"
+    if arm == "phase":
+        return PhaseSchedule([16, 32, 64, 128, 256], boundaries=[1 / 16, 1 / 8, 1 / 4, 1 / 2])
+    if arm == "noise":
+        return NoiseScaleSchedule(16, max_size=256)
+    raise ValueError(f"unknown arm {arm!r}; one of {ARMS}")
+
+
+def run(arm: str, lr: float, seed: int, data, options) -> dict:
+    from transformers import Trainer, TrainingArguments
+
+    from adaptive_batch import AdaptiveBatch
+
+    train, held_out, vocab, _ = data
+    model = build_model(vocab, options.seq_len, options.tiny, seed)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    rule: dict = {}
+    schedule = schedule_for(arm, rule)
+    clock = EvalClock(held_out, options.eval_every)
+    callback = AdaptiveBatch(schedule=schedule, lr_scaling=rule["rule"])
+    args = TrainingArguments(
+        output_dir=os.path.join(options.workdir, f"{arm}-{lr:g}-{seed}"),
+        per_device_train_batch_size=16,
+        num_train_epochs=1,
+        learning_rate=lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.02,  # a ratio of the (nominal) steps
+        weight_decay=0.1,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        bf16=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),
+        logging_steps=20,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=seed,
+        data_seed=0,  # the same sample order in every arm and seed
+        dataloader_pin_memory=False,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[callback, clock.callback])
+    began = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - began
+    result = {
+        "arm": arm,
+        "lr": lr,
+        "seed": seed,
+        "wall_seconds": wall,
+        "train_seconds": clock.points[-1]["train_seconds"],
+        "steps": trainer.state.global_step,
+        "points": clock.points,
+        "changes": [c.__dict__ for c in getattr(schedule, "changes", [])],
+        "logs": [
+            {
+                k: v
+                for k, v in log.items()
+                if k.startswith("adaptive_batch/") or k in ("loss", "learning_rate", "step")
+            }
+            for log in trainer.state.log_history
+            if "loss" in log
+        ],
+    }
+    del trainer, model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def first_at(points: list[dict], target: float) -> dict | None:
+    for point in points:
+        if point["samples"] > 0 and point["eval_loss"] <= target:
+            return point
+    return None
+
+
+def summarise(runs: list[dict], seq_len: int) -> dict:
+    """Best LR per arm (seed 0, final eval loss), the target, and each run's time, steps, samples and tokens to it."""
+    best = {}
+    for arm in ARMS:
+        candidates = [r for r in runs if r["arm"] == arm and r["seed"] == 0]
+        if candidates:
+            best[arm] = min(candidates, key=lambda r: r["points"][-1]["eval_loss"])["lr"]
+    fixed_final = [
+        r["points"][-1]["eval_loss"]
+        for r in runs
+        if r["arm"].startswith("fixed") and r["seed"] == 0 and best.get(r["arm"]) == r["lr"]
+    ]
+    if not fixed_final:
+        return {"best_lr": best}
+    target = statistics.median(fixed_final)
+    table = []
+    for r in runs:
+        if best.get(r["arm"]) != r["lr"]:
+            continue
+        point = first_at(r["points"], target)
+        table.append(
+            {
+                "arm": r["arm"],
+                "lr": r["lr"],
+                "seed": r["seed"],
+                "final_eval_loss": r["points"][-1]["eval_loss"],
+                "seconds_to_target": point["train_seconds"] if point else None,
+                "steps_to_target": point["step"] if point else None,
+                "samples_to_target": point["samples"] if point else None,
+                "tokens_to_target": point["samples"] * seq_len if point else None,
+                "total_train_seconds": r["train_seconds"],
+            }
+        )
+    # a run that never reached the target counts as infinitely slow: an arm's median is finite when most of its seeds
+    # reached it (None in the JSON otherwise)
+    by_arm, medians = {}, {}
+    for arm in ARMS:
+        times = [row["seconds_to_target"] for row in table if row["arm"] == arm]
+        if times:
+            medians[arm] = statistics.median(t if t is not None else math.inf for t in times)
+            by_arm[arm] = {
+                "runs": len(times),
+                "reached": sum(t is not None for t in times),
+                "median_seconds_to_target": medians[arm] if math.isfinite(medians[arm]) else None,
+            }
+    fixed = sorted(medians[a] for a in medians if a.startswith("fixed"))
+    summary = {"best_lr": best, "target_eval_loss": target, "table": table, "by_arm": by_arm}
+    if fixed and math.isfinite(fixed[0]) and "noise" in medians:
+        summary["best_fixed_seconds"] = fixed[0]
+        summary["median_fixed_seconds"] = statistics.median(fixed)
+        for arm in ("noise", "phase"):
+            if arm in medians and math.isfinite(medians[arm]):
+                summary[f"{arm}_over_best_fixed"] = medians[arm] / fixed[0]
+                summary[f"{arm}_over_median_fixed"] = medians[arm] / statistics.median(fixed)
+    return summary
+
+
+def plot_curves(runs: list[dict], summary: dict, out: str) -> None:
+    """Eval loss against training seconds and effective batch against samples, each arm at its best LR, seed 0."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 4.5))
+    FigureCanvasAgg(figure)
+    loss_axes, batch_axes = figure.subplots(1, 2)
+    for r in runs:
+        if r["seed"] != 0 or summary["best_lr"].get(r["arm"]) != r["lr"]:
+            continue
+        points = [p for p in r["points"] if p["samples"] > 0]
+        loss_axes.plot([p["train_seconds"] for p in points], [p["eval_loss"] for p in points], label=r["arm"])
+        sizes = [
+            (log["adaptive_batch/samples_seen"], log["adaptive_batch/effective_batch_size"])
+            for log in r["logs"]
+        ]
+        batch_axes.step([x for x, _ in sizes], [y for _, y in sizes], where="post", label=r["arm"])
+    loss_axes.axhline(summary["target_eval_loss"], color="grey", linestyle="--", linewidth=1, label="target")
+    loss_axes.set(xlabel="training seconds (evaluation excluded)", ylabel="held-out loss", ylim=(4.2, 6.5))
+    batch_axes.set(xlabel="samples seen", ylabel="effective batch (logged every 20 steps)", yscale="log")
+    loss_axes.legend(fontsize=8)
+    batch_axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out, dpi=90)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--corpus", default=".corpus")
+    parser.add_argument("--phase", choices=("grid", "seeds"), default="grid")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LEARNING_RATES))
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--best", help="a grid phase's JSON: run each arm at its best LR (--phase seeds)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--train-rows", type=int, default=24576)
+    parser.add_argument("--eval-rows", type=int, default=256)
+    parser.add_argument("--eval-every", type=int, default=512, help="samples between evaluations")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument(
+        "--summarise", nargs="+", metavar="JSON", help="merge these results' runs and summarise"
+    )
+    parser.add_argument("--workdir", default="/tmp/adaptive-batch-time-to-loss")
+    options = parser.parse_args()
+    os.makedirs(options.out, exist_ok=True)
+    if options.summarise:
+        runs = []
+        for name in options.summarise:
+            with open(name) as f:
+                runs.extend(json.load(f)["runs"])
+        summary = summarise(runs, options.seq_len)
+        with open(os.path.join(options.out, "time_to_loss_summary.json"), "w") as f:
+            json.dump({"sources": options.summarise, "summary": summary}, f, indent=1)
+        plot_curves(runs, summary, os.path.join(options.out, "time_to_loss_h200.png"))
+        print(json.dumps(summary, indent=1))
+        return
+    import transformers
+
+    data = load_rows(options.corpus, options.seq_len, options.train_rows, options.eval_rows, options.tiny)
+    arms = options.arms.split(",")
+    seeds = [int(s) for s in options.seeds.split(",")]
+    if options.phase == "seeds":
+        with open(options.best) as f:
+            best = summarise(json.load(f)["runs"], options.seq_len)["best_lr"]
+        plan = [(arm, best[arm], seed) for seed in seeds for arm in arms]
+    else:
+        # every arm at one LR before the next LR: a call cut short still holds whole rows of the grid
+        plan = [(arm, float(lr), seed) for seed in seeds for lr in options.lrs.split(",") for arm in arms]
+    report = {
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "corpus": data[3],
+        "seq_len": options.seq_len,
+        "train_rows": options.train_rows,
+        "eval_rows": options.eval_rows,
+        "runs": [],
+    }
+    path = os.path.join(options.out, f"time_to_loss_{options.phase}.json")
+    if (
+        not options.tiny and torch.cuda.is_available()
+    ):  # CUDA and kernels warmed up before the first timed run
+        run("fixed16", 1e-3, 0, (data[0][:512], data[1], data[2], data[3]), options)
+    for arm, lr, seed in plan:
+        result = run(arm, lr, seed, data, options)
+        report["runs"].append(result)
+        report["summary"] = summarise(report["runs"], options.seq_len)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        sizes = sorted({log.get("adaptive_batch/effective_batch_size") for log in result["logs"]} - {None})
+        print(
+            f"{arm:9} lr {lr:<7g} seed {seed}: {result['train_seconds']:7.1f} s train, {result['steps']:5} steps, "
+            f"final eval {result['points'][-1]['eval_loss']:.4f}, batches {sizes}",
+            flush=True,
+        )
+    print(json.dumps({k: v for k, v in report["summary"].items() if k != "table"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
