@@ -426,7 +426,11 @@ class Session:
         """Ask the schedule, after `step`, whether a larger effective batch pays; if so, plan again from the first
         step the data loader has not drawn yet."""
         schedule, plan = self.growing, self.plan
-        current, samples = plan.scheduled[step], plan.samples_before_step[step + 1]
+        first = (self.sampler.issued if self.sampler is not None else step) + 1
+        if schedule.changes:  # (a change may already wait in steps the loader has not drawn)
+            first = max(first, schedule.changes[-1].step + 1)
+        # the size decided last: steps drawn before it took effect still run the one before
+        current, samples = schedule(Progress(first, 0, 0.0)), plan.samples_before_step[step + 1]
         noise = self.noise.lower_bound(schedule.confidence_z)
         proposal = schedule.propose(
             current,
@@ -438,7 +442,6 @@ class Session:
             self._micro_batch_cap(),
         )
         size, reason = proposal if proposal is not None else (0, "")
-        first = (self.sampler.issued if self.sampler is not None else step) + 1
         if self.runner.distributed:
             # timings differ between ranks: the largest proposal holds for all, from the latest undrawn step
             size, first = (int(x) for x in self.runner.agree([size, first]))

@@ -248,6 +248,22 @@ def test_the_batch_grows_as_the_noise_scale_rises_and_the_accounting_stays_exact
     assert logged(trainer, "adaptive_batch/accumulation_steps") == [size // 16 for size in sizes]
 
 
+def test_without_a_wait_between_changes_each_grows_from_the_last_one(tmp_path, monkeypatch):
+    """With min_samples_between_changes=0 a decision can come while the last change still waits in steps the data
+    loader has not drawn: it grows from that change's size, never to the same size twice."""
+    monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(0.0))  # a step costs the same at any size
+    schedule = NoiseScaleSchedule(16, max_size=256, min_samples_between_changes=0)
+    # a worker that draws two steps ahead (prefetch_factor 2)
+    trainer = growing_trainer(tmp_path, schedule, learning_rate=0.05, rows=3200, dataloader_num_workers=1)
+    trainer.train()
+    changes = schedule.changes
+    assert [c.size for c in changes] == [32, 64, 128, 256]
+    assert all(a.step < b.step for a, b in zip(changes, changes[1:]))
+    plan = trainer._adaptive_batch.plan
+    for change in changes:
+        assert plan.scheduled[change.step] == change.size
+
+
 def test_the_batch_stays_where_the_noise_scale_is_below_it(tmp_path, monkeypatch):
     """Learning rate 0 far from the optimum: |r|^2 = 100, noise scale (9 x 100 + 8) / 100 = 9.1 samples, below the
     batch of 32: doubling would cost more in efficiency ((9.1 + 32) / (9.1 + 64) = 0.56) than it gains in speed
