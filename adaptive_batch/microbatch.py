@@ -45,6 +45,7 @@ def even_chunk(remaining: int, size: int) -> int:
 
 DECISIVE = 5  # a gain of this many margins needs no second measurement
 ROWS_REACHED = "it reached max_micro_batch_size or the rows of a step"
+FIXED = "fixed by micro_batch_size"
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class MicroBatchController:
         memory_limit: float | None = None,
     ):
         limit = min(x for x in (max_size, row_limit) if x is not None) if (max_size or row_limit) else None
+        self.start = max(1, start)  # a fixed size held down by a step's rows comes back when steps grow
         self.size = max(1, min(start, limit) if limit else start)
         self.max_size = max_size
         self.row_limit = row_limit
@@ -93,7 +95,7 @@ class MicroBatchController:
         self.memory_limit = memory_limit
         self.trial: int | None = self.size if auto else None
         self.trial_left = repeats
-        self.settled_because = None if auto else "fixed by micro_batch_size"
+        self.settled_because = None if auto else FIXED
         self.throughput: dict[int, float] = {}
         self.memory_points: list[tuple[float, float]] = []  # (tokens in the micro-batch, peak bytes)
         self.oom_sizes: list[int] = []
@@ -194,13 +196,29 @@ class MicroBatchController:
 
     def raise_row_limit(self, row_limit: int) -> None:
         """A step now holds up to `row_limit` rows on a rank (the effective batch grew): a search that stopped at the
-        old limit goes on doubling."""
+        old limit goes on doubling; a fixed size that the old limit held down grows back towards the one stated."""
         old, self.row_limit = self.row_limit, row_limit
-        if self.trial is not None or self.settled_because != ROWS_REACHED or old is None or row_limit <= old:
+        if self.trial is not None or old is None or row_limit <= old:
             return
-        bigger = min(2 * self.size, row_limit, self.max_size or row_limit)
-        if bigger > self.size and not (self.oom_sizes and bigger >= min(self.oom_sizes)):
+        fixed = self.settled_because == FIXED
+        if not fixed and self.settled_because != ROWS_REACHED:
+            return
+        bigger = min(self.start if fixed else 2 * self.size, row_limit, self.max_size or row_limit)
+        if bigger <= self.size or (self.oom_sizes and bigger >= min(self.oom_sizes)):
+            return
+        if fixed:
+            self.size = bigger
+        else:
             self.trial, self.trial_left, self.settled_because = bigger, self.repeats, None
+
+    def larger_step_cap(self) -> int | None:
+        """The most rows a micro-batch of a step larger than today's may hold, as far as known (`None`: as many as
+        memory allows, the search going on): the size stated, or the one a search stopped at for memory or speed."""
+        if self.settled_because == FIXED:
+            return min(x for x in (self.start, self.max_size, *(s - 1 for s in self.oom_sizes)) if x is not None)
+        if self.settled_because is not None and self.settled_because != ROWS_REACHED:
+            return self.size
+        return self.max_size
 
     def limit_to(self, max_size: int | None) -> None:
         """Apply a `max_size` stated after the size was learned (a resumed run): never above it from now on."""

@@ -165,7 +165,9 @@ class NoiseScale:
 
     Each average is bias-corrected (divided by the total weight, 1 - exp(-samples seen / tau)), so the first step
     counts fully rather than as a fraction of a zero start. A step whose estimates are not finite (an fp16 overflow)
-    is skipped: `update` returns `False`.
+    is skipped: `update` returns `False`. Where not every step measures (one process cutting every fourth step in
+    two), `update` is given the run's samples so far: the averages then forget by the samples trained since the last
+    step averaged, so that tau spans the same stretch of training however often the noise is measured.
 
     Example:
         ```python
@@ -185,15 +187,22 @@ class NoiseScale:
         self.moments = _Moments()
         self.steps = 0  # steps averaged
         self.skipped = 0  # steps whose estimates were not finite
+        self.samples_seen: float | None = None  # the run's samples after the last step averaged, where given
 
-    def update(self, estimate: StepEstimate, samples: float) -> bool:
+    def update(self, estimate: StepEstimate, samples: float, samples_seen: float | None = None) -> bool:
         """Average in one step of `samples` samples; `False` (and nothing changed) if its estimates are not
-        finite."""
+        finite. With `samples_seen`, the run's samples after this step, the past is forgotten by the samples since
+        the last step averaged (this one's included) rather than by this step's alone."""
         if not estimate.finite:
             self.skipped += 1
             return False
-        self.moments.update(estimate, math.exp(-samples / self.time_constant_samples))
+        elapsed = samples
+        if samples_seen is not None and self.samples_seen is not None:
+            elapsed = max(samples, samples_seen - self.samples_seen)
+        self.moments.update(estimate, math.exp(-elapsed / self.time_constant_samples))
         self.steps += 1
+        if samples_seen is not None:
+            self.samples_seen = samples_seen
         return True
 
     @property
@@ -265,11 +274,18 @@ class NoiseScale:
 
     def state_dict(self) -> dict:
         """Plain JSON: what resuming needs to continue the averages exactly."""
-        return {"steps": self.steps, "skipped": self.skipped, "moments": asdict(self.moments)}
+        return {
+            "steps": self.steps,
+            "skipped": self.skipped,
+            "samples_seen": self.samples_seen,
+            "moments": asdict(self.moments),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
         self.skipped = int(state.get("skipped", 0))
+        seen = state.get("samples_seen")  # (not in checkpoints before it was kept: the next step forgets by its own)
+        self.samples_seen = None if seen is None else float(seen)
         self.moments = _Moments(**{k: float(v) for k, v in state["moments"].items()})
 
 

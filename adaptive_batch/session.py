@@ -32,7 +32,7 @@ from .goodput import NoiseScaleSchedule, StepTimeModel
 from .gradnoise import GradientNoiseMeter
 from .lr import SampleClock, nominal_steps
 from .memory import memory_limit
-from .microbatch import ROWS_REACHED, MicroBatchController
+from .microbatch import MicroBatchController
 from .noise import NoiseScale
 from .plain import PlainBatching
 from .plan import Budget, StepPlan, build_plan
@@ -417,18 +417,34 @@ class Session:
         self._timing = (now, None)
 
     def _split(self, step: int) -> bool:
-        """Whether to cut this step in two so that one process measures the noise scale (NoiseScaleSchedule's
-        measure_every)."""
-        every = self.growing.measure_every if self.growing is not None else 0
-        return bool(every) and self.world_size == 1 and step % every == every - 1
+        """Whether to cut this step in two so that one process measures the noise scale
+        (`NoiseScaleSchedule.cut_every`)."""
+        schedule = self.growing
+        if schedule is None or self.world_size != 1:
+            return False
+        every = schedule.cut_every(
+            schedule(Progress(self._first_undrawn(step), 0, 0.0)),
+            self.world_size,
+            self.step_time,
+            self._usual_micro_batches,
+            self._micro_batch_cap(),
+        )
+        return bool(every) and step % every == every - 1
+
+    def _first_undrawn(self, step: int) -> int:
+        """The first step whose samples the data loader has not drawn yet, and not before the last change: where a
+        change made now would take effect."""
+        schedule = self.growing
+        first = (self.sampler.issued if self.sampler is not None else step) + 1
+        if schedule.changes:  # (a change may already wait in steps the loader has not drawn)
+            first = max(first, schedule.changes[-1].step + 1)
+        return first
 
     def _maybe_grow(self, step: int) -> None:
         """Ask the schedule, after `step`, whether a larger effective batch pays; if so, plan again from the first
         step the data loader has not drawn yet."""
         schedule, plan = self.growing, self.plan
-        first = (self.sampler.issued if self.sampler is not None else step) + 1
-        if schedule.changes:  # (a change may already wait in steps the loader has not drawn)
-            first = max(first, schedule.changes[-1].step + 1)
+        first = self._first_undrawn(step)
         # the size decided last: steps drawn before it took effect still run the one before
         current, samples = schedule(Progress(first, 0, 0.0)), plan.samples_before_step[step + 1]
         noise = self.noise.lower_bound(schedule.confidence_z)
@@ -478,9 +494,7 @@ class Session:
         controller = self.controller
         if isinstance(controller, TokenBudgetController):
             return max(1, self.runner.last.micro_batch_size) if self._usual_micro_batches > 1 else None
-        if controller.settled_because is not None and controller.settled_because != ROWS_REACHED:
-            return controller.size  # fixed, or stopped by memory or by speed
-        return controller.max_size
+        return controller.larger_step_cap()
 
     def _average_noise(self, step: int) -> None:
         """Average in what the step measured for the noise scale, its tr(Sigma) per sample of the step."""
@@ -489,7 +503,7 @@ class Session:
             return
         samples = self.plan.sizes[step]
         estimate = measured.sums.estimate(measured.step_norm_sq, samples)
-        if not self.noise.update(estimate, samples):
+        if not self.noise.update(estimate, samples, self.plan.samples_before_step[step + 1]):
             self.runner.noise.warn_once(
                 "non-finite",
                 f"Step {step}'s gradient noise estimates are not finite (|G|^2={estimate.grad_norm_sq}, "

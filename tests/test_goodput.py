@@ -156,6 +156,7 @@ def test_the_schedule_answers_by_step_from_its_changes_and_keeps_them_in_its_sta
         (dict(start=8, max_size=16, confidence_z=-1), "confidence_z=-1 must be at least 0"),
         (dict(start=8, max_size=16, min_samples_between_changes=-5), "min_samples_between_changes=-5"),
         (dict(start=8, max_size=16, measure_every=1.5), "measure_every=1.5 must be an integer >= 0"),
+        (dict(start=8, max_size=16, measure_overhead=0), r"measure_overhead=0 must be in \(0, 1\]"),
     ],
 )
 def test_bad_settings_are_refused_with_the_rule(kwargs, message):
@@ -177,14 +178,23 @@ def fixed_step_time(seconds_per_row: float):
 
 
 def growing_trainer(
-    tmp_path, schedule, learning_rate: float, weight=REGRESSION_WEIGHT, rows=6400, **overrides
+    tmp_path,
+    schedule,
+    learning_rate: float,
+    weight=REGRESSION_WEIGHT,
+    rows=6400,
+    micro_batch_size=16,
+    **overrides,
 ):
     from transformers import Trainer, TrainingArguments
 
     settings = dict(QUIET_CPU_RUN)
     settings.update(overrides)
     callback = AdaptiveBatch(
-        schedule=schedule, micro_batch_size=16, lr_scaling="sqrt", noise_time_constant_samples=320
+        schedule=schedule,
+        micro_batch_size=micro_batch_size,
+        lr_scaling="sqrt",
+        noise_time_constant_samples=320,
     )
     return Trainer(
         model=LinearRegression(weight),
@@ -305,11 +315,63 @@ def test_measuring_on_one_process_cuts_every_fourth_step_in_two(tmp_path, monkey
     """A step of one micro-batch measures nothing on one process: with the micro-batch as large as the step, every
     fourth step is cut in two, and the noise scale is measured on those."""
     monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(0.02))
-    schedule = NoiseScaleSchedule(16, max_size=16)
+    schedule = NoiseScaleSchedule(16, max_size=32)  # (no change within 12 steps: 20 steps of 16 between changes)
     trainer = growing_trainer(tmp_path, schedule, learning_rate=0.0, rows=16 * 12)
     trainer.train()
     assert logged(trainer, "adaptive_batch/accumulation_steps") == [1, 1, 1, 2] * 3
-    assert trainer._adaptive_batch.noise.steps == 3
+    noise = trainer._adaptive_batch.noise
+    assert noise.steps == 3 and noise.samples_seen == 16 * 12  # forgetting by the 64 samples between measurements
+    # weights (1 - r_1) r r, (1 - r) r, 1 - r: the first step forgets by its own 16 samples, the others by 64
+    r_1, r = math.exp(-16 / 320), math.exp(-64 / 320)
+    weights = [(1 - r_1) * r * r, (1 - r) * r, 1 - r]
+    assert noise.effective_steps == pytest.approx(sum(weights) ** 2 / sum(w * w for w in weights), rel=1e-12)
+
+
+class LaunchBound:
+    """Step times where a micro-batch's fixed cost is most of a step: 0.7 s a micro-batch plus 0.3 s per 16 rows
+    (a step of 16 rows: 1 s in one micro-batch, 1.7 s cut in two; 32 rows: 1.3 s)."""
+
+    def predict(self, rows, micro_batches):
+        return 0.7 * micro_batches + 0.3 * rows / 16
+
+
+def test_steps_are_cut_less_often_where_a_cut_step_costs_more():
+    schedule = NoiseScaleSchedule(16, max_size=32)
+    # a cut step costs 0.7 s more than 1 s: every 14 steps keeps the cost at 0.05 s a step, 5%
+    assert schedule.cut_every(16, 1, LaunchBound(), 1, None) == math.ceil(0.7 / 0.05) == 14
+    assert NoiseScaleSchedule(16, 32, measure_overhead=0.5).cut_every(16, 1, LaunchBound(), 1, None) == 4
+    assert NoiseScaleSchedule(16, 32, measure_every=0).cut_every(16, 1, LaunchBound(), 1, None) == 0
+    assert schedule.cut_every(16, 1, StepTimeModel(), 1, None) == 4  # nothing timed yet: measure_every
+    assert schedule.cut_every(32, 1, LaunchBound(), 1, None) == 0  # at max_size
+
+
+def test_a_trainer_cuts_the_steps_its_step_times_allow(tmp_path, monkeypatch):
+    monkeypatch.setattr(StepTimeModel, "predict", LaunchBound.predict)
+    schedule = NoiseScaleSchedule(16, max_size=32, min_samples_between_changes=10**6)
+    # (a micro-batch of 32 rows: a step of 32 would be one micro-batch, 1.3 s for twice the samples of 1 s)
+    trainer = growing_trainer(tmp_path, schedule, learning_rate=0.0, rows=16 * 28, micro_batch_size=32)
+    trainer.train()
+    assert logged(trainer, "adaptive_batch/accumulation_steps") == ([1] * 13 + [2]) * 2
+    assert trainer._adaptive_batch.noise.steps == 2
+
+
+@pytest.mark.parametrize(
+    "max_size, seconds_per_row",
+    [
+        (16, 0.02),  # at max_size: nothing left to decide
+        (32, 1.0),  # 1 + 32 s against 1 + 16 s: x2 the samples for x1.94 the time, never more than the 5% margin
+    ],
+)
+def test_no_step_is_cut_in_two_where_no_noise_scale_could_make_a_change_pay(
+    tmp_path, monkeypatch, max_size, seconds_per_row
+):
+    monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(seconds_per_row))
+    schedule = NoiseScaleSchedule(16, max_size=max_size)
+    assert schedule.cut_every(16, 1, StepTimeModel(), 1, None) == 0
+    trainer = growing_trainer(tmp_path, schedule, learning_rate=0.0, rows=16 * 12)
+    trainer.train()
+    assert logged(trainer, "adaptive_batch/accumulation_steps") == [1] * 12
+    assert trainer._adaptive_batch.noise.steps == 0
 
 
 def test_a_noise_scale_schedule_needs_the_measurement_and_a_dataset_large_enough(tmp_path):

@@ -130,3 +130,30 @@ def test_state_dict_round_trip_continues_identically():
     b.load_state_dict(a.state_dict())
     assert run_step(a, 64, H200.__getitem__) == run_step(b, 64, H200.__getitem__)
     assert a.state_dict() == b.state_dict()
+
+
+def test_a_fixed_size_held_down_by_a_small_step_comes_back_when_steps_grow():
+    """micro_batch_size=32 with steps of 16 rows runs micro-batches of 16; once the effective batch grows to 32
+    rows a step, they are the 32 stated (not two of 16), and never more."""
+    controller = MicroBatchController(32, auto=False, row_limit=16)
+    assert controller.size == 16 and controller.larger_step_cap() == 32
+    controller.raise_row_limit(32)
+    assert controller.size == 32
+    controller.raise_row_limit(64)
+    assert controller.size == 32 and controller.larger_step_cap() == 32
+    capped = MicroBatchController(32, auto=False, max_size=24, row_limit=16)
+    capped.raise_row_limit(64)
+    assert capped.size == 24 and capped.larger_step_cap() == 24
+    shrunk = MicroBatchController(32, auto=False, row_limit=16)
+    shrunk.on_out_of_memory(16)  # 16 failed: 8 from now on, a larger step too
+    shrunk.raise_row_limit(64)
+    assert shrunk.size == 8 and shrunk.larger_step_cap() == 8
+
+
+def test_a_search_that_stopped_at_a_step_s_rows_goes_on_when_steps_grow():
+    controller = MicroBatchController(8, auto=True, row_limit=8)
+    controller.record(8, 1.0, 800)
+    controller.record(8, 1.0, 800)
+    assert not controller.exploring and controller.larger_step_cap() is None
+    controller.raise_row_limit(32)
+    assert controller.trial == 16 and controller.larger_step_cap() is None

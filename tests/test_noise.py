@@ -106,6 +106,30 @@ def test_the_averages_are_bias_corrected_and_weighted_by_samples():
     assert noise.effective_steps == pytest.approx((first + second) ** 2 / (first**2 + second**2), rel=1e-14)
 
 
+def test_given_the_samples_seen_the_averages_forget_by_the_samples_since_the_last_step_averaged():
+    """One process measures every fourth step: the steps between count towards the forgetting, so that the time
+    constant spans the same samples of training however often the noise is measured."""
+    sparse, dense = NoiseScale(time_constant_samples=20), NoiseScale(time_constant_samples=20)
+    sparse.update(StepEstimate(2.0, 40.0), samples=10, samples_seen=10)
+    sparse.update(StepEstimate(4.0, 20.0), samples=10, samples_seen=40)  # two steps of 10 measured nothing
+    dense.update(StepEstimate(2.0, 40.0), samples=10)
+    dense.update(StepEstimate(4.0, 20.0), samples=30)  # the same weights: 30 samples since the first
+    assert sparse.state_dict()["moments"] == dense.state_dict()["moments"]
+    assert sparse.samples_seen == 40
+    # without the samples seen, only the step's own samples forget
+    alone = NoiseScale(time_constant_samples=20)
+    alone.update(StepEstimate(2.0, 40.0), samples=10)
+    alone.update(StepEstimate(4.0, 20.0), samples=10)
+    assert alone.grad_norm_sq < sparse.grad_norm_sq  # the second step weighs less
+    # the mark survives a checkpoint; a checkpoint without it forgets by the next step's own samples
+    restored = NoiseScale(time_constant_samples=20)
+    restored.load_state_dict(json.loads(json.dumps(sparse.state_dict())))
+    assert restored.samples_seen == 40
+    old = {k: v for k, v in sparse.state_dict().items() if k != "samples_seen"}
+    restored.load_state_dict(old)
+    assert restored.samples_seen is None
+
+
 def test_the_noise_scale_is_a_ratio_of_averages_not_an_average_of_ratios():
     noise = NoiseScale(time_constant_samples=1e15)  # equal weights
     noise.update(StepEstimate(1.0, 10.0), samples=8)
