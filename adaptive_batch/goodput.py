@@ -131,13 +131,10 @@ class NoiseScaleSchedule:
         min_samples_between_changes: at least this many samples between two changes, and before the first, so that
             the noise scale and the step time have been measured at the current batch.
         measure_every: on a step that would be one micro-batch per rank on one process (where nothing measures the
-            noise scale), every this-many-th step at most is cut into two, so that the noise scale is measured; the
-            step time model learns the cost of the extra micro-batch from those same steps. 0 never cuts.
-        measure_overhead: steps are cut less often where a cut step costs more, so that the cut steps add at most
-            this share to the modelled time of a step (`cut_every`): where a micro-batch's fixed cost is most of
-            a step (a small model, launch-bound), a cut step costs nearly two. No step is cut once no noise scale
-            could make a change pay (at `max_size`, or where the next size is not faster per sample by the
-            margin even at an infinite noise scale).
+            noise scale), every this-many-th step is cut into two, so that the noise scale is measured; the step
+            time model learns the cost of the extra micro-batch from those same steps. 0 never cuts. No step is
+            cut once no noise scale could make a change pay (`cut_every`): at `max_size`, or where the next size is
+            not faster per sample by the margin even at an infinite noise scale.
 
     Example:
         ```python
@@ -159,7 +156,6 @@ class NoiseScaleSchedule:
         confidence_z: float = 1.645,
         min_samples_between_changes: int | None = None,
         measure_every: int = 4,
-        measure_overhead: float = 0.05,
     ):
         self.start = check_effective_batch_size(start, where="NoiseScaleSchedule start")
         self.max_size = check_effective_batch_size(max_size, where="NoiseScaleSchedule max_size")
@@ -188,13 +184,11 @@ class NoiseScaleSchedule:
                 f"NoiseScaleSchedule measure_every={measure_every!r} must be an integer >= 0 (0: never cut a step "
                 "in two to measure), e.g. 4."
             )
-        _check_real(measure_overhead, "measure_overhead", lambda x: 0 < x <= 1, "in (0, 1], e.g. 0.05 for 5%")
         self.factor = float(factor)
         self.margin = float(margin)
         self.confidence_z = float(confidence_z)
         self.min_samples_between_changes = min_samples_between_changes
         self.measure_every = int(measure_every)
-        self.measure_overhead = float(measure_overhead)
         self.changes: list[Change] = []
 
     # -- a schedule ----------------------------------------------------------------------------------------------
@@ -271,13 +265,10 @@ class NoiseScaleSchedule:
         micro_batch_cap: int | None,
     ) -> int:
         """Every how many steps one process cuts a step of one micro-batch in two to measure the noise scale at
-        `current` (0: none; the arguments are those of `propose`):
-
-        - 0 where no noise scale could make a change pay: at `max_size`, or where the next size's modelled speed
-          alone (as with an infinite noise scale) does not beat the current one's by the margin;
-        - otherwise `measure_every`, or more where the modelled extra time of a cut step, T(rows, 2) - T(rows, 1),
-          over that many steps would exceed `measure_overhead` of T(rows, 1).
-        """
+        `current` (the arguments are those of `propose`): `measure_every`, or 0 (none) where no noise scale could
+        make a change pay: at `max_size`, or where the next size's modelled speed alone (as with an infinite noise
+        scale) does not beat the current one's by the margin. (Spacing the cuts by their measured cost was tried
+        and lost more than it saved: see benchmarks/README.md.)"""
         if not self.measure_every or self.next_size(current, world_size) is None:
             return 0
         modelled = self._modelled(current, world_size, step_time, micro_batches, micro_batch_cap)
@@ -285,11 +276,7 @@ class NoiseScaleSchedule:
             candidate, seconds, seconds_next = modelled
             if goodput_gain(current, seconds, candidate, seconds_next, math.inf) <= 1 + self.margin:
                 return 0
-        rows = current // world_size
-        seconds, seconds_cut = (step_time.predict(rows, n) for n in (micro_batches, max(2, micro_batches)))
-        if seconds is None or seconds_cut is None or seconds_cut <= seconds:
-            return self.measure_every
-        return max(self.measure_every, math.ceil((seconds_cut - seconds) / (self.measure_overhead * seconds)))
+        return self.measure_every
 
     def _modelled(
         self,

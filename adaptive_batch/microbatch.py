@@ -215,7 +215,9 @@ class MicroBatchController:
         """The most rows a micro-batch of a step larger than today's may hold, as far as known (`None`: as many as
         memory allows, the search going on): the size stated, or the one a search stopped at for memory or speed."""
         if self.settled_because == FIXED:
-            return min(x for x in (self.start, self.max_size, *(s - 1 for s in self.oom_sizes)) if x is not None)
+            return min(
+                x for x in (self.start, self.max_size, *(s - 1 for s in self.oom_sizes)) if x is not None
+            )
         if self.settled_because is not None and self.settled_because != ROWS_REACHED:
             return self.size
         return self.max_size

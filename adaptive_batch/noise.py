@@ -284,7 +284,9 @@ class NoiseScale:
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
         self.skipped = int(state.get("skipped", 0))
-        seen = state.get("samples_seen")  # (not in checkpoints before it was kept: the next step forgets by its own)
+        seen = state.get(
+            "samples_seen"
+        )  # (not in checkpoints before it was kept: the next step forgets by its own)
         self.samples_seen = None if seen is None else float(seen)
         self.moments = _Moments(**{k: float(v) for k, v in state["moments"].items()})
 
