@@ -90,6 +90,10 @@ class StepTimeModel:
                 return 0.0, a, b
         return None
 
+    def measured(self, rows: int, micro_batches: int) -> bool:
+        """Whether steps of `rows` rows in `micro_batches` micro-batches have been timed `min_steps` times."""
+        return len(self.times.get((rows, micro_batches), ())) >= self.min_steps
+
     def predict(self, rows: int, micro_batches: int) -> float | None:
         coefficients = self.coefficients()
         if coefficients is None:
@@ -129,7 +133,10 @@ class NoiseScaleSchedule:
         confidence_z: the noise scale used is its lower confidence bound at this many standard errors (1.645: 95%
             one-sided); 0 uses the estimate itself.
         min_samples_between_changes: at least this many samples between two changes, and before the first, so that
-            the noise scale and the step time have been measured at the current batch.
+            the noise scale has been measured at the current batch. A change also waits until steps at the current
+            batch have been timed (`StepTimeModel.min_steps` of them, outside the micro-batch search): a size
+            predicted from smaller ones only, where a small model's step time hardly grows with its rows, made a
+            larger size look free.
         measure_every: on a step that would be one micro-batch per rank on one process (where nothing measures the
             noise scale), every this-many-th step is cut into two, so that the noise scale is measured; the step
             time model learns the cost of the extra micro-batch from those same steps. 0 never cuts. No step is
@@ -243,6 +250,8 @@ class NoiseScaleSchedule:
         since = samples_seen - (self.changes[-1].samples_seen if self.changes else 0)
         if since < self.min_samples_between_changes or noise_scale is None:
             return None
+        if not step_time.measured(current // world_size, micro_batches):
+            return None  # the current size's steps timed, not extrapolated from smaller ones
         modelled = self._modelled(current, world_size, step_time, micro_batches, micro_batch_cap)
         if modelled is None:
             return None

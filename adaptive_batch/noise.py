@@ -284,9 +284,8 @@ class NoiseScale:
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
         self.skipped = int(state.get("skipped", 0))
-        seen = state.get(
-            "samples_seen"
-        )  # (not in checkpoints before it was kept: the next step forgets by its own)
+        # (not in checkpoints before it was kept: the next step forgets by its own samples)
+        seen = state.get("samples_seen")
         self.samples_seen = None if seen is None else float(seen)
         self.moments = _Moments(**{k: float(v) for k, v in state["moments"].items()})
 

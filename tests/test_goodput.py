@@ -120,6 +120,21 @@ def test_a_capped_micro_batch_predicts_the_larger_step_in_more_micro_batches():
     assert schedule.propose(32, 0, 1, 1e6, times, 1, 32) is None
 
 
+def test_a_change_waits_until_steps_at_the_current_size_are_timed():
+    """Steps of 16 and 32 rows take the same time (launch-bound): extrapolated, 64 rows look free. Just after a
+    change to 64, nothing decides until 64's own steps are timed; they show the cost, and it stays."""
+    schedule = NoiseScaleSchedule(16, max_size=256, min_samples_between_changes=0)
+    times = StepTimeModel()
+    timed(times, 16, 1, 1.0)
+    timed(times, 32, 1, 1.0)
+    assert schedule.propose(16, 0, 1, 100.0, times, 1, None)[0] == 32
+    assert times.predict(128, 1) == pytest.approx(1.0)  # 64 -> 128 looks free from here
+    assert schedule.propose(64, 0, 1, 100.0, times, 1, None) is None  # 64 not timed yet
+    timed(times, 64, 1, 2.0)  # twice the time for twice the rows of 32
+    assert times.measured(64, 1) and not times.measured(128, 1)
+    assert schedule.propose(64, 0, 1, 100.0, times, 1, None) is None
+
+
 def test_changes_wait_for_the_stated_samples_and_stop_at_the_maximum():
     schedule = NoiseScaleSchedule(32, max_size=100, min_samples_between_changes=640)
     times = two_sizes(1.0, 1.0)
