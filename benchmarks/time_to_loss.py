@@ -285,6 +285,41 @@ def summarise(runs: list[dict], seq_len: int) -> dict:
     return summary
 
 
+def compare(runs: list[dict], target: float, seq_len: int) -> dict:
+    """Each run's time, steps, samples and tokens to `target`, each arm's median time over its runs (a run that
+    never reached the target counts as infinitely slow), and each arm's median over fixed64's: for runs made in one
+    call, interleaved, so that they share the machine's state (`--compare`)."""
+    table = []
+    for r in runs:
+        point = first_at(r["points"], target)
+        table.append(
+            {
+                "arm": r["arm"],
+                "lr": r["lr"],
+                "seed": r["seed"],
+                "final_eval_loss": r["points"][-1]["eval_loss"],
+                "seconds_to_target": point["train_seconds"] if point else None,
+                "steps_to_target": point["step"] if point else None,
+                "samples_to_target": point["samples"] if point else None,
+                "tokens_to_target": point["samples"] * seq_len if point else None,
+                "changes": [(c["step"], c["size"]) for c in r["changes"]],
+            }
+        )
+    medians = {}
+    for arm in dict.fromkeys(row["arm"] for row in table):
+        times = [row["seconds_to_target"] for row in table if row["arm"] == arm]
+        medians[arm] = statistics.median(math.inf if t is None else t for t in times)
+    reference = medians.get("fixed64")
+    return {
+        "target_eval_loss": target,
+        "table": table,
+        "median_seconds_to_target": {a: m if math.isfinite(m) else None for a, m in medians.items()},
+        "over_fixed64": {
+            a: m / reference for a, m in medians.items() if reference and math.isfinite(m * reference)
+        },
+    }
+
+
 def plot_curves(runs: list[dict], summary: dict, out: str) -> None:
     """Eval loss against training seconds and effective batch against samples, each arm at its best LR, seed 0."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -329,9 +364,26 @@ def main():
     parser.add_argument(
         "--summarise", nargs="+", metavar="JSON", help="merge these results' runs and summarise"
     )
+    parser.add_argument(
+        "--compare", nargs="+", metavar="JSON", help="these results' runs against each other (with --target)"
+    )
+    parser.add_argument("--target", type=float, help="the eval loss --compare times the runs to")
+    parser.add_argument("--name", default="compare", help="--compare writes time_to_loss_NAME.json")
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-time-to-loss")
     options = parser.parse_args()
     os.makedirs(options.out, exist_ok=True)
+    if options.compare:
+        if options.target is None:
+            parser.error("--compare needs --target, the eval loss to time the runs to")
+        runs = []
+        for name in options.compare:
+            with open(name) as f:
+                runs.extend(json.load(f)["runs"])
+        result = {"sources": options.compare, **compare(runs, options.target, options.seq_len)}
+        with open(os.path.join(options.out, f"time_to_loss_{options.name}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        print(json.dumps({k: result[k] for k in ("median_seconds_to_target", "over_fixed64")}, indent=1))
+        return
     if options.summarise:
         runs = []
         for name in options.summarise:
