@@ -64,7 +64,9 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             sequences apart (eager, sdpa, flex, flash).
         lr_scaling: `"none"`, `"sqrt"` (Adam family), `"linear"` (SGD) or a callable
             `(effective, starting) -> multiplier`: how the learning rate follows the effective batch, relative to
-            the starting one, on top of the user's scheduler.
+            the starting one, on top of the user's scheduler. With a `NoiseScaleSchedule` also `"gain"` (SGD) and
+            `"sqrt_gain"` (Adam family): AdaScale's gain (B / B0)(B_noise + B0) / (B_noise + B), or its square
+            root, B_noise measured at each change (see `lr.py`).
         growth_margin: the tokens/s gain a doubled micro-batch must bring to be kept (default 1%).
         memory_headroom: the share of GPU memory `"auto"` keeps free when predicting whether a size fits.
         measure_noise: measure the gradient noise scale (McCandlish et al. 2018) from every step that has 2 or more

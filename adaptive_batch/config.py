@@ -7,9 +7,10 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-from .lr import LRRule, resolve_rule
+from .goodput import NoiseScaleSchedule
+from .lr import GAIN_POWERS, LRRule, resolve_rule
 from .noise import PRECONDITIONERS
-from .schedule import Schedule, as_schedule
+from .schedule import Schedule, as_schedule, describe
 
 
 @dataclass
@@ -60,7 +61,8 @@ class AdaptiveBatchConfig:
         default="none",
         metadata={
             "help": "How the learning rate follows the effective batch: 'none', 'sqrt' (Adam family), 'linear' "
-            "(SGD) or a callable (effective, starting) -> multiplier."
+            "(SGD), a callable (effective, starting) -> multiplier, or with a NoiseScaleSchedule 'gain' (SGD) or "
+            "'sqrt_gain' (Adam family): AdaScale's gain from the noise scale at each change."
         },
     )
     growth_margin: float = field(
@@ -130,6 +132,13 @@ class AdaptiveBatchConfig:
         if not isinstance(self.padding_free, bool):
             raise ValueError(f"padding_free={self.padding_free!r} must be True or False.")
         self.rule = resolve_rule(self.lr_scaling)
+        if self.lr_scaling in GAIN_POWERS and not isinstance(self.schedule, NoiseScaleSchedule):
+            given = "the Trainer's" if self.schedule is None else describe(self.schedule)
+            raise ValueError(
+                f"lr_scaling={self.lr_scaling!r} takes AdaScale's gain from the noise scale at each change of a "
+                f"NoiseScaleSchedule, and the schedule is {given}. Use schedule=NoiseScaleSchedule(...), or "
+                "lr_scaling='sqrt' (Adam family) or 'linear' (SGD)."
+            )
         if not isinstance(self.growth_margin, numbers.Real) or not 0 <= self.growth_margin < 1:
             raise ValueError(f"growth_margin={self.growth_margin!r} must be in [0, 1), e.g. 0.02 for 2%.")
         if not isinstance(self.memory_headroom, numbers.Real) or not 0 <= self.memory_headroom < 1:

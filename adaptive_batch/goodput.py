@@ -113,12 +113,14 @@ class StepTimeModel:
 
 @dataclass(frozen=True)
 class Change:
-    """The effective batch became `size` from optimizer step `step` on, decided after `samples_seen` samples."""
+    """The effective batch became `size` from optimizer step `step` on, decided after `samples_seen` samples, when
+    the noise scale's estimate was `noise_scale` samples (what the gain LR rules read; `inf` if not measured)."""
 
     step: int
     size: int
     samples_seen: int
     reason: str
+    noise_scale: float = math.inf
 
 
 class NoiseScaleSchedule:
@@ -310,15 +312,27 @@ class NoiseScaleSchedule:
             return None
         return candidate, seconds, seconds_next
 
-    def change(self, step: int, size: int, samples_seen: int, reason: str) -> Change:
-        """Record a change to `size` from `step` on (the step after the last one whose samples are already drawn)."""
+    def change(
+        self, step: int, size: int, samples_seen: int, reason: str, noise_scale: float | None = None
+    ) -> Change:
+        """Record a change to `size` from `step` on (the step after the last one whose samples are already drawn),
+        with the noise scale's estimate then (`None`: not measured)."""
         if self.changes and step <= self.changes[-1].step:
             raise ValueError(
                 f"A change at step {step} comes before the last one, at {self.changes[-1].step}."
             )
-        change = Change(step, size, samples_seen, reason)
+        change = Change(step, size, samples_seen, reason, math.inf if noise_scale is None else noise_scale)
         self.changes.append(change)
         return change
+
+    def noise_scale_at(self, step: int) -> float:
+        """The noise scale the size of `step` was decided on: that of the last change at or before it (`inf` before
+        the first)."""
+        noise_scale = math.inf
+        for change in self.changes:
+            if change.step <= step:
+                noise_scale = change.noise_scale
+        return noise_scale
 
     # -- checkpoint ----------------------------------------------------------------------------------------------
 
@@ -327,10 +341,27 @@ class NoiseScaleSchedule:
         self.changes = []
 
     def state_dict(self) -> dict:
-        return {"changes": [[c.step, c.size, c.samples_seen, c.reason] for c in self.changes]}
+        return {
+            "changes": [
+                [
+                    c.step,
+                    c.size,
+                    c.samples_seen,
+                    c.reason,
+                    None if math.isinf(c.noise_scale) else c.noise_scale,
+                ]
+                for c in self.changes
+            ]
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.changes = [Change(int(s), int(b), int(n), str(r)) for s, b, n, r in state["changes"]]
+        # (a checkpoint from before the noise scale was kept holds four fields: the gain rules then read infinity)
+        self.changes = [
+            Change(
+                int(s), int(b), int(n), str(r), math.inf if not rest or rest[0] is None else float(rest[0])
+            )
+            for s, b, n, r, *rest in state["changes"]
+        ]
 
 
 def _check_real(value, name: str, ok, rule: str) -> None:

@@ -15,7 +15,18 @@ Rules (Goyal et al. 2017 for linear/SGD; Malladi et al. 2022 for the square root
 - `"none"`: the learning rate does not follow the batch;
 - `"sqrt"`: multiplied by `sqrt(B / B0)`, for Adam, AdamW and their 8-bit and paged variants;
 - `"linear"`: multiplied by `B / B0`, for SGD;
-- a callable `rule(effective_batch_size, starting_effective_batch_size) -> float`.
+- a callable `rule(effective_batch_size, starting_effective_batch_size) -> float`;
+- `"gain"` and `"sqrt_gain"`, with `NoiseScaleSchedule` only: AdaScale's gain (Johnson et al. 2020)
+
+      r = (B / B0) x (B_noise + B0) / (B_noise + B),
+
+  in [1, B / B0]: the linear rule where the gradient noise dominates (B_noise >> B), no increase where it does not
+  (a larger batch then does not buy a larger safe step). `"gain"` multiplies by r (SGD); `"sqrt_gain"` by sqrt(r)
+  (Adam family: the square-root rule where noise dominates, Malladi et al. 2022, and less where it does not). B_noise
+  is the noise scale measured when the schedule decided the change (fixed from then on, so that the learning rate of
+  every step is known once its size is, and a resumed run recomputes it exactly); before the first change, and for
+  steps smaller than the start (an epoch's short last step), B_noise counts as infinite: the plain linear or
+  square-root rule. Unlike AdaScale, progress is still counted in samples: the budget does not shrink.
 
 Pure Python: no torch, no transformers.
 """
@@ -28,23 +39,37 @@ from collections.abc import Callable
 from .plan import StepPlan
 
 LRRule = Callable[[int, int], float]
-RULE_NAMES = ("none", "sqrt", "linear")
+GAIN_POWERS = {"gain": 1.0, "sqrt_gain": 0.5}  # the power of AdaScale's gain each gain rule multiplies by
+RULE_NAMES = ("none", "sqrt", "linear", *GAIN_POWERS)
 
 
 def resolve_rule(rule: str | LRRule) -> LRRule:
-    """Return the callable behind a rule name, or check and return a callable rule."""
+    """Return the callable behind a rule name, or check and return a callable rule. (A gain rule's callable is its
+    value at an infinite noise scale, the linear or square-root rule; `SampleClock` applies the gain.)"""
     if callable(rule):
         return rule
     if rule == "none":
         return lambda effective, starting: 1.0
-    if rule == "sqrt":
+    if rule in ("sqrt", "sqrt_gain"):
         return lambda effective, starting: math.sqrt(effective / starting)
-    if rule == "linear":
+    if rule in ("linear", "gain"):
         return lambda effective, starting: effective / starting
     raise ValueError(
         f"lr_scaling={rule!r} is not one of {RULE_NAMES} or a callable rule(effective, starting) -> float; use "
         "'sqrt' for Adam-family optimizers, 'linear' for SGD, 'none' to leave the learning rate alone."
     )
+
+
+def gain(effective_batch_size: int, starting_effective_batch_size: int, noise_scale: float) -> float:
+    """AdaScale's gain r = (B / B0)(B_noise + B0) / (B_noise + B); B / B0 at an infinite (or unknown) noise scale.
+
+    Example: `gain(64, 16, 48)` = 4 x 64 / 112 = 2.29: four times the samples buy 2.29 times the step.
+    """
+    ratio = effective_batch_size / starting_effective_batch_size
+    if math.isinf(noise_scale) or effective_batch_size <= starting_effective_batch_size:
+        return ratio
+    noise_scale = max(noise_scale, 0.0)
+    return ratio * (noise_scale + starting_effective_batch_size) / (noise_scale + effective_batch_size)
 
 
 def lr_scale(rule: LRRule, effective_batch_size: int, starting_effective_batch_size: int) -> float:
@@ -71,13 +96,26 @@ class SampleClock:
         rule: a resolved LR rule.
         starting_effective_batch_size: `B0`, the effective batch the rule is relative to.
         nominal_steps: the length the base schedule is built for: the budget in steps of `B0`.
+
+    Gain rules (`gain_power`, see the module docstring) also take `noise_scale_at(step)`: the noise scale the
+    schedule decided the size of `step` on.
     """
 
-    def __init__(self, plan: StepPlan, rule: LRRule, starting_effective_batch_size: int, nominal_steps: int):
+    def __init__(
+        self,
+        plan: StepPlan,
+        rule: LRRule,
+        starting_effective_batch_size: int,
+        nominal_steps: int,
+        gain_power: float | None = None,
+        noise_scale_at: Callable[[int], float] | None = None,
+    ):
         self.plan = plan
         self.rule = rule
         self.starting_effective_batch_size = starting_effective_batch_size
         self.nominal_steps = nominal_steps
+        self.gain_power = gain_power
+        self.noise_scale_at = noise_scale_at
 
     def virtual_step(self, step: int) -> float:
         """Position of `step` on a schedule of `nominal_steps` steps, by the fraction of the budget consumed.
@@ -94,6 +132,9 @@ class SampleClock:
         step = min(step, plan.num_steps - 1)
         # steps trained before the plan took over (a plain Trainer's checkpoint) ran at their scheduled batch
         samples = plan.sizes[step] if step >= plan.done_steps else plan.scheduled[step]
+        if self.gain_power is not None and self.noise_scale_at is not None:
+            noise_scale = self.noise_scale_at(step)
+            return gain(samples, self.starting_effective_batch_size, noise_scale) ** self.gain_power
         return self.multiplier(samples)
 
     def multiplier(self, samples: int) -> float:

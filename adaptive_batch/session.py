@@ -30,7 +30,7 @@ from .checks import check_trainer
 from .config import AdaptiveBatchConfig
 from .goodput import NoiseScaleSchedule, StepTimeModel
 from .gradnoise import GradientNoiseMeter
-from .lr import SampleClock, nominal_steps
+from .lr import GAIN_POWERS, SampleClock, nominal_steps
 from .memory import memory_limit
 from .microbatch import MicroBatchController
 from .noise import NoiseScale
@@ -127,8 +127,14 @@ class Session:
             done = plain.done_steps(adopted.global_step)
         self._done = done
         self.plan = self._build_plan(schedule)
+        gain_power = GAIN_POWERS.get(config.lr_scaling) if isinstance(config.lr_scaling, str) else None
         self.clock = SampleClock(
-            self.plan, config.rule, starting, nominal_steps(self.budget.samples, starting)
+            self.plan,
+            config.rule,
+            starting,
+            nominal_steps(self.budget.samples, starting),
+            gain_power=gain_power,
+            noise_scale_at=self.growing.noise_scale_at if self.growing is not None else None,
         )
         self.clock.check()
         if self.growing is not None:  # every size it may grow to, before any compute
@@ -465,7 +471,7 @@ class Session:
                 reason = "another rank's step times"
         if not size or first >= plan.num_steps:
             return
-        change = schedule.change(first, size, samples, reason)
+        change = schedule.change(first, size, samples, reason, self.noise.value)
         self.plan = self._build_plan(schedule)
         if self.plan.sizes[:first] != plan.sizes[:first] or self.plan.starts[:first] != plan.starts[:first]:
             raise RuntimeError("A new plan changed steps already drawn; this is a bug in AdaptiveBatch.")

@@ -2,6 +2,7 @@
 regression, growth where the noise scale rises, none where it stays below the batch, exact accounting after a
 change (every sample once, the budget, the LR rule, the loop's length) and an exact resume."""
 
+import json
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from conftest import (
 
 from adaptive_batch import AdaptiveBatch, NoiseScaleSchedule
 from adaptive_batch.goodput import StepTimeModel, goodput_gain, statistical_efficiency
+from adaptive_batch.lr import gain
 from adaptive_batch.schedule import Progress
 
 # -- the step time model -------------------------------------------------------------------------------------------
@@ -198,6 +200,7 @@ def growing_trainer(
     weight=REGRESSION_WEIGHT,
     rows=6400,
     micro_batch_size=16,
+    lr_scaling="sqrt",
     **overrides,
 ):
     from transformers import Trainer, TrainingArguments
@@ -207,7 +210,7 @@ def growing_trainer(
     callback = AdaptiveBatch(
         schedule=schedule,
         micro_batch_size=micro_batch_size,
-        lr_scaling="sqrt",
+        lr_scaling=lr_scaling,
         noise_time_constant_samples=320,
     )
     return Trainer(
@@ -272,6 +275,53 @@ def test_the_batch_grows_as_the_noise_scale_rises_and_the_accounting_stays_exact
     assert logged(trainer, "adaptive_batch/accumulation_steps") == [size // 16 for size in sizes]
 
 
+@pytest.mark.parametrize("rule, power", [("gain", 1.0), ("sqrt_gain", 0.5)])
+def test_a_gain_rule_scales_the_lr_by_adascale_s_gain_at_each_change(tmp_path, monkeypatch, rule, power):
+    """lr_scaling='gain': each size's LR multiplier is r = (B / 32)(B_noise + 32) / (B_noise + B), B_noise the
+    noise scale measured when the change was decided; 'sqrt_gain': sqrt(r)."""
+    monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(0.02))
+    schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=640)
+    trainer = growing_trainer(tmp_path, schedule, learning_rate=0.05, lr_scaling=rule)
+    trainer.train()
+    assert len(schedule.changes) >= 2
+    sizes = logged(trainer, "adaptive_batch/effective_batch_size")
+    noise_scales = [schedule.noise_scale_at(step) for step in range(len(sizes))]
+    # (near the optimum |G|^2 is not told apart from the noise: an infinite noise scale, the linear rule)
+    expected = [
+        (size / 32 if math.isinf(b) else (size / 32) * (b + 32) / (b + size)) ** power if size > 32 else 1.0
+        for size, b in zip(sizes, noise_scales)
+    ]
+    assert logged(trainer, "adaptive_batch/lr_scale") == pytest.approx(expected, rel=1e-12)
+    assert logged(trainer, "learning_rate") == pytest.approx([0.05 * x for x in expected], rel=1e-9)
+    first = schedule.changes[0]  # measured, finite: a gain strictly between the two bounds
+    assert 0 < first.noise_scale < math.inf and 1 < gain(first.size, 32, first.noise_scale) < first.size / 32
+
+
+def test_a_gain_rule_needs_a_noise_scale_schedule():
+    with pytest.raises(
+        ValueError, match=r"lr_scaling='gain' takes AdaScale's gain .* the schedule is 64 \(constant\)"
+    ):
+        AdaptiveBatch(schedule=64, lr_scaling="gain")
+    with pytest.raises(ValueError, match="lr_scaling='sqrt_gain'"):
+        AdaptiveBatch(lr_scaling="sqrt_gain")
+
+
+def test_adascale_gain_between_one_and_the_batch_ratio():
+    assert gain(64, 16, 48.0) == pytest.approx(4 * 64 / 112)
+    assert gain(64, 16, math.inf) == 4.0  # noise dominates: the linear rule
+    assert gain(64, 16, 0.0) == 1.0  # no noise: a larger batch buys no larger step
+    assert gain(8, 16, 48.0) == 0.5  # below the start: the linear rule
+    schedule = NoiseScaleSchedule(16, max_size=64)
+    schedule.change(10, 32, 160, "first", 40.0)
+    schedule.change(20, 64, 480, "second")  # not measured: inf
+    assert [schedule.noise_scale_at(s) for s in (0, 10, 19, 20)] == [math.inf, 40.0, 40.0, math.inf]
+    again = NoiseScaleSchedule(16, max_size=64)
+    again.load_state_dict(json.loads(json.dumps(schedule.state_dict())))
+    assert again.changes == schedule.changes
+    again.load_state_dict({"changes": [[10, 32, 160, "a checkpoint of four fields"]]})
+    assert again.noise_scale_at(10) == math.inf
+
+
 def test_without_a_wait_between_changes_each_grows_from_the_last_one(tmp_path, monkeypatch):
     """With min_samples_between_changes=0 a decision can come while the last change still waits in steps the data
     loader has not drawn: it grows from that change's size, never to the same size twice."""
@@ -302,13 +352,19 @@ def test_the_batch_stays_where_the_noise_scale_is_below_it(tmp_path, monkeypatch
     assert logged(trainer, "adaptive_batch/noise_scale")[-1] == pytest.approx(9.08, rel=0.25)
 
 
-def test_a_resumed_run_continues_with_the_changes_made_before_its_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rule", ["sqrt", "gain"])
+def test_a_resumed_run_continues_with_the_changes_made_before_its_checkpoint(tmp_path, monkeypatch, rule):
     monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(0.02))
 
     def run(output, resume=None):
         schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=640)
         trainer = growing_trainer(
-            tmp_path / output, schedule, learning_rate=0.05, save_strategy="steps", save_steps=60
+            tmp_path / output,
+            schedule,
+            learning_rate=0.05,
+            lr_scaling=rule,
+            save_strategy="steps",
+            save_steps=60,
         )
         trainer.train(resume_from_checkpoint=resume)
         return trainer, schedule
@@ -320,7 +376,7 @@ def test_a_resumed_run_continues_with_the_changes_made_before_its_checkpoint(tmp
     assert resumed_schedule.changes == whole_schedule.changes
     assert list(resumed._adaptive_batch.plan.sizes) == list(whole._adaptive_batch.plan.sizes)
     # (the resumed run's log history holds the checkpoint's 60 steps, then its own)
-    for key in ("adaptive_batch/effective_batch_size", "adaptive_batch/noise_scale", "loss"):
+    for key in ("adaptive_batch/effective_batch_size", "adaptive_batch/noise_scale", "learning_rate", "loss"):
         assert logged(resumed, key) == logged(whole, key)
     assert_same_parameters(resumed.model, whole.model)
 
