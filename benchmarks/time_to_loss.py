@@ -320,8 +320,8 @@ def compare(runs: list[dict], target: float, seq_len: int) -> dict:
     }
 
 
-def plot_curves(runs: list[dict], summary: dict, out: str) -> None:
-    """Eval loss against training seconds and effective batch against samples, each arm at its best LR, seed 0."""
+def plot_curves(runs: list[dict], target: float, out: str, label=lambda r: r["arm"]) -> None:
+    """Eval loss against training seconds and effective batch against samples, one line per run."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -329,16 +329,14 @@ def plot_curves(runs: list[dict], summary: dict, out: str) -> None:
     FigureCanvasAgg(figure)
     loss_axes, batch_axes = figure.subplots(1, 2)
     for r in runs:
-        if r["seed"] != 0 or summary["best_lr"].get(r["arm"]) != r["lr"]:
-            continue
         points = [p for p in r["points"] if p["samples"] > 0]
-        loss_axes.plot([p["train_seconds"] for p in points], [p["eval_loss"] for p in points], label=r["arm"])
+        loss_axes.plot([p["train_seconds"] for p in points], [p["eval_loss"] for p in points], label=label(r))
         sizes = [
             (log["adaptive_batch/samples_seen"], log["adaptive_batch/effective_batch_size"])
             for log in r["logs"]
         ]
-        batch_axes.step([x for x, _ in sizes], [y for _, y in sizes], where="post", label=r["arm"])
-    loss_axes.axhline(summary["target_eval_loss"], color="grey", linestyle="--", linewidth=1, label="target")
+        batch_axes.step([x for x, _ in sizes], [y for _, y in sizes], where="post", label=label(r))
+    loss_axes.axhline(target, color="grey", linestyle="--", linewidth=1, label="target")
     loss_axes.set(xlabel="training seconds (evaluation excluded)", ylabel="held-out loss", ylim=(4.2, 6.5))
     batch_axes.set(xlabel="samples seen", ylabel="effective batch (logged every 20 steps)", yscale="log")
     loss_axes.legend(fontsize=8)
@@ -382,6 +380,12 @@ def main():
         result = {"sources": options.compare, **compare(runs, options.target, options.seq_len)}
         with open(os.path.join(options.out, f"time_to_loss_{options.name}.json"), "w") as f:
             json.dump(result, f, indent=1)
+        plot_curves(
+            runs,
+            options.target,
+            os.path.join(options.out, f"time_to_loss_{options.name}.png"),
+            label=lambda r: f"{r['arm']} seed {r['seed']}",
+        )
         print(json.dumps({k: result[k] for k in ("median_seconds_to_target", "over_fixed64")}, indent=1))
         return
     if options.summarise:
@@ -392,7 +396,9 @@ def main():
         summary = summarise(runs, options.seq_len)
         with open(os.path.join(options.out, "time_to_loss_summary.json"), "w") as f:
             json.dump({"sources": options.summarise, "summary": summary}, f, indent=1)
-        plot_curves(runs, summary, os.path.join(options.out, "time_to_loss_h200.png"))
+        best = summary["best_lr"]  # each arm at its best LR, seed 0
+        chosen = [r for r in runs if r["seed"] == 0 and best.get(r["arm"]) == r["lr"]]
+        plot_curves(chosen, summary["target_eval_loss"], os.path.join(options.out, "time_to_loss_h200.png"))
         print(json.dumps(summary, indent=1))
         return
     import transformers
