@@ -217,8 +217,12 @@ def test_a_noise_scale_schedule_makes_the_same_changes_on_every_rank(tmp_path):
     ranks, weights = launch(tmp_path, "growing", "growing", micro=16, world_size=2)
     assert_same_weights(weights[0], weights[1])
     changes = ranks[0]["changes"]
-    assert [size for _, size, _, _ in changes][:2] == [64, 128]
-    assert [c[:3] for c in changes] == [c[:3] for c in ranks[1]["changes"]]
+    assert [c[1] for c in changes][:2] == [64, 128]
+    # (step, size, samples seen, noise scale): the same on both ranks, so the gain rule's LR is too
+    assert [c[:3] + c[4:] for c in changes] == [c[:3] + c[4:] for c in ranks[1]["changes"]]
+    assert changes[0][4] is not None and changes[0][4] > 0
+    rates = [[log["learning_rate"] for log in rank["logs"]] for rank in ranks]
+    assert rates[0] == rates[1] and max(rates[0]) > min(rates[0])
     assert changes[0][3].startswith("goodput x") and ranks[1]["changes"][0][3] == "another rank's step times"
     assert ranks[0]["plan"] == ranks[1]["plan"]
     assert ranks[0]["global_step"] == ranks[0]["max_steps"] == len(ranks[0]["plan"])
