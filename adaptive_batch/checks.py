@@ -61,8 +61,9 @@ def check_trainer(trainer: Trainer) -> None:
             )
     dataset = trainer.train_dataset
     if dataset is not None and (isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")):
-        raise ValueError(
-            f"The training dataset ({type(dataset).__name__}) has no length, so it has no epochs to plan steps "
-            "over and no random access to draw a step's samples from. Use a map-style dataset (datasets.Dataset "
-            "or a torch Dataset with __len__ and __getitem__)."
-        )
+        if args.max_steps <= 0:
+            raise ValueError(
+                f"The training dataset ({type(dataset).__name__}) is a stream, with no length to count epochs in, "
+                f"and max_steps={args.max_steps}. Set max_steps: AdaptiveBatch then reads max_steps x the starting "
+                "effective batch samples from it, once, in order."
+            )

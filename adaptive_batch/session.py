@@ -40,6 +40,7 @@ from .sampler import StepBatchSampler
 from .schedule import Progress, check_effective_batch_size, describe
 from .scheduler import follow_sample_clock
 from .step import MicroBatchRunner
+from .stream import StepStream, is_stream
 from .tokenbudget import TokenBudgetController
 
 logger = logging.getLogger("adaptive_batch")
@@ -106,19 +107,21 @@ class Session:
         check_trainer(trainer)
         schedule = config.resolved_schedule(self.default_effective_batch_size)
         self.growing = schedule if isinstance(schedule, NoiseScaleSchedule) else None
-        if self.growing is not None:
-            self._check_growing(checkpoint)
         starting = check_effective_batch_size(schedule(Progress(0, 0, 0.0)), where="The schedule at step 0")
         if args.max_steps > 0:
             self.budget = Budget.from_max_steps(args.max_steps, starting)
         else:
             self.budget = Budget.from_epochs(args.num_train_epochs, len(dataset))
+        # a stream is one pass over the budget, read in order (stream.py)
+        self.dataset_size = self.budget.samples if is_stream(dataset) else len(dataset)
+        if self.growing is not None:
+            self._check_growing(checkpoint)
         self.adoption = self._adoption(checkpoint)
         done = None
         if self.adoption is not None:
             adopted = self.adoption
             plain = PlainBatching(
-                len(dataset),
+                self.dataset_size,
                 adopted.per_device_train_batch_size,
                 adopted.gradient_accumulation_steps,
                 adopted.world_size,
@@ -141,7 +144,7 @@ class Session:
             for size in self.growing.sizes(self.world_size):
                 self.clock.multiplier(size)
         self.identity = PlanIdentity(
-            dataset_size=len(dataset),
+            dataset_size=self.dataset_size,
             budget_samples=self.budget.samples,
             drop_last=bool(args.dataloader_drop_last),
             data_seed=self._data_seed(),
@@ -176,7 +179,7 @@ class Session:
         args = self.trainer.args
         return build_plan(
             schedule,
-            len(self.trainer.train_dataset),
+            self.dataset_size,
             self.budget,
             self.world_size,
             args.dataloader_drop_last,
@@ -199,11 +202,17 @@ class Session:
                 "or a multiple of the world size."
             )
         largest = schedule.sizes(self.world_size)[-1]
-        if largest > len(self.trainer.train_dataset):
+        if largest > self.dataset_size:
             raise ValueError(
                 f"NoiseScaleSchedule may grow the effective batch to {largest}, more than the dataset's "
-                f"{len(self.trainer.train_dataset)} {_dataset_unit(self.trainer.args)}: one optimizer step cannot "
-                f"hold more than one epoch. Use max_size <= {len(self.trainer.train_dataset)}."
+                f"{self.dataset_size} {_dataset_unit(self.trainer.args)}: one optimizer step cannot "
+                f"hold more than one epoch. Use max_size <= {self.dataset_size}."
+            )
+        if is_stream(self.trainer.train_dataset) and self.trainer.args.dataloader_num_workers > 0:
+            raise ValueError(
+                f"NoiseScaleSchedule with a training stream and dataloader_num_workers="
+                f"{self.trainer.args.dataloader_num_workers}: the stream is read in a worker process, which a new "
+                "plan cannot reach after a change. Use dataloader_num_workers=0, or a map-style dataset."
             )
         schedule.reset()
         stored = checkpoint.state.get("schedule") if checkpoint is not None and checkpoint.state else None
@@ -269,6 +278,11 @@ class Session:
         if checkpoint.global_step == 0:
             return None
         args = self.trainer.args
+        if is_stream(self.trainer.train_dataset):
+            raise ValueError(
+                f"{checkpoint.path} was written by the plain Trainer, whose reading of a training stream "
+                "AdaptiveBatch cannot replay exactly. Start a new run with AdaptiveBatch, or resume without it."
+            )
         return Adoption(
             global_step=checkpoint.global_step,
             # what the plain Trainer recorded; the rest is taken from the arguments of this run
@@ -298,6 +312,9 @@ class Session:
         return args.data_seed if args.data_seed is not None else args.seed
 
     def _shuffle(self) -> bool:
+        """Whether each epoch is a permutation (a stream is read in its own order, whatever the strategy)."""
+        if is_stream(self.trainer.train_dataset):
+            return False
         return self.trainer.args.train_sampling_strategy != "sequential"
 
     # -- a run ---------------------------------------------------------------------------------------------------
@@ -358,13 +375,18 @@ class Session:
 
     def train_dataloader(self) -> DataLoader:
         args = self.trainer.args
-        sampler = StepBatchSampler(self.plan, seed=self._data_seed(), rank=self.rank, shuffle=self._shuffle())
-        self.sampler = sampler
         dataset, collator = compat.train_dataset_and_collator(
             self.trainer, self.trainer.train_dataset, self.trainer.data_collator
         )
-        params = {
-            "batch_sampler": sampler,
+        if is_stream(dataset):  # the steps come out of the stream itself, one list of samples each
+            dataset = self.sampler = StepStream(dataset, self.plan, rank=self.rank, max_steps=args.max_steps)
+            params = {"batch_size": None}
+        else:
+            self.sampler = StepBatchSampler(
+                self.plan, seed=self._data_seed(), rank=self.rank, shuffle=self._shuffle()
+            )
+            params = {"batch_sampler": self.sampler}
+        params |= {
             "collate_fn": collator,
             "num_workers": args.dataloader_num_workers,
             "pin_memory": args.dataloader_pin_memory,
@@ -628,7 +650,7 @@ class Session:
         )
         args = self.trainer.args
         total_tokens = lengths.total_tokens(self.trainer.train_dataset)
-        return report.plan_rows(
+        rows = report.plan_rows(
             plan,
             self.clock,
             self.budget,
@@ -657,6 +679,10 @@ class Session:
                 by_tokens,
             ),
         )
+        if is_stream(self.trainer.train_dataset):
+            stream = ("epochs", f"a stream: its first {plan.budget:,} samples, read once in order")
+            rows = [stream if label == "epochs" else (label, value) for label, value in rows]
+        return rows
 
 
 def _cut_kind(state: dict) -> str:

@@ -1,6 +1,8 @@
 """Run by test_ddp.py, under torchrun (2 ranks, gloo) or alone: a short run whose results the test compares.
 
-usage: ddp_worker.py OUTPUT_DIR {trainer,sft,tokens,packed,noise,growing} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
+usage: ddp_worker.py OUTPUT_DIR {trainer,stream,sft,tokens,packed,noise,growing} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
+
+`stream` is `trainer` with the rows given as a stream (an IterableDataset without a length) and max_steps=10.
 
 With `tokens`, rows of 3 to 24 tokens are cut by a token budget of MICRO_BATCH_SIZE, every micro-batch is recorded,
 and the fake out-of-memory error comes above 30 tokens instead of 1 row. `packed` is the same with the rows
@@ -77,11 +79,19 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
             else DataCollatorForLanguageModeling(tokenizer, mlm=False),
             callbacks=[callback],
         )
-    elif kind == "trainer":
+    elif kind in ("trainer", "stream"):
+        rows = token_dataset(tokenizer, texts[:43], max_length=24)
+        if kind == "stream":
+            common["max_steps"] = 10  # 40 samples: 5 steps of 4, then 8, 8 and 4
+
+            class Stream(torch.utils.data.IterableDataset):
+                def __iter__(self):
+                    yield from rows
+
         trainer = Trainer(
             model=model,
             args=TrainingArguments(**common),
-            train_dataset=token_dataset(tokenizer, texts[:43], max_length=24),
+            train_dataset=Stream() if kind == "stream" else rows,
             data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
             callbacks=[callback],
         )
