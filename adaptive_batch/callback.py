@@ -10,6 +10,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import IntervalStrategy
 
 from .config import AdaptiveBatchConfig
+from .plan import StepPlan
 from .session import Session
 from .trainer import find_trainer_on_stack, install
 
@@ -157,6 +158,38 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             trainer.add_callback(self)
         self.session = install(trainer, self.config)
         return self
+
+    # -- reading the plan and the run from Python ------------------------------------------------------------------
+
+    @property
+    def plan(self) -> StepPlan:
+        """The step plan (read it, do not change it): `plan.sizes[k]` samples in optimizer step `k` over all GPUs,
+        `plan.starts[k]` where they start in the sample stream, `plan.num_steps`, `plan.num_samples`,
+        `plan.samples_before_step[k]`. Known once the Trainer is built; a `NoiseScaleSchedule` replaces it when it
+        grows the batch."""
+        return self._session("plan").plan
+
+    def plan_table(self) -> list[tuple[str, str]]:
+        """The plan as (label, value) rows, as logged when training starts: effective batch, micro-batch, steps,
+        samples, epochs, learning rate rule, phases."""
+        return self._session("plan_table()").plan_rows()
+
+    def current(self) -> dict:
+        """Where the run stands after its last optimizer step (before training: what step 0 will run): `step`,
+        `effective_batch_size`, `micro_batch_size` (the last step's largest), `accumulation_steps`, `samples_seen`,
+        `tokens_seen`, `lr_scale`, the noise keys once measured (`noise_scale`, `grad_norm_sq`, `grad_variance`),
+        `micro_batch_settled_because` (`None` while the micro-batch search goes on) and `batch_changes` (those a
+        `NoiseScaleSchedule` made: step, size, samples seen, reason)."""
+        return self._session("current()").current()
+
+    def _session(self, what: str) -> Session:
+        session = Session.active or self.session
+        if session is None or session.plan is None:
+            raise RuntimeError(
+                f"AdaptiveBatch.{what} is known once the Trainer is built with AdaptiveBatch in its callbacks (or "
+                "after AdaptiveBatch.attach(trainer))."
+            )
+        return session
 
     # -- callback events -------------------------------------------------------------------------------------------
 

@@ -336,7 +336,7 @@ class Session:
         self.noise = self._new_noise()  # (a checkpoint's averages are read in `prepare`)
         self.prepare(checkpoint)
         if self.trainer.args.should_log:
-            logger.info("%s", report.format_rows("AdaptiveBatch plan", self._plan_rows()))
+            logger.info("%s", report.format_rows("AdaptiveBatch plan", self.plan_rows()))
         self._check_longest_row()
         args = self.trainer.args
         args.gradient_accumulation_steps = 1
@@ -539,6 +539,27 @@ class Session:
                 "the noise scale's averages.",
             )
 
+    def current(self) -> dict:
+        """Where the run stands after its last optimizer step (before the first: what step 0 will run)."""
+        plan, controller = self.plan, self.controller
+        if self.last_step < 0:
+            values = {
+                "effective_batch_size": plan.sizes[plan.done_steps],
+                "micro_batch_size": controller.size,
+                "samples_seen": plan.samples_before_step[plan.done_steps],
+                "tokens_seen": self.tokens_seen,
+                "lr_scale": self.clock.scale(plan.done_steps),
+            }
+        else:
+            values = {key.split("/", 1)[1]: value for key, value in self.metrics().items()}
+        values["step"] = self.last_step + 1
+        values["micro_batch_settled_because"] = controller.settled_because
+        values["batch_changes"] = [
+            {"step": c.step, "size": c.size, "samples_seen": c.samples_seen, "reason": c.reason}
+            for c in (self.growing.changes if self.growing is not None else [])
+        ]
+        return values
+
     def metrics(self) -> dict[str, float]:
         """The `adaptive_batch/*` values after the last optimizer step."""
         step = self.last_step
@@ -638,7 +659,8 @@ class Session:
 
     # -- logging -------------------------------------------------------------------------------------------------
 
-    def _plan_rows(self) -> list[tuple[str, str]]:
+    def plan_rows(self) -> list[tuple[str, str]]:
+        """The plan as (label, value) rows: what the log shows when training starts."""
         config, controller, plan = self.config, self.controller, self.plan
         by_tokens = isinstance(controller, TokenBudgetController)
         plain = PlainBatching(

@@ -105,14 +105,16 @@ def main():
         else None,
         callbacks=[
             # the one line: a batch-size warmup, the learning rate following it by the square-root rule
-            AdaptiveBatch(schedule=PhaseSchedule([8, 16, 32], boundaries=[0.15, 0.4]), lr_scaling="sqrt"),
+            adaptive := AdaptiveBatch(
+                schedule=PhaseSchedule([8, 16, 32], boundaries=[0.15, 0.4]), lr_scaling="sqrt"
+            ),
             PrintSteps(),
         ],
     )
     trainer.remove_callback(PrinterCallback)  # PrintSteps prints one line per step instead of the raw dicts
     trainer.train()
-    controller = trainer._adaptive_batch.controller
-    print(f"micro-batch: {controller.size} (settled: {controller.settled_because})")
+    now = adaptive.current()
+    print(f"micro-batch: {now['micro_batch_size']} (settled: {now['micro_batch_settled_because']})")
     evals = [log for log in trainer.state.log_history if "eval_loss" in log]
     print("evaluation:", ", ".join(f"epoch {log['epoch']:g}: loss {log['eval_loss']:.3f}" for log in evals))
 

@@ -222,3 +222,24 @@ def test_the_plan_table_is_logged_when_training_starts(make_trainer, rows, caplo
     assert "optimizer steps                  15 (the plain Trainer: 10)" in table
     assert "effective batch                  4 -> 8 (phases start at 0.5 fraction)" in table
     assert "samples                          80 from num_train_epochs=2 x 40 samples" in table
+
+
+def test_the_plan_and_the_run_are_readable_from_python(make_trainer):
+    callback = AdaptiveBatch(schedule=PhaseSchedule([4, 8], boundaries=[0.5]), micro_batch_size=2)
+    with pytest.raises(RuntimeError, match=r"AdaptiveBatch.plan is known once the Trainer is built"):
+        _ = callback.plan
+    trainer = make_trainer(callbacks=[callback], num_rows=40)
+    plan = callback.plan
+    assert list(plan.sizes) == [4] * 5 + [8, 8, 4] and plan.num_samples == 40
+    table = dict(callback.plan_table())
+    assert table["optimizer steps"].startswith("8") and table["world size"] == "1"
+    before = callback.current()
+    assert (before["step"], before["effective_batch_size"], before["samples_seen"]) == (0, 4, 0)
+    trainer.train()
+    now = callback.current()
+    assert now["step"] == trainer.state.global_step == plan.num_steps
+    assert now["samples_seen"] == 40 and now["effective_batch_size"] == 4  # the epoch's last step holds the rest
+    assert now["accumulation_steps"] == 2 and now["micro_batch_size"] == 2
+    assert now["lr_scale"] == logged(trainer, "adaptive_batch/lr_scale")[-1]
+    assert now["tokens_seen"] == logged(trainer, "adaptive_batch/tokens_seen")[-1] > 0
+    assert now["micro_batch_settled_because"] == "fixed by micro_batch_size" and now["batch_changes"] == []
