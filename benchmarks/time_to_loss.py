@@ -228,6 +228,22 @@ def first_at(points: list[dict], target: float) -> dict | None:
     return None
 
 
+def to_target(run: dict, target: float, seq_len: int) -> dict:
+    """A run's arm, LR, seed, final eval loss, and the time, steps, samples and tokens at which it first evaluated
+    at or below `target` (`None`s if it never did)."""
+    point = first_at(run["points"], target)
+    return {
+        "arm": run["arm"],
+        "lr": run["lr"],
+        "seed": run["seed"],
+        "final_eval_loss": run["points"][-1]["eval_loss"],
+        "seconds_to_target": point["train_seconds"] if point else None,
+        "steps_to_target": point["step"] if point else None,
+        "samples_to_target": point["samples"] if point else None,
+        "tokens_to_target": point["samples"] * seq_len if point else None,
+    }
+
+
 def summarise(runs: list[dict], seq_len: int) -> dict:
     """Best LR per arm (seed 0, final eval loss), the target, and each run's time, steps, samples and tokens to it."""
     best = {}
@@ -247,20 +263,7 @@ def summarise(runs: list[dict], seq_len: int) -> dict:
     for r in runs:
         if best.get(r["arm"]) != r["lr"]:
             continue
-        point = first_at(r["points"], target)
-        table.append(
-            {
-                "arm": r["arm"],
-                "lr": r["lr"],
-                "seed": r["seed"],
-                "final_eval_loss": r["points"][-1]["eval_loss"],
-                "seconds_to_target": point["train_seconds"] if point else None,
-                "steps_to_target": point["step"] if point else None,
-                "samples_to_target": point["samples"] if point else None,
-                "tokens_to_target": point["samples"] * seq_len if point else None,
-                "total_train_seconds": r["train_seconds"],
-            }
-        )
+        table.append({**to_target(r, target, seq_len), "total_train_seconds": r["train_seconds"]})
     # a run that never reached the target counts as infinitely slow: an arm's median is finite when most of its seeds
     # reached it (None in the JSON otherwise)
     by_arm, medians = {}, {}
@@ -291,19 +294,8 @@ def compare(runs: list[dict], target: float, seq_len: int) -> dict:
     call, interleaved, so that they share the machine's state (`--compare`)."""
     table = []
     for r in runs:
-        point = first_at(r["points"], target)
         table.append(
-            {
-                "arm": r["arm"],
-                "lr": r["lr"],
-                "seed": r["seed"],
-                "final_eval_loss": r["points"][-1]["eval_loss"],
-                "seconds_to_target": point["train_seconds"] if point else None,
-                "steps_to_target": point["step"] if point else None,
-                "samples_to_target": point["samples"] if point else None,
-                "tokens_to_target": point["samples"] * seq_len if point else None,
-                "changes": [(c["step"], c["size"]) for c in r["changes"]],
-            }
+            {**to_target(r, target, seq_len), "changes": [(c["step"], c["size"]) for c in r["changes"]]}
         )
     medians = {}
     for arm in dict.fromkeys(row["arm"] for row in table):
