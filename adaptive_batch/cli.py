@@ -82,17 +82,30 @@ def build_parser() -> argparse.ArgumentParser:
     data = plan.add_mutually_exclusive_group(required=True)
     data.add_argument("--dataset-size", type=_positive_int, help="training samples")
     data.add_argument("--dataset", type=Path, help="a .jsonl/.json file or a datasets.save_to_disk folder")
-    plan.add_argument("--per-device", type=_positive_int, default=8, help="per_device_train_batch_size")
-    plan.add_argument("--accumulation", type=_positive_int, default=1, help="gradient_accumulation_steps")
-    plan.add_argument("--gpus", type=_positive_int, default=1, help="data-parallel processes (world size)")
     plan.add_argument(
-        "--epochs", type=float, default=None, help="num_train_epochs (the Trainer's default: 3)"
+        "--tokenizer",
+        type=Path,
+        help="a tokenizer folder (save_pretrained): count the tokens of --dataset rows that hold 'text' or "
+        "'messages' (chat template) rather than 'input_ids'",
     )
+    plan.add_argument(
+        "--args",
+        type=Path,
+        help="the run's saved TrainingArguments: a JSON of them (args.to_json_string()) or the training_args.bin "
+        "the Trainer writes in each checkpoint (unpickled: only your own files); the flags below override it",
+    )
+    plan.add_argument(
+        "--per-device", type=_positive_int, help="per_device_train_batch_size (default: --args, else 8)"
+    )
+    plan.add_argument(
+        "--accumulation", type=_positive_int, help="gradient_accumulation_steps (default: --args, else 1)"
+    )
+    plan.add_argument("--gpus", type=_positive_int, default=1, help="data-parallel processes (world size)")
+    plan.add_argument("--epochs", type=float, help="num_train_epochs (default: --args, else the Trainer's 3)")
     plan.add_argument(
         "--max-steps",
         type=int,
-        default=-1,
-        help="max_steps (overrides --epochs, as in the Trainer; -1: not set)",
+        help="max_steps (overrides --epochs, as in the Trainer; default: --args, else -1: not set)",
     )
     plan.add_argument(
         "--schedule",
@@ -113,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="LR multiplier when the batch grows: sqrt (Adam family), linear (SGD) or none",
     )
-    plan.add_argument("--drop-last", action="store_true", help="dataloader_drop_last")
+    plan.add_argument(
+        "--drop-last", action="store_true", help="dataloader_drop_last (default: --args, else off)"
+    )
     plan.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     plot = commands.add_parser(
@@ -141,8 +156,54 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+# the plan's flags, the TrainingArguments field each reads from --args, and its default without either
+RUN_SETTINGS = (
+    ("per_device", "per_device_train_batch_size", 8),
+    ("accumulation", "gradient_accumulation_steps", 1),
+    ("epochs", "num_train_epochs", None),
+    ("max_steps", "max_steps", -1),
+    ("drop_last", "dataloader_drop_last", False),
+)
+
+
+def read_training_args(path: Path) -> dict:
+    """The fields of a saved TrainingArguments: a JSON object of them, or a `training_args.bin`."""
+    if not path.exists():
+        raise ValueError(
+            f"--args {path} does not exist; pass a TrainingArguments JSON or a training_args.bin."
+        )
+    if path.suffix == ".bin":
+        import torch
+
+        saved = torch.load(path, weights_only=False)  # a pickled TrainingArguments, the Trainer's own format
+        fields = saved.to_dict() if hasattr(saved, "to_dict") else None
+    else:
+        try:
+            fields = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"--args {path} is not JSON ({error}); pass args.to_json_string() saved to a file."
+            ) from None
+    if not isinstance(fields, dict) or "per_device_train_batch_size" not in fields:
+        raise ValueError(
+            f"--args {path} holds no TrainingArguments (no per_device_train_batch_size); save them with "
+            "open(path, 'w').write(args.to_json_string()), or pass a checkpoint's training_args.bin."
+        )
+    return fields
+
+
+def apply_training_args(options: argparse.Namespace) -> None:
+    """Fill the plan's settings left unset on the command line from --args, then from the defaults."""
+    fields = read_training_args(options.args) if options.args is not None else {}
+    for flag, field, default in RUN_SETTINGS:
+        given = getattr(options, flag)
+        if given is None or (flag == "drop_last" and not given):
+            setattr(options, flag, fields.get(field, default) if field in fields else default)
+
+
 def plan_command(options: argparse.Namespace) -> dict:
     """Build the plan the Trainer would run and return it as plain data (printed by `main`)."""
+    apply_training_args(options)
     size, tokens_per_epoch = _dataset_facts(options)
     default_effective = options.per_device * options.accumulation * options.gpus
     schedule = _schedule(options, default_effective)
@@ -450,14 +511,40 @@ def _dataset_facts(options) -> tuple[int, int | None]:
                     f"--dataset {path} is a DatasetDict without a 'train' split: {sorted(dataset)}."
                 )
             dataset = dataset["train"]
-        return len(dataset), lengths.total_tokens(dataset)
+        tokens = lengths.total_tokens(dataset)
+        if tokens is None and options.tokenizer is not None:
+            tokens = _count_tokens(dataset, options.tokenizer, path)
+        return len(dataset), tokens
     records = _read_records(path)
     if not records:
         raise ValueError(f"--dataset {path} holds no records.")
     with_ids = [
         r["input_ids"] for r in records if isinstance(r, dict) and isinstance(r.get("input_ids"), list)
     ]
-    return len(records), sum(map(len, with_ids)) if len(with_ids) == len(records) else None
+    if len(with_ids) == len(records):
+        return len(records), sum(map(len, with_ids))
+    if options.tokenizer is not None:
+        return len(records), _count_tokens(records, options.tokenizer, path)
+    return len(records), None
+
+
+def _count_tokens(rows, tokenizer_dir: Path, path: Path) -> int:
+    """Tokens of rows holding 'text' (tokenized as is) or 'messages' (the tokenizer's chat template)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    total = 0
+    for index, row in enumerate(rows):
+        if isinstance(row, dict) and isinstance(row.get("text"), str):
+            total += len(tokenizer(row["text"])["input_ids"])
+        elif isinstance(row, dict) and isinstance(row.get("messages"), list):
+            total += len(tokenizer.apply_chat_template(row["messages"], tokenize=True))
+        else:
+            raise ValueError(
+                f"--dataset {path} row {index} holds neither 'input_ids', 'text' nor 'messages', so --tokenizer "
+                "has nothing to count; pass a dataset of those, or leave --tokenizer out (tokens unknown)."
+            )
+    return total
 
 
 def _read_records(path: Path) -> list:

@@ -146,7 +146,13 @@ def option_entries(help_text: str) -> dict[str, str]:
         ),
         (
             "plan",
-            {"--per-device": "8", "--accumulation": "1", "--unit": "fraction", "--lr-scaling": "none"},
+            {
+                "--per-device": "--args, else 8",
+                "--accumulation": "--args, else 1",
+                "--gpus": "1",
+                "--unit": "fraction",
+                "--lr-scaling": "none",
+            },
         ),
         ("plot", {}),  # --out's default depends on RUN_DIR, so its help states it
     ],
@@ -169,3 +175,63 @@ def test_help_explains_every_option_and_shows_its_default(capsys, monkeypatch, c
 )
 def test_what_the_effective_batch_is_shared_across_in_words(device, gpus, text):
     assert devices_text(device, gpus) == text
+
+
+@pytest.mark.parametrize("saved_as", ["json", "bin"])
+def test_plan_reads_the_run_s_saved_training_arguments(capsys, tmp_path, saved_as):
+    """The settings come from the run's own TrainingArguments (a JSON of them, or a checkpoint's
+    training_args.bin); a flag given on the command line wins."""
+    import torch
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=3,
+        num_train_epochs=2,
+        dataloader_drop_last=True,
+        use_cpu=True,
+        report_to=[],
+    )
+    path = tmp_path / ("args.json" if saved_as == "json" else "training_args.bin")
+    if saved_as == "json":
+        path.write_text(args.to_json_string())
+    else:
+        torch.save(args, path)
+    code, out, err = run(capsys, "plan", "--dataset-size", "100", "--args", str(path), "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    # 12 a step, 2 epochs of 100; the short last step of each epoch (4) dropped
+    assert result["starting_effective_batch_size"] == 12 and result["budget_samples"] == 200
+    assert result["optimizer_steps"] == 2 * 8 and result["samples"] == 2 * 96
+    code, out, _ = run(
+        capsys, "plan", "--dataset-size", "100", "--args", str(path), "--per-device", "5", "--json"
+    )
+    assert json.loads(out)["starting_effective_batch_size"] == 15  # 5 x the file's 3
+
+
+def test_plan_refuses_a_file_that_holds_no_training_arguments(capsys, tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"learning_rate": 1e-4}))
+    code, _, err = run(capsys, "plan", "--dataset-size", "100", "--args", str(path))
+    assert code == 1 and "holds no TrainingArguments (no per_device_train_batch_size)" in err
+    code, _, err = run(capsys, "plan", "--dataset-size", "100", "--args", str(tmp_path / "missing.json"))
+    assert code == 1 and "does not exist" in err
+
+
+def test_plan_counts_text_tokens_with_a_tokenizer_folder(capsys, tmp_path, tokenizer, texts):
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(folder)
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps({"text": text}) for text in texts[:10]))
+    expected = sum(len(tokenizer(text)["input_ids"]) for text in texts[:10])
+    code, out, err = run(
+        capsys, "plan", "--dataset", str(path), "--tokenizer", str(folder), "--epochs", "2", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == 2 * expected
+    code, out, _ = run(capsys, "plan", "--dataset", str(path), "--epochs", "2", "--json")
+    assert json.loads(out)["tokens"] is None  # no tokenizer: not known
+    path.write_text(json.dumps({"prompt": "no text field"}))
+    code, _, err = run(capsys, "plan", "--dataset", str(path), "--tokenizer", str(folder))
+    assert code == 1 and "row 0 holds neither 'input_ids', 'text' nor 'messages'" in err

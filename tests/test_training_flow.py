@@ -238,7 +238,9 @@ def test_the_plan_and_the_run_are_readable_from_python(make_trainer):
     trainer.train()
     now = callback.current()
     assert now["step"] == trainer.state.global_step == plan.num_steps
-    assert now["samples_seen"] == 40 and now["effective_batch_size"] == 4  # the epoch's last step holds the rest
+    assert (
+        now["samples_seen"] == 40 and now["effective_batch_size"] == 4
+    )  # the epoch's last step holds the rest
     assert now["accumulation_steps"] == 2 and now["micro_batch_size"] == 2
     assert now["lr_scale"] == logged(trainer, "adaptive_batch/lr_scale")[-1]
     assert now["tokens_seen"] == logged(trainer, "adaptive_batch/tokens_seen")[-1] > 0
