@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from torch.utils.data import IterableDataset
 from transformers import Trainer
 
 from adaptive_batch import AdaptiveBatch, PhaseSchedule
@@ -59,15 +58,6 @@ def test_a_changed_argument_is_checked_again_when_training_starts(make_trainer):
     with pytest.raises(ValueError, match="num_train_epochs=0 must be positive"):
         trainer.train()
     assert calls == []
-
-
-def test_datasets_without_length_are_refused(make_trainer, rows):
-    class Stream(IterableDataset):
-        def __iter__(self):
-            return iter(rows)
-
-    with pytest.raises(ValueError, match=r"\(Stream\) has no length.*Use a map-style dataset"):
-        make_trainer([AdaptiveBatch()], dataset=Stream(), max_steps=5)
 
 
 def test_a_trainer_that_builds_its_own_dataloader_is_refused(make_trainer):
