@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .goodput import NoiseScaleSchedule
-from .lr import GAIN_POWERS, LRRule, resolve_rule
+from .lr import LRRule, gain_power, resolve_rule
 from .noise import PRECONDITIONERS
 from .schedule import Schedule, as_schedule, describe
 
@@ -132,7 +132,7 @@ class AdaptiveBatchConfig:
         if not isinstance(self.padding_free, bool):
             raise ValueError(f"padding_free={self.padding_free!r} must be True or False.")
         self.rule = resolve_rule(self.lr_scaling)
-        if self.lr_scaling in GAIN_POWERS and not isinstance(self.schedule, NoiseScaleSchedule):
+        if gain_power(self.lr_scaling) is not None and not isinstance(self.schedule, NoiseScaleSchedule):
             given = "the Trainer's" if self.schedule is None else describe(self.schedule)
             raise ValueError(
                 f"lr_scaling={self.lr_scaling!r} takes AdaScale's gain from the noise scale at each change of a "

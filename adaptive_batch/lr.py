@@ -60,6 +60,12 @@ def resolve_rule(rule: str | LRRule) -> LRRule:
     )
 
 
+def gain_power(rule: str | LRRule) -> float | None:
+    """The power of AdaScale's gain a rule multiplies by (1 for "gain", 1/2 for "sqrt_gain"); `None` for the
+    others."""
+    return GAIN_POWERS.get(rule) if isinstance(rule, str) else None
+
+
 def gain(effective_batch_size: int, starting_effective_batch_size: int, noise_scale: float) -> float:
     """AdaScale's gain r = (B / B0)(B_noise + B0) / (B_noise + B); B / B0 at an infinite (or unknown) noise scale.
 

@@ -30,7 +30,7 @@ from .checks import check_trainer
 from .config import AdaptiveBatchConfig
 from .goodput import NoiseScaleSchedule, StepTimeModel
 from .gradnoise import GradientNoiseMeter
-from .lr import GAIN_POWERS, SampleClock, nominal_steps
+from .lr import SampleClock, gain_power, nominal_steps
 from .memory import memory_limit
 from .microbatch import MicroBatchController
 from .noise import NoiseScale
@@ -130,13 +130,12 @@ class Session:
             done = plain.done_steps(adopted.global_step)
         self._done = done
         self.plan = self._build_plan(schedule)
-        gain_power = GAIN_POWERS.get(config.lr_scaling) if isinstance(config.lr_scaling, str) else None
         self.clock = SampleClock(
             self.plan,
             config.rule,
             starting,
             nominal_steps(self.budget.samples, starting),
-            gain_power=gain_power,
+            gain_power=gain_power(config.lr_scaling),
             noise_scale_at=self.growing.noise_scale_at if self.growing is not None else None,
         )
         self.clock.check()
