@@ -449,14 +449,18 @@ class Session:
         schedule = self.growing
         if schedule is None or self.world_size != 1:
             return False
-        every = schedule.cut_every(
-            schedule(Progress(self._first_undrawn(step), 0, 0.0)),
-            self.world_size,
-            self.step_time,
-            self._usual_micro_batches,
-            self._micro_batch_cap(),
+        every = schedule.measure_every  # (checked first: the step time model is fitted only on such steps)
+        if not every or step % every != every - 1:
+            return False
+        return bool(
+            schedule.cut_every(
+                schedule(Progress(self._first_undrawn(step), 0, 0.0)),
+                self.world_size,
+                self.step_time,
+                self._usual_micro_batches,
+                self._micro_batch_cap(),
+            )
         )
-        return bool(every) and step % every == every - 1
 
     def _first_undrawn(self, step: int) -> int:
         """The first step whose samples the data loader has not drawn yet, and not before the last change: where a
