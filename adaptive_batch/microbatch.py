@@ -214,10 +214,10 @@ class MicroBatchController:
     def larger_step_cap(self) -> int | None:
         """The most rows a micro-batch of a step larger than today's may hold, as far as known (`None`: as many as
         memory allows, the search going on): the size stated, or the one a search stopped at for memory or speed."""
-        if self.settled_because == FIXED:
-            return min(
-                x for x in (self.start, self.max_size, *(s - 1 for s in self.oom_sizes)) if x is not None
-            )
+        if (
+            self.settled_because == FIXED
+        ):  # (an out-of-memory error settles it otherwise: see `on_out_of_memory`)
+            return self.start if self.max_size is None else min(self.start, self.max_size)
         if self.settled_because is not None and self.settled_because != ROWS_REACHED:
             return self.size
         return self.max_size
