@@ -198,7 +198,7 @@ def apply_training_args(options: argparse.Namespace) -> None:
     for flag, field, default in RUN_SETTINGS:
         given = getattr(options, flag)
         if given is None or (flag == "drop_last" and not given):
-            setattr(options, flag, fields.get(field, default) if field in fields else default)
+            setattr(options, flag, fields.get(field, default))
 
 
 def plan_command(options: argparse.Namespace) -> dict:
