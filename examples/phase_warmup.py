@@ -5,7 +5,7 @@ after training: the steps it ran, the samples it took and the learning rate it s
 small Llama built from a config (random weights) learns Python's own documentation (`pydoc_data.topics`) with a
 tokenizer trained on it on the spot.
 
-    python examples/phase_warmup.py                          # about a minute on 2 cores
+    python examples/phase_warmup.py                          # 320 samples, 2 epochs
     python examples/phase_warmup.py --samples 48 --epochs 1  # the smallest run (the test suite's)
 """
 
