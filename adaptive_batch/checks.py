@@ -6,6 +6,8 @@ from __future__ import annotations
 from torch.utils.data import IterableDataset
 from transformers import Trainer
 
+from . import compat
+
 
 def check_trainer(trainer: Trainer) -> None:
     """Raise, before any compute, for setups whose batches AdaptiveBatch cannot keep exact."""
@@ -21,10 +23,11 @@ def check_trainer(trainer: Trainer) -> None:
             "DeepSpeed runs its own gradient accumulation, which AdaptiveBatch does not drive yet. Remove the "
             "deepspeed config, or remove AdaptiveBatch and set the batch sizes by hand."
         )
-    if getattr(trainer, "is_fsdp_enabled", False):
+    if getattr(trainer, "is_fsdp_enabled", False) and not compat.is_fsdp2(trainer):
         raise ValueError(
-            "FSDP needs a reduce-scatter of gradients that AdaptiveBatch does not do yet. Use DDP (torchrun without "
-            "fsdp), or remove AdaptiveBatch."
+            "FSDP version 1 is not supported: it accumulates gradients unsharded outside no_sync and cannot undo "
+            "a failed micro-batch. Use FSDP2 (torch's fully_shard): fsdp_config={'version': 2} in "
+            "TrainingArguments (the default), or fsdp_version: 2 in the accelerate config."
         )
     parallelism = getattr(trainer.accelerator, "parallelism_config", None)
     if parallelism is not None and getattr(parallelism, "non_data_parallel_size", 1) > 1:

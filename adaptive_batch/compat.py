@@ -160,3 +160,34 @@ def loss_scale(trainer) -> float:
 def no_sync(trainer, model: torch.nn.Module):
     """Keep gradients local (DDP's `no_sync`, through the Accelerator) until the step's single reduction."""
     return trainer.accelerator.no_sync(model)
+
+
+def ddp_forget_forward(model: torch.nn.Module) -> None:
+    """DDP (`DistributedDataParallel.require_forward_param_sync`) flips this flag after a forward completes; a
+    forward cut short by an error left it behind on some ranks, which would make them alone broadcast buffers in the
+    next forward. Every completed `no_sync` forward sets it to False."""
+    if hasattr(model, "require_forward_param_sync"):
+        model.require_forward_param_sync = False
+
+
+# -- torch FSDP2 ---------------------------------------------------------------------------------------------------
+
+
+def fsdp2_reset(model: torch.nn.Module) -> None:
+    """Undo a forward or backward that an error cut short under FSDP2 (`fully_shard`): the root module's
+    `reset_iter_state()` (torch >= 2.11) waits on in-flight collectives, reshards every parameter group and clears
+    the iteration's trackers and its unreduced gradients."""
+    reset = getattr(model, "reset_iter_state", None)
+    if reset is None:
+        raise RuntimeError(
+            f"Cannot undo a failed micro-batch under FSDP2: {type(model).__name__} has no reset_iter_state "
+            f"(torch {torch.__version__}); torch >= 2.11 has it. Upgrade torch, or set AdaptiveBatch("
+            "micro_batch_size=N) to a size that fits (adaptive-batch probe finds it)."
+        )
+    reset()
+
+
+def is_fsdp2(trainer) -> bool:
+    """Whether the Trainer's FSDP is FSDP2 (as `Trainer` itself tells: the Accelerator's `fsdp_plugin.fsdp_version`)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return getattr(plugin, "fsdp_version", 1) == 2

@@ -28,6 +28,7 @@ from .checkpoint import (
 )
 from .checks import check_trainer
 from .config import AdaptiveBatchConfig
+from .engines import engine_for
 from .goodput import NoiseScaleSchedule, StepTimeModel
 from .gradnoise import GradientNoiseMeter
 from .lr import SampleClock, gain_power, nominal_steps
@@ -193,6 +194,12 @@ class Session:
             raise ValueError(
                 "schedule=NoiseScaleSchedule(...) decides by the gradient noise scale, but measure_noise=False turns "
                 "its measurement off. Leave measure_noise=True (the default), or use a PhaseSchedule."
+            )
+        engine = engine_for(self.trainer, self.world_size)
+        if not engine.measures_noise:
+            raise ValueError(
+                f"schedule=NoiseScaleSchedule(...) decides by the gradient noise scale, which is not measured under "
+                f"{engine.name}. Use a PhaseSchedule, or train under DDP."
             )
         if schedule.start % self.world_size:
             raise ValueError(

@@ -8,9 +8,10 @@ gradient accumulation, so their losses add up to the loss of the whole step. A l
 Under DDP every rank runs the same sequence of micro-batch sizes, computed from the largest share of any rank (a
 rank with one sample fewer runs its last micro-batch one row short, or a row that adds nothing). With a token budget
 each rank cuts its own rows by their lengths, and a rank with fewer micro-batches than another runs rows that add
-nothing until all have run as many. Gradients stay local (`no_sync`) until the step is done; after each micro-batch
-the ranks exchange a [`MicroBatchReport`] (out of memory or not, and the timings), so that one rank's failure makes
-all of them run the step again, smaller; then the gradients are averaged once, as DDP would have. The same report
+nothing until all have run as many. After each micro-batch the ranks exchange a [`MicroBatchReport`] (out of memory
+or not, and the timings), so that one rank's failure makes all of them run the step again, smaller. What the engine
+does around the micro-batches (DDP: gradients local until the step's end, then averaged once; FSDP2: reduce-scattered
+by each micro-batch) and how it undoes a failed attempt is its [`engines.Engine`]'s. The same report
 is exchanged before every collective the Trainer or TRL make inside a micro-batch (TRL gathers metrics in
 `compute_loss`): a rank that ran out of memory before such a collective answers there, and every rank leaves the
 micro-batch together instead of waiting for ever.
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from . import compat
 from .batch import StepBatch
+from .engines import engine_for
 from .gradnoise import GradientNoiseMeter
 from .memory import Stopwatch, is_out_of_memory, release_memory
 from .microbatch import MicroBatchController, MicroBatchTooLargeError
@@ -152,6 +154,10 @@ class MicroBatchRunner:
         self.packed = packed  # the collator flattens every batch (a step of one sequence looks unpacked)
         self.flatten = flatten
         self.device = trainer.args.device
+        self.engine = engine_for(trainer, world_size)
+        if noise is not None and not self.engine.measures_noise:
+            logger.info("The gradient noise scale is not measured under %s.", self.engine.name)
+            noise = None
         self.noise = noise
         self.last = StepStats()
 
@@ -221,11 +227,10 @@ class MicroBatchRunner:
         sums = (
             self.noise.step_sums(self.ranks, self.distributed) if self.noise is not None else MicroBatchSums()
         )
+        self.engine.finish_step(model)
         if self.distributed:  # the noise sums travel with the token count: no collective of their own
             totals = _all_reduce([real_tokens, *sums.to_list()], self.device, dist.ReduceOp.SUM)
             real_tokens, sums = int(totals[0]), MicroBatchSums.from_list(totals[1:])
-            _average_gradients(model, self.world_size)
-            _broadcast_buffers(model)
         metrics.correct(real_tokens)
         self.last = StepStats(outcome.largest, outcome.chunks, real_tokens, retries, self._step_noise(sums))
         if was_exploring and not self.controller.exploring:
@@ -303,7 +308,7 @@ class MicroBatchRunner:
         stopwatch = Stopwatch(self.device) if timed else None
         local = MicroBatchReport()
         try:
-            with stopwatch or contextlib.nullcontext(), compat.no_sync(trainer, step.model), self._guard():
+            with stopwatch or contextlib.nullcontext(), self.engine.micro_batch(step.model), self._guard():
                 if own > 0:
                     chunk = batch.take(start, own)
                     compat.set_loss_divisor(trainer, step.weights.divisor(batch, start, own))
@@ -324,6 +329,8 @@ class MicroBatchRunner:
         except Exception as error:  # noqa: BLE001 - only allocation failures are handled, the rest re-raised
             if not is_out_of_memory(error):
                 raise
+            if not self.engine.retries:
+                raise self.engine.out_of_memory(error, self.world_size) from error
             rows = own or 1  # a row that adds nothing is one row
             local.out_of_memory = True
             local.failed_rows = rows
@@ -359,14 +366,7 @@ class MicroBatchRunner:
 
     def _forget_attempt(self, model, metrics: compat.TrlMetrics) -> None:
         """Undo a failed attempt: gradients back to none (as at the start of a step), TRL metrics back, memory freed."""
-        model.zero_grad(set_to_none=True)
-        if hasattr(model, "require_forward_param_sync"):
-            # DDP flips this flag after a forward completes; a forward cut short by the error left it behind on
-            # some ranks, which would make them alone broadcast buffers in the next forward. Every completed
-            # no_sync forward sets it to False.
-            model.require_forward_param_sync = False
-        if self.trainer.optimizer is not None:
-            self.trainer.optimizer.zero_grad(set_to_none=True)
+        self.engine.forget(model, self.trainer.optimizer)
         metrics.restore()
         release_memory(self.device)
 
@@ -421,45 +421,6 @@ def _all_reduce(values: list[float], device: torch.device, op) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=op)
     return tensor.tolist()
-
-
-def _average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20) -> None:
-    """All-reduce the gradients of every trainable parameter and divide by `world_size`, as DDP does.
-
-    A parameter without a gradient on this rank takes part with zeros, so every rank sends the same buffers.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    buckets: dict[tuple, list[list[torch.nn.Parameter]]] = {}
-    filled: dict[tuple, int] = {}
-    for p in params:
-        key = (p.grad.dtype, p.grad.device)
-        lists = buckets.setdefault(key, [[]])
-        if filled.get(key, 0) >= bucket_bytes:
-            lists.append([])
-            filled[key] = 0
-        lists[-1].append(p)
-        filled[key] = filled.get(key, 0) + p.grad.numel() * p.grad.element_size()
-    for lists in buckets.values():
-        for bucket in lists:
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat.div_(world_size)
-            offset = 0
-            for p in bucket:
-                count = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + count].view_as(p.grad))
-                offset += count
-
-
-def _broadcast_buffers(model: torch.nn.Module) -> None:
-    """Give every rank rank 0's buffers, as DDP does before a forward that follows a synchronised backward."""
-    if not getattr(model, "broadcast_buffers", False):
-        return
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
 
 
 def _too_large_message(batch: StepBatch | PackedStepBatch, device: torch.device) -> str:

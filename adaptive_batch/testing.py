@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
@@ -136,8 +137,8 @@ class FakeOutOfMemory:
             )
 
         values = (
-            output.values()
-            if hasattr(output, "values")
+            output.values()  # a model's output (a ModelOutput), or a layer's tuple, or a layer's tensor
+            if isinstance(output, Mapping)
             else output
             if isinstance(output, tuple)
             else [output]

@@ -3,6 +3,7 @@
 usage: ddp_worker.py OUTPUT_DIR {trainer,stream,sft,tokens,packed,noise,growing} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
 
 `stream` is `trainer` with the rows given as a stream (an IterableDataset without a length) and max_steps=10.
+`fsdp2` is `trainer` under FSDP2 (`fully_shard`), which accelerate runs on CPU only through `cpu_fsdp2()`.
 
 With `tokens`, rows of 3 to 24 tokens are cut by a token budget of MICRO_BATCH_SIZE, every micro-batch is recorded,
 and the fake out-of-memory error comes above 30 tokens instead of 1 row. `packed` is the same with the rows
@@ -51,6 +52,8 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     tokenizer = train_tokenizer(texts[:1500], vocab_size=384)
     model = keep_loss_in_float64(tiny_llama(tokenizer).to(ORDER_ONLY["dtype"]))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if kind == "fsdp2":
+        cpu_fsdp2()
     common = dict(
         output_dir=output_dir,
         per_device_train_batch_size=2,
@@ -61,6 +64,8 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         **QUIET_CPU_RUN,
         ddp_backend="gloo" if world_size > 1 else None,
     )
+    if kind == "fsdp2":
+        common.update(fsdp="full_shard", fsdp_config={"version": 2})
     schedule = PhaseSchedule([4, 8], boundaries=[0.5])
     if micro == "auto":  # on rows of varying length: cut by tokens, the overhead and budget measured
         callback = AdaptiveBatch(schedule=schedule)
@@ -79,7 +84,7 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
             else DataCollatorForLanguageModeling(tokenizer, mlm=False),
             callbacks=[callback],
         )
-    elif kind in ("trainer", "stream"):
+    elif kind in ("trainer", "stream", "fsdp2"):
         rows = token_dataset(tokenizer, texts[:43], max_length=24)
         if kind == "stream":
             common["max_steps"] = 10  # 40 samples: 5 steps of 4, then 8, 8 and 4
@@ -110,7 +115,12 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     watcher = None
     if fake_oom_rank == str(rank):
         limits = dict(max_rows=None, max_tokens=30) if kind in ("tokens", "packed") else dict(max_rows=1)
-        watcher = FakeOutOfMemory(trainer.model, **limits)
+        if (
+            kind == "fsdp2"
+        ):  # in the middle of the backward: the last layer's and the root's gradients are made
+            watcher = FakeOutOfMemory(trainer.model.model.layers[0], **limits, in_backward=True)
+        else:
+            watcher = FakeOutOfMemory(trainer.model, **limits)
     trainer.train()
     session = callback.session
     result = {
@@ -126,14 +136,35 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     }
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    torch.save(
-        {k: v.detach().cpu() for k, v in trainer.model.named_parameters()}, f"{output_dir}/rank{rank}.pt"
-    )
+    weights = {k: _full(v).detach().cpu() for k, v in trainer.model.named_parameters()}
+    torch.save(weights, f"{output_dir}/rank{rank}.pt")
     if torch.distributed.is_initialized():
         # a clean exit: a gloo group left to the interpreter's shutdown can abort a rank ("terminate called
         # without an active exception"), failing a run whose results were all written
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter whole on every rank (an FSDP2 parameter is a sharded DTensor: gathered, on every rank alike)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def cpu_fsdp2() -> None:
+    """The test-only switch: accelerate turns an FSDP plugin on CPU processes into plain DDP (`MULTI_CPU`), although
+    torch's `fully_shard` runs on CPU with gloo. Keep the plugin, as accelerate does on GPUs."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    AcceleratorState.__init__ = fsdp_on_cpu
 
 
 NOISE_STEPS, NOISE_EFFECTIVE_BATCH = 300, 64
@@ -188,9 +219,8 @@ def noise_run(output_dir: str, micro: int) -> None:
     }
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    torch.save(
-        {k: v.detach().cpu() for k, v in trainer.model.named_parameters()}, f"{output_dir}/rank{rank}.pt"
-    )
+    weights = {k: _full(v).detach().cpu() for k, v in trainer.model.named_parameters()}
+    torch.save(weights, f"{output_dir}/rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -255,9 +285,8 @@ def growing_run(output_dir: str, micro: int) -> None:
     }
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    torch.save(
-        {k: v.detach().cpu() for k, v in trainer.model.named_parameters()}, f"{output_dir}/rank{rank}.pt"
-    )
+    weights = {k: _full(v).detach().cpu() for k, v in trainer.model.named_parameters()}
+    torch.save(weights, f"{output_dir}/rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

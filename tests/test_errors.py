@@ -1,10 +1,12 @@
 """Bad input gets one clear error naming the value, the rule and a fix, before any compute."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import Trainer
 
-from adaptive_batch import AdaptiveBatch, PhaseSchedule
+from adaptive_batch import AdaptiveBatch, NoiseScaleSchedule, PhaseSchedule
 
 
 def no_compute(trainer):
@@ -75,13 +77,28 @@ def test_length_grouped_sampling_is_refused(make_trainer):
 
 
 @pytest.mark.parametrize(
-    "flag, message", [("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")]
+    "flag, message",
+    [
+        ("is_deepspeed_enabled", "DeepSpeed"),
+        # no FSDP plugin stated: accelerate's default, version 1
+        ("is_fsdp_enabled", r"FSDP version 1 is not supported.*fsdp_config=\{'version': 2\}"),
+    ],
 )
 def test_unsupported_engines_are_refused(make_trainer, flag, message):
     trainer = make_trainer()
     setattr(trainer, flag, True)  # what Trainer.__init__ sets when launched with that engine
     with pytest.raises(ValueError, match=message):
         AdaptiveBatch.attach(trainer)
+
+
+def test_a_noise_scale_schedule_is_refused_under_fsdp2(make_trainer, monkeypatch):
+    trainer = make_trainer()
+    trainer.is_fsdp_enabled = True  # what Trainer.__init__ sets under FSDP2
+    monkeypatch.setattr(
+        trainer.accelerator.state, "fsdp_plugin", SimpleNamespace(fsdp_version=2), raising=False
+    )
+    with pytest.raises(ValueError, match="noise scale, which is not measured under FSDP2"):
+        AdaptiveBatch.attach(trainer, schedule=NoiseScaleSchedule(8, max_size=32))
 
 
 def test_attaching_twice_or_too_late_is_refused(make_trainer):

@@ -1,0 +1,145 @@
+"""What each training engine needs around the micro-batches of a step: one object per engine.
+
+The step runner ([`step.MicroBatchRunner`]) cuts a step and runs its micro-batches the same way under every engine.
+Three things differ, and an [`Engine`] holds them:
+
+- `micro_batch(model)`: the context each micro-batch's forward and backward run in (DDP keeps gradients local);
+- `finish_step(model)`: what makes the step's gradient whole once every micro-batch ran (DDP averages it once);
+- `forget(model, optimizer)`: what undoes a failed attempt at a step, so that it can run again from its start;
+
+and `retries` says whether an out-of-memory error can be retried at all: where a micro-batch's forward or backward
+holds collectives (FSDP gathers parameters and reduce-scatters gradients inside them), a rank that fails in the
+middle leaves the others waiting in a collective it will never make. There the failing rank raises
+[`EngineOutOfMemoryError`] at once and the launcher ends the others, instead of a hang.
+
+The private attributes of the engines that are touched live in [`compat`].
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from . import compat
+
+
+class EngineOutOfMemoryError(RuntimeError):
+    """A micro-batch ran out of memory under an engine where a retry cannot be made safe."""
+
+
+class Engine:
+    """One process, no engine: gradients accumulate in `.grad`, a failed attempt is forgotten by zeroing them."""
+
+    name = "one process"
+    retries = True
+    measures_noise = True  # each micro-batch's own gradient reaches the parameters' hooks ([`gradnoise`])
+
+    def micro_batch(self, model: torch.nn.Module):
+        return contextlib.nullcontext()
+
+    def finish_step(self, model: torch.nn.Module) -> None:
+        pass
+
+    def forget(self, model: torch.nn.Module, optimizer) -> None:
+        model.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+
+    def out_of_memory(self, error: BaseException, world_size: int) -> EngineOutOfMemoryError:
+        """The error to raise where an out-of-memory error cannot be retried (`retries` is False)."""
+        return EngineOutOfMemoryError(
+            f"Out of memory in a micro-batch under {self.name} with {world_size} processes: its forward and "
+            "backward passes hold collectives that the other ranks are already waiting in, so the step cannot "
+            "be run again smaller on every rank. Choose a micro-batch that fits before the run: run "
+            "`adaptive-batch probe` for this model and sequence length on one GPU and pass its size as "
+            f"AdaptiveBatch(micro_batch_size=N) (or max_micro_batch_size=N). The error was: {error}"
+        )
+
+
+class DataParallel(Engine):
+    """DDP (or several processes without a wrapper): gradients stay local during the step's micro-batches
+    (`no_sync`), then are averaged once over the ranks, as DDP's own accumulation would."""
+
+    name = "DDP"
+
+    def __init__(self, trainer, world_size: int):
+        self.trainer = trainer
+        self.world_size = world_size
+
+    def micro_batch(self, model):
+        return compat.no_sync(self.trainer, model)
+
+    def finish_step(self, model) -> None:
+        average_gradients(model, self.world_size)
+        broadcast_buffers(model)
+
+    def forget(self, model, optimizer) -> None:
+        super().forget(model, optimizer)
+        compat.ddp_forget_forward(model)
+
+
+class FullyShardedV2(Engine):
+    """FSDP2 (`fully_shard`): every micro-batch reduce-scatters its gradient into the sharded `.grad` (the least
+    memory; FSDP averages over the ranks itself), so the step's end has nothing to do. A failed attempt is undone by
+    FSDP's `reset_iter_state` plus the unsharded gradients it leaves behind; with several processes an
+    out-of-memory error is not retried (see the module docstring)."""
+
+    name = "FSDP2"
+    measures_noise = False  # the hooks would see the sharded gradient, already averaged over the ranks
+
+    def __init__(self, world_size: int):
+        self.retries = world_size == 1
+
+    def forget(self, model, optimizer) -> None:
+        compat.fsdp2_reset(model)
+        super().forget(model, optimizer)
+
+
+def engine_for(trainer, world_size: int) -> Engine:
+    """The engine the Trainer trains with ([`checks.check_trainer`] refused the ones not listed)."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return FullyShardedV2(world_size)
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        return DataParallel(trainer, world_size)
+    return Engine()
+
+
+def average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20) -> None:
+    """All-reduce the gradients of every trainable parameter and divide by `world_size`, as DDP does.
+
+    A parameter without a gradient on this rank takes part with zeros, so every rank sends the same buffers.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets: dict[tuple, list[list[torch.nn.Parameter]]] = {}
+    filled: dict[tuple, int] = {}
+    for p in params:
+        key = (p.grad.dtype, p.grad.device)
+        lists = buckets.setdefault(key, [[]])
+        if filled.get(key, 0) >= bucket_bytes:
+            lists.append([])
+            filled[key] = 0
+        lists[-1].append(p)
+        filled[key] = filled.get(key, 0) + p.grad.numel() * p.grad.element_size()
+    for lists in buckets.values():
+        for bucket in lists:
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat.div_(world_size)
+            offset = 0
+            for p in bucket:
+                count = p.grad.numel()
+                p.grad.copy_(flat[offset : offset + count].view_as(p.grad))
+                offset += count
+
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers, as DDP does before a forward that follows a synchronised backward."""
+    if not getattr(model, "broadcast_buffers", False):
+        return
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
