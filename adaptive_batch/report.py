@@ -47,7 +47,7 @@ def plan_rows(
         rows.append(("phases (steps: effective batch)", ", ".join(f"{a}-{b}: {e}" for a, b, e in phases)))
     uneven = plan.uneven_steps()
     if uneven:
-        rows.append(("uneven steps", _uneven_text(uneven, clock)))
+        rows.append(("uneven steps", _uneven_text(uneven, clock, plan)))
     if plan.done_steps:
         done = plan.done_steps
         rows.append(
@@ -61,11 +61,16 @@ def plan_rows(
     return rows
 
 
-def _uneven_text(uneven: list[tuple[int, int, int]], clock: SampleClock, shown: int = 4) -> str:
+def _uneven_text(uneven: list[tuple[int, int, int]], clock: SampleClock, plan, shown: int = 4) -> str:
     """Steps holding other than their scheduled batch, each with the LR multiplier for what it holds."""
     parts = []
     for step, samples, scheduled in uneven[:shown]:
-        why = "an epoch's rest" if samples < scheduled else "with a remainder too small for every rank"
+        if samples > scheduled:
+            why = "with a remainder too small for every rank"
+        elif step == plan.num_steps - 1 and plan.budget % plan.dataset_size:
+            why = "the budget's rest"  # the budget ends inside an epoch
+        else:
+            why = "an epoch's rest"
         parts.append(f"step {step}: {samples} of {scheduled} ({why}; LR x{clock.scale(step):.3g})")
     if len(uneven) > shown:
         parts.append(f"{len(uneven) - shown} more")

@@ -59,6 +59,14 @@ def test_learning_rate_is_the_base_schedule_at_the_sample_fraction_times_the_rul
         assert log["adaptive_batch/lr_scale"] == pytest.approx(scale)
 
 
+def test_a_short_last_step_says_whether_the_epoch_or_the_budget_ended(make_trainer):
+    # max_steps=6 x 4 samples = 24 of 40: the budget ends inside the epoch, in the middle of a step of 8
+    callback = AdaptiveBatch(schedule=PhaseSchedule([4, 8], boundaries=[0.5]))
+    make_trainer([callback], num_rows=40, per_device_train_batch_size=4, max_steps=6)
+    table = dict(callback.plan_table())
+    assert table["uneven steps"] == "step 4: 4 of 8 (the budget's rest; LR x1)"
+
+
 def test_a_short_step_gets_the_learning_rate_of_the_samples_it_holds(make_trainer, caplog):
     trainer = make_trainer(
         [AdaptiveBatch(schedule=PhaseSchedule([8, 16], boundaries=[0.5]), lr_scaling="linear")],
