@@ -1,5 +1,7 @@
 """Every example runs as is, at its smallest setting, so that none rots."""
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,15 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
             ["--samples", "48", "--epochs", "1"],
             ["The plan, before any compute:", "What each phase ran:", "48 samples in 3 optimizer steps"],
         ),
+        (
+            "max_steps_trap.py",
+            ["--max-steps", "40"],
+            [
+                "The trap: batch 128 with the same max_steps took 128x the samples",
+                "the data stayed 40 samples (max_steps=40 x the starting batch of 1)",
+                "5,120 from max_steps=40 x starting effective batch 128",
+            ],
+        ),
     ],
 )
 def test_the_example_runs(script, argv, expected):
@@ -31,3 +42,16 @@ def test_the_example_runs(script, argv, expected):
     assert result.returncode == 0, result.stderr[-3000:]
     for text in expected:
         assert text in result.stdout, (text, result.stdout[-3000:])
+
+
+def test_the_example_runs_under_accelerate_launch_on_two_processes():
+    # the README's command; `--cpu --num_processes 2` would start one process
+    command = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    script = [str(EXAMPLES / "finetune_cpu.py"), "--samples", "48", "--epochs", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [sys.executable, *command, *script], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    evaluations = re.findall(r"evaluation: epoch 1: loss (\S+)", result.stdout)
+    assert len(evaluations) == 2 and evaluations[0] == evaluations[1], result.stdout[-3000:]  # both ranks, agreeing
