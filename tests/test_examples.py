@@ -54,4 +54,5 @@ def test_the_example_runs_under_accelerate_launch_on_two_processes():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     evaluations = re.findall(r"evaluation: epoch 1: loss (\S+)", result.stdout)
-    assert len(evaluations) == 2 and evaluations[0] == evaluations[1], result.stdout[-3000:]  # both ranks, agreeing
+    # both ranks evaluated, and agree
+    assert len(evaluations) == 2 and evaluations[0] == evaluations[1], result.stdout[-3000:]
