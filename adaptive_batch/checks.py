@@ -18,11 +18,6 @@ def check_trainer(trainer: Trainer) -> None:
             "AdaptiveBatch finds the micro-batch inside each step and keeps the effective batch. Set "
             "auto_find_batch_size=False."
         )
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        raise ValueError(
-            "DeepSpeed runs its own gradient accumulation, which AdaptiveBatch does not drive yet. Remove the "
-            "deepspeed config, or remove AdaptiveBatch and set the batch sizes by hand."
-        )
     if getattr(trainer, "is_fsdp_enabled", False) and not compat.is_fsdp2(trainer):
         raise ValueError(
             "FSDP version 1 is not supported: it accumulates gradients unsharded outside no_sync and cannot undo "

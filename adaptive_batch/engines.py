@@ -18,11 +18,14 @@ The private attributes of the engines that are touched live in [`compat`].
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.distributed as dist
 
 from . import compat
+
+logger = logging.getLogger("adaptive_batch")
 
 
 class EngineOutOfMemoryError(RuntimeError):
@@ -34,6 +37,7 @@ class Engine:
 
     name = "one process"
     retries = True
+    no_retry_because: str | None = None  # where `retries` is False for another reason than collectives
     measures_noise = True  # each micro-batch's own gradient reaches the parameters' hooks ([`gradnoise`])
 
     def micro_batch(self, model: torch.nn.Module):
@@ -49,10 +53,13 @@ class Engine:
 
     def out_of_memory(self, error: BaseException, world_size: int) -> EngineOutOfMemoryError:
         """The error to raise where an out-of-memory error cannot be retried (`retries` is False)."""
+        why = self.no_retry_because or (
+            "its forward and backward passes hold collectives that the other ranks are already waiting in, so the "
+            "step cannot be run again smaller on every rank"
+        )
         return EngineOutOfMemoryError(
-            f"Out of memory in a micro-batch under {self.name} with {world_size} processes: its forward and "
-            "backward passes hold collectives that the other ranks are already waiting in, so the step cannot "
-            "be run again smaller on every rank. Choose a micro-batch that fits before the run: run "
+            f"Out of memory in a micro-batch under {self.name} with {world_size} processes: {why}. Choose a "
+            "micro-batch that fits before the run: run "
             "`adaptive-batch probe` for this model and sequence length on one GPU and pass its size as "
             f"AdaptiveBatch(micro_batch_size=N) (or max_micro_batch_size=N). The error was: {error}"
         )
@@ -91,14 +98,75 @@ class FullyShardedV2(Engine):
 
     def __init__(self, world_size: int):
         self.retries = world_size == 1
+        if self.retries and not compat.fsdp2_can_reset():
+            self.retries = False
+            self.no_retry_because = (
+                f"torch {torch.__version__} has no FSDPModule.reset_iter_state to undo the failed pass (torch 2.13 "
+                "has it)"
+            )
 
     def forget(self, model, optimizer) -> None:
         compat.fsdp2_reset(model)
         super().forget(model, optimizer)
 
 
+class DeepSpeed(Engine):
+    """DeepSpeed ZeRO-0 to 3, with or without offload, through accelerate. The step owns the accumulation boundary
+    (`managed_gradient_accumulation: false`, set by [`prepare`]): each micro-batch runs `engine.backward` alone,
+    and the step's end runs `engine.step()` once: the gradients reduced, clipped, the optimizer stepped. A failed
+    attempt is undone by [`compat.deepspeed_reset`]; with several processes an out-of-memory error is not retried
+    (ZeRO-2 and 3 reduce or gather inside every backward)."""
+
+    name = "DeepSpeed"
+    measures_noise = False  # ZeRO reduces and partitions the gradients the hooks would read
+
+    def __init__(self, trainer, world_size: int):
+        self.trainer = trainer
+        self.retries = world_size == 1
+
+    def micro_batch(self, model):
+        return compat.deepspeed_backward_only(self.trainer)
+
+    def finish_step(self, model) -> None:
+        compat.deepspeed_engine(self.trainer).step()
+
+    def forget(self, model, optimizer) -> None:
+        compat.deepspeed_reset(compat.deepspeed_engine(self.trainer))
+
+
+def prepare(trainer) -> None:
+    """Set what the engine needs before the Trainer builds it: under DeepSpeed, the caller owns the accumulation
+    boundary. Raises for a DeepSpeed setup that cannot follow AdaptiveBatch's steps."""
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return
+    import deepspeed
+    from packaging.version import Version
+
+    if Version(deepspeed.__version__) < Version("0.19.5"):
+        raise ValueError(
+            f"DeepSpeed {deepspeed.__version__} cannot leave the accumulation boundary to AdaptiveBatch "
+            "(managed_gradient_accumulation, from 0.19.5). Upgrade: pip install 'adaptive-batch[deepspeed]' "
+            "(deepspeed>=0.19.5)."
+        )
+    config = compat.deepspeed_config(trainer)
+    if "scheduler" in config:
+        raise ValueError(
+            f"The DeepSpeed config has a scheduler ({config['scheduler'].get('type')!r}), which DeepSpeed steps by "
+            "optimizer steps; AdaptiveBatch drives the learning rate by samples through the Trainer's scheduler. "
+            "Remove the scheduler section and set lr_scheduler_type (and warmup_steps) in TrainingArguments."
+        )
+    config[compat.UNMANAGED_ACCUMULATION] = False
+    logger.info(
+        "DeepSpeed: AdaptiveBatch owns the accumulation boundary (%s: false); the config's batch fields "
+        "(train_micro_batch_size_per_gpu, gradient_accumulation_steps) are only logged by DeepSpeed.",
+        compat.UNMANAGED_ACCUMULATION,
+    )
+
+
 def engine_for(trainer, world_size: int) -> Engine:
     """The engine the Trainer trains with ([`checks.check_trainer`] refused the ones not listed)."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return DeepSpeed(trainer, world_size)
     if getattr(trainer, "is_fsdp_enabled", False):
         return FullyShardedV2(world_size)
     if world_size > 1 and dist.is_available() and dist.is_initialized():

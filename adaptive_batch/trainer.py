@@ -25,6 +25,7 @@ from transformers import Trainer
 from .checkpoint import STATE_KEY, read_checkpoint
 from .checks import check_trainer
 from .config import AdaptiveBatchConfig
+from .engines import prepare as prepare_engine
 from .session import Session
 
 logger = logging.getLogger("adaptive_batch")
@@ -87,6 +88,7 @@ def install(trainer: Trainer, config: AdaptiveBatchConfig) -> Session:
             "callbacks=[...] or through AdaptiveBatch.attach(trainer), not both."
         )
     check_trainer(trainer)
+    prepare_engine(trainer)
     _configure_logger(trainer.args)
     session = Session(trainer, config)
     cls = type(trainer)

@@ -3,7 +3,9 @@
 usage: ddp_worker.py OUTPUT_DIR {trainer,stream,sft,tokens,packed,noise,growing} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
 
 `stream` is `trainer` with the rows given as a stream (an IterableDataset without a length) and max_steps=10.
-`fsdp2` is `trainer` under FSDP2 (`fully_shard`), which accelerate runs on CPU only through `cpu_fsdp2()`.
+`fsdp2` is `trainer` under FSDP2 (`fully_shard`), which accelerate runs on CPU only through `cpu_fsdp2()`; `zero1`,
+`zero2` and `zero3` are `trainer` under DeepSpeed ZeRO of that stage (`cpu_deepspeed()`). Under all of them the fake
+out-of-memory error comes in the middle of the backward (at the first decoder layer), where most state is left behind.
 
 With `tokens`, rows of 3 to 24 tokens are cut by a token budget of MICRO_BATCH_SIZE, every micro-batch is recorded,
 and the fake out-of-memory error comes above 30 tokens instead of 1 row. `packed` is the same with the rows
@@ -54,6 +56,8 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if kind == "fsdp2":
         cpu_fsdp2()
+    stage = int(kind[-1]) if kind.startswith("zero") else None
+    accelerator_config = cpu_deepspeed(world_size) if stage is not None else None
     common = dict(
         output_dir=output_dir,
         per_device_train_batch_size=2,
@@ -66,6 +70,11 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     )
     if kind == "fsdp2":
         common.update(fsdp="full_shard", fsdp_config={"version": 2})
+    if stage is not None:
+        common.update(use_cpu=False, deepspeed=deepspeed_config(stage), accelerator_config=accelerator_config)
+    common.update(
+        json.loads(os.environ.get("WORKER_ARGS", "{}"))
+    )  # checkpoints, the GPU (benchmarks/engine_resets.py)
     schedule = PhaseSchedule([4, 8], boundaries=[0.5])
     if micro == "auto":  # on rows of varying length: cut by tokens, the overhead and budget measured
         callback = AdaptiveBatch(schedule=schedule)
@@ -84,7 +93,7 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
             else DataCollatorForLanguageModeling(tokenizer, mlm=False),
             callbacks=[callback],
         )
-    elif kind in ("trainer", "stream", "fsdp2"):
+    elif kind in ("trainer", "stream", "fsdp2") or stage is not None:
         rows = token_dataset(tokenizer, texts[:43], max_length=24)
         if kind == "stream":
             common["max_steps"] = 10  # 40 samples: 5 steps of 4, then 8, 8 and 4
@@ -116,12 +125,12 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     if fake_oom_rank == str(rank):
         limits = dict(max_rows=None, max_tokens=30) if kind in ("tokens", "packed") else dict(max_rows=1)
         if (
-            kind == "fsdp2"
-        ):  # in the middle of the backward: the last layer's and the root's gradients are made
+            kind == "fsdp2" or stage is not None
+        ):  # mid-backward: the last layer's and root's gradients are made
             watcher = FakeOutOfMemory(trainer.model.model.layers[0], **limits, in_backward=True)
         else:
             watcher = FakeOutOfMemory(trainer.model, **limits)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=os.environ.get("WORKER_RESUME"))
     session = callback.session
     result = {
         "rank": rank,
@@ -143,11 +152,53 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         # without an active exception"), failing a run whose results were all written
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    if stage is not None:
+        # DeepSpeed's threads still abort a rank at the interpreter's shutdown now and then (seen under ZeRO-3):
+        # every result is written and every rank passed the barrier, so leave without the shutdown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter whole on every rank (an FSDP2 parameter is a sharded DTensor: gathered, on every rank alike)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    """A parameter whole on every rank (an FSDP2 parameter is a sharded DTensor, a ZeRO-3 one a partition: gathered,
+    on every rank alike)."""
+    if hasattr(tensor, "full_tensor"):
+        return tensor.full_tensor()
+    if hasattr(tensor, "ds_id"):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return safe_get_full_fp32_param(tensor)
+    return tensor
+
+
+def deepspeed_config(stage: int) -> dict:
+    """Every batch field "auto" but train_batch_size, which accelerate fills before the CPU processes know of each
+    other (DeepSpeed derives it); clipping from max_grad_norm."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**6,
+        **json.loads(os.environ.get("WORKER_DEEPSPEED", "{}")),  # more of the config, for a test
+    }
+
+
+def cpu_deepspeed(world_size: int) -> dict | None:
+    """DeepSpeed on CPU processes: no build of its shared-memory op (2 minutes of C++ for inference all-reduce, never
+    used in training), and with several processes, accelerate's state made with gloo before TrainingArguments (left
+    to TrainingArguments, every CPU rank takes itself for rank 0 of 1). Returns the accelerator_config to pass."""
+    import importlib
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    if world_size == 1:
+        return None
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    return {"use_configured_state": True}
 
 
 def cpu_fsdp2() -> None:

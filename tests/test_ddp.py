@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 NOISE_KEYS = ("adaptive_batch/noise_scale", "adaptive_batch/grad_norm_sq", "adaptive_batch/grad_variance")
 
 
-def launch(tmp_path, name, kind, micro, world_size, fake_oom_rank=None, torchrun=False, fails=False):
+def launch(
+    tmp_path, name, kind, micro, world_size, fake_oom_rank=None, torchrun=False, fails=False, env=None
+):
     """Run the worker in `world_size` processes (under torchrun if more than one, or if `torchrun`); return every
     rank's results and weights, or with `fails`, the launcher's stderr of a run that must fail."""
     out = tmp_path / name
@@ -45,7 +47,7 @@ def launch(tmp_path, name, kind, micro, world_size, fake_oom_rank=None, torchrun
             str(micro),
             *extra,
         ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     # a process group of its own, so that a hang is ended whole: the launcher and every rank
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

@@ -1,0 +1,288 @@
+"""DeepSpeed ZeRO-2 with the optimizer offloaded to the CPU, on one GPU: AdaptiveBatch against the plain DeepSpeed
+Trainer at the same micro-batch, then a real CUDA out-of-memory error survived.
+
+A 1.1B Llama (TinyLlama's shape, random weights, bf16) fully fine-tuned, sequences of `--seq-len` tokens, the same
+rows in the same order in every arm (`train_sampling_strategy="sequential"`). Arms, alternated in one process
+(plain, adaptive, plain, adaptive, ...), each a fresh model and engine:
+
+- plain: `per_device_train_batch_size=M`, `gradient_accumulation_steps=K`, DeepSpeed's own accumulation;
+- adaptive: the same arguments and `AdaptiveBatch(micro_batch_size=M)`: K micro-batches of M a step, the
+  accumulation boundary owned by AdaptiveBatch (`managed_gradient_accumulation: false`).
+
+Reported: seconds per step after the first, tokens/s, the ratio, and the largest relative difference of the
+parameters after the run between the two arms (the same samples, the same micro-batches). First, with the process
+capped by `torch.cuda.set_per_process_memory_fraction` (run first, then the cap is lifted), AdaptiveBatch from a
+per-device batch of M x K (one micro-batch a step) must run out of memory for real and finish by retrying smaller.
+
+The optimizer is DeepSpeed's AdamW run by torch on the CPU (`torch_adam: true`, so nothing is compiled); the ZeRO-2
+offload config is examples/launch/zero2_offload.json's otherwise.
+
+    python benchmarks/deepspeed_offload.py --out results/            # on the GPU
+    python benchmarks/deepspeed_offload.py --tiny --out /tmp/ds      # the same code on the CPU, a tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from base_model import TINY, save_random_llama  # noqa: E402
+
+TINYLLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)
+CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples/launch/zero2_offload.json"
+)
+
+
+def deepspeed_config() -> dict:
+    with open(CONFIG) as f:
+        config = json.load(f)
+    config["optimizer"]["params"]["torch_adam"] = True
+    config["steps_per_print"] = 10**6
+    return config
+
+
+class StepTimer:
+    """Seconds of every optimizer step, the device synchronised at both ends."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                sync()
+                timer.started = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                sync()
+                timer.seconds.append(time.perf_counter() - timer.started)
+
+        self.callback = Callback()
+        self.seconds: list[float] = []
+        self.started = 0.0
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_arm(name, model_path, rows, micro, accumulation, steps, adaptive, tiny, workdir, per_device=None):
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+
+    from adaptive_batch import AdaptiveBatch
+
+    AcceleratorState._reset_state(reset_partial_state=False)  # a fresh engine config for every arm
+    dtype = torch.float32 if tiny else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    timer = StepTimer()
+    callbacks = [timer.callback]
+    plugin = AdaptiveBatch(micro_batch_size=micro) if adaptive else None
+    if plugin is not None:
+        callbacks.append(plugin)
+    args = TrainingArguments(
+        output_dir=os.path.join(workdir, name),
+        per_device_train_batch_size=per_device or micro,
+        gradient_accumulation_steps=accumulation if per_device is None else 1,
+        max_steps=steps,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        bf16=not tiny,
+        deepspeed=deepspeed_config(),
+        train_sampling_strategy="sequential",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=rows, data_collator=default_data_collator, callbacks=callbacks
+    )
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    seq_len = len(rows[0]["input_ids"])
+    samples = (per_device or micro * accumulation) * steps
+    settled = timer.seconds[1:] or timer.seconds
+    result = {
+        "name": name,
+        "adaptive": adaptive,
+        "step_seconds": timer.seconds,
+        "tokens_per_second": (per_device or micro * accumulation) * seq_len / (sum(settled) / len(settled)),
+        "samples": samples,
+        "losses": [log["loss"] for log in logs],
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30
+        if torch.cuda.is_available()
+        else None,
+        "micro_batch_sizes": [log.get("adaptive_batch/micro_batch_size") for log in logs],
+        "samples_seen": [log.get("adaptive_batch/samples_seen") for log in logs],
+    }
+    params = {n: p.detach().float().cpu() for n, p in trainer.model.named_parameters()}
+    del trainer, model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result, params
+
+
+def largest_difference(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)) for n in a)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a dry run")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--accumulation", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--memory-fraction", type=float, default=0.15)
+    parser.add_argument("--workdir", default="/tmp/adaptive-batch-deepspeed")
+    options = parser.parse_args()
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(key, value)  # one process without a launcher (DeepSpeed wants a process group)
+    os.environ.setdefault("MASTER_PORT", "29517")
+    if options.tiny:  # DeepSpeed's CPU shared-memory op: minutes of C++ for inference only
+        import importlib
+
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    os.makedirs(options.out, exist_ok=True)
+    seq_len = 32 if options.tiny else options.seq_len
+    model_path = save_random_llama(
+        os.path.join(options.workdir, "model"),
+        TINY if options.tiny else TINYLLAMA_1B,
+        on_gpu=not options.tiny,
+    )
+    vocab = (TINY if options.tiny else TINYLLAMA_1B)["vocab_size"]
+    generator = torch.Generator().manual_seed(0)
+    batch = options.micro * options.accumulation
+    rows = []
+    for _ in range(batch * options.steps):
+        ids = torch.randint(0, vocab, (seq_len,), generator=generator).tolist()
+        rows.append({"input_ids": ids, "labels": ids, "attention_mask": [1] * seq_len})
+
+    report = {
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
+        "versions": versions(),
+        "shape": "tiny" if options.tiny else "TinyLlama-1.1B",
+        "seq_len": seq_len,
+        "micro": options.micro,
+        "accumulation": options.accumulation,
+        "arms": [],
+    }
+    # first, a real out-of-memory error: one micro-batch of the whole step, in a process capped below what it needs
+    if torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(options.memory_fraction)
+    try:
+        result, _ = run_arm(
+            "oom", model_path, rows, batch, 1, 2, True, options.tiny, options.workdir, per_device=batch
+        )
+        report["out_of_memory"] = {"finished": True, "memory_fraction": options.memory_fraction, **result}
+    except Exception as error:  # noqa: BLE001 - recorded: the run must show what happened
+        report["out_of_memory"] = {"finished": False, "error": f"{type(error).__name__}: {error}"[:2000]}
+    if torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    write(report, options.out)
+
+    params = {}
+    for round_index in range(options.rounds):
+        for adaptive in (False, True):
+            name = f"{'adaptive' if adaptive else 'plain'}{round_index}"
+            result, weights = run_arm(
+                name,
+                model_path,
+                rows,
+                options.micro,
+                options.accumulation,
+                options.steps,
+                adaptive,
+                options.tiny,
+                options.workdir,
+            )
+            report["arms"].append(result)
+            params.setdefault(adaptive, weights)
+            report["summary"] = summarise(report["arms"], params)
+            write(report, options.out)
+    write(report, options.out)
+    print_table(report)
+
+
+def summarise(arms: list[dict], params: dict) -> dict:
+    """Tokens/s of each arm and the adaptive arms' over the plain ones (so far); the parameters of the first of each
+    after the run (the same samples and micro-batches)."""
+    plain = [a["tokens_per_second"] for a in arms if not a["adaptive"]]
+    adaptive = [a["tokens_per_second"] for a in arms if a["adaptive"]]
+    summary = {"plain_tokens_per_second": plain, "adaptive_tokens_per_second": adaptive}
+    if plain and adaptive:
+        summary["adaptive_over_plain"] = sum(adaptive) / len(adaptive) / (sum(plain) / len(plain))
+        summary["largest_parameter_difference"] = largest_difference(params[True], params[False])
+        summary["losses"] = {"plain": arms[0]["losses"], "adaptive": arms[1]["losses"]}
+    return summary
+
+
+def versions() -> dict:
+    import deepspeed
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "deepspeed": deepspeed.__version__,
+    }
+
+
+def write(report: dict, out: str) -> None:
+    with open(os.path.join(out, "deepspeed_offload.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{'arm':12} {'s/step':>8} {'tokens/s':>9} {'peak GiB':>9}")
+    for arm in report["arms"]:
+        settled = arm["step_seconds"][1:] or arm["step_seconds"]
+        peak = arm["peak_allocated_gib"]
+        print(
+            f"{arm['name']:12} {sum(settled) / len(settled):>8.3f} {arm['tokens_per_second']:>9.0f} "
+            f"{'-' if peak is None else f'{peak:.1f}':>9}"
+        )
+    summary = report.get("summary", {})
+    if "adaptive_over_plain" in summary:
+        print(
+            f"adaptive / plain tokens/s: {summary['adaptive_over_plain']:.4f}; largest parameter difference "
+            f"{summary['largest_parameter_difference']:.2e}"
+        )
+    oom = report["out_of_memory"]
+    sizes = oom.get("micro_batch_sizes")
+    print(f"out of memory: finished={oom['finished']} micro-batches {sizes} {oom.get('error', '')}")
+
+
+if __name__ == "__main__":
+    main()

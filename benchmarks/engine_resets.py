@@ -1,0 +1,72 @@
+"""Each engine's undoing of a failed micro-batch, on the device's own torch and DeepSpeed: tests/ddp_worker.py's FSDP2
+and ZeRO-2/3 runs, one process under torchrun, with the fake out-of-memory error in the middle of a backward at
+micro-batch 2, against the clean run at micro-batch 1. Bit for bit, as tests/test_ddp.py and test_deepspeed.py
+assert on the CPU.
+
+    python benchmarks/engine_resets.py --out results/ [--cpu]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
+
+
+def run(out: str, kind: str, micro: int, fake_oom_rank: str | None, cpu: bool) -> dict:
+    os.makedirs(out, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone", WORKER]
+    command += [out, kind, str(micro), *([fake_oom_rank] if fake_oom_rank else [])]
+    env = {**os.environ, "WORKER_ARGS": json.dumps({"use_cpu": cpu}), "OMP_NUM_THREADS": "1"}
+    process = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    if process.returncode != 0:
+        worker = [line for line in process.stderr.splitlines() if line.startswith("[rank0]:")]
+        return {"returncode": process.returncode, "stderr": "\n".join(worker[-60:]) or process.stderr[-3000:]}
+    with open(os.path.join(out, "rank0.json")) as f:
+        return {"returncode": 0, **json.load(f)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--kinds", default="fsdp2,zero2,zero3")
+    options = parser.parse_args()
+    report = {
+        "command": " ".join(sys.argv),
+        "device": "cpu" if options.cpu else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "kinds": {},
+    }
+    for kind in options.kinds.split(","):
+        base = os.path.join(options.out, "engine_resets", kind)
+        retried = run(os.path.join(base, "oom"), kind, 2, "0", options.cpu)
+        clean = run(os.path.join(base, "clean"), kind, 1, None, options.cpu)
+        entry = {"retried_returncode": retried["returncode"], "clean_returncode": clean["returncode"]}
+        if retried["returncode"] == 0 and clean["returncode"] == 0:
+            a = torch.load(os.path.join(base, "oom", "rank0.pt"))
+            b = torch.load(os.path.join(base, "clean", "rank0.pt"))
+            entry.update(
+                raised=retried["raised"],
+                micro_batch_sizes=sorted({log["adaptive_batch/micro_batch_size"] for log in retried["logs"]}),
+                losses_equal=[log["loss"] for log in retried["logs"]]
+                == [log["loss"] for log in clean["logs"]],
+                weights_equal=all(torch.equal(a[name], b[name]) for name in a),
+                steps=len(retried["logs"]),
+            )
+        else:
+            entry["stderr"] = retried.get("stderr") or clean.get("stderr")
+        report["kinds"][kind] = entry
+        with open(os.path.join(options.out, "engine_resets.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    for kind, entry in report["kinds"].items():
+        print(kind, {k: v for k, v in entry.items() if k != "stderr"})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""DeepSpeed ZeRO-1, 2 and 3 on CPU processes (gloo; tests/ddp_worker.py's `zero1`..`zero3` kinds): every sample once,
+the global batch exact, the parameters those of DeepSpeed taking each step's share in one micro-batch, an
+out-of-memory error in the middle of a backward retried bit for bit in one process and ending every rank with the
+error in two, and a resume from DeepSpeed's checkpoint bit for bit.
+
+ZeRO keeps float32 master weights, so the float64 model of the worker is rounded to float32 at every step: runs are
+compared within DEEPSPEED_TOLERANCE, not conftest's ORDER_TOLERANCE (DeepSpeed against the run without it: 1.3e-7).
+"""
+
+import json
+
+import pytest
+import test_ddp as ddp
+
+pytestmark = pytest.mark.slow
+DEEPSPEED_TOLERANCE = 1e-6
+COUNTS = ("adaptive_batch/effective_batch_size", "adaptive_batch/samples_seen", "adaptive_batch/tokens_seen")
+
+
+def assert_close(a, b, tolerance=DEEPSPEED_TOLERANCE):
+    for name in a:
+        diff = (a[name] - b[name]).norm() / b[name].norm()
+        assert diff < tolerance, f"{name}: {diff:.2e}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_ranks_under_zero_train_as_deepspeed_taking_each_step_at_once(tmp_path, stage):
+    kind = f"zero{stage}"
+    ranks, weights = ddp.launch(tmp_path, "micro", kind, micro=1, world_size=2)
+    whole, whole_weights = ddp.launch(
+        tmp_path, "whole", kind, micro=8, world_size=2
+    )  # one micro-batch a step
+    single, single_weights = ddp.launch(tmp_path, "single", "trainer", micro=1, world_size=1)
+    assert ranks[0]["world_size"] == 2 and ranks[0]["plan"] == single[0]["plan"]
+    assert min(log["adaptive_batch/accumulation_steps"] for log in ranks[0]["logs"]) > 1
+    assert {log["adaptive_batch/accumulation_steps"] for log in whole[0]["logs"]} == {1}
+    for key in COUNTS:  # every sample once, the global batch of the plan at every step
+        assert [log[key] for log in ranks[0]["logs"]] == [log[key] for log in single[0]["logs"]], key
+    ddp.assert_same_weights(weights[0], weights[1])
+    assert_close(weights[0], whole_weights[0])
+    assert_close(weights[0], single_weights[0])
+    assert not any("adaptive_batch/noise_scale" in log for log in ranks[0]["logs"])  # not measured under ZeRO
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_one_process_under_zero_retries_an_out_of_memory_error_exactly(tmp_path, stage):
+    # in the middle of the backward: ZeRO-2 has a half-filled reduce bucket and the first micro-batch's reduced
+    # gradients, ZeRO-3 gathered parameters besides (a retry without compat.deepspeed_reset asserts "already reduced")
+    kind = f"zero{stage}"
+    retried, weights = ddp.launch(
+        tmp_path, "oom", kind, micro=2, world_size=1, fake_oom_rank=0, torchrun=True
+    )
+    assert retried[0]["raised"] == [2]
+    assert {log["adaptive_batch/micro_batch_size"] for log in retried[0]["logs"]} == {1}
+    clean, clean_weights = ddp.launch(tmp_path, "clean", kind, micro=1, world_size=1, torchrun=True)
+    assert [log["loss"] for log in retried[0]["logs"]] == [log["loss"] for log in clean[0]["logs"]]
+    ddp.assert_same_weights(weights[0], clean_weights[0])
+
+
+def test_one_ranks_out_of_memory_under_zero_ends_every_rank_with_the_error(tmp_path):
+    stderr = ddp.launch(tmp_path, "oom", "zero2", micro=2, world_size=2, fake_oom_rank=1, fails=True)
+    assert "EngineOutOfMemoryError: Out of memory in a micro-batch under DeepSpeed with 2 processes" in stderr
+    assert "adaptive-batch probe" in stderr
+
+
+def test_a_resume_from_a_deepspeed_checkpoint_is_exact(tmp_path):
+    saving = {"WORKER_ARGS": json.dumps({"save_strategy": "steps", "save_steps": 3})}
+    full, full_weights = ddp.launch(tmp_path, "full", "zero2", micro=1, world_size=2, env=saving)
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    assert (checkpoint / "global_step3").is_dir()  # DeepSpeed's step count is the Trainer's
+    resumed, resumed_weights = ddp.launch(
+        tmp_path, "resumed", "zero2", micro=1, world_size=2, env={"WORKER_RESUME": str(checkpoint)}
+    )
+    assert [log["loss"] for log in resumed[0]["logs"]] == [log["loss"] for log in full[0]["logs"]]
+    ddp.assert_same_weights(resumed_weights[0], full_weights[0])
