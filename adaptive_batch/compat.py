@@ -1,4 +1,5 @@
-"""Every private attribute of the Trainer, TRL and accelerate that AdaptiveBatch reads or sets, in one place.
+"""Every private attribute of the Trainer, TRL, accelerate, FSDP2 and DeepSpeed that AdaptiveBatch reads or sets, in
+one place.
 
 When a release renames one of these, this is the file to change. Each entry says where the attribute comes from
 and why AdaptiveBatch touches it.
