@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the Trainer writes in each checkpoint (unpickled: only your own files); the flags below override it",
     )
     plan.add_argument(
+        "script_args",
+        nargs="*",
+        metavar="-- SCRIPT ARGS",
+        help="after --, your script's own command-line arguments (HfArgumentParser style, e.g. "
+        "--per_device_train_batch_size 4 --num_train_epochs 2); the TrainingArguments fields among them override "
+        "--args, the rest are ignored",
+    )
+    plan.add_argument(
         "--per-device", type=_positive_int, help="per_device_train_batch_size (default: --args, else 8)"
     )
     plan.add_argument(
@@ -192,9 +200,39 @@ def read_training_args(path: Path) -> dict:
     return fields
 
 
+def read_script_args(argv: list[str]) -> dict:
+    """The TrainingArguments fields the plan reads, from a script's command line as HfArgumentParser takes it
+    (`--per_device_train_batch_size 4` or `--per-device-train-batch-size=4`, a bool as a bare flag or with a
+    value); every other argument is ignored."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    types = {"per_device_train_batch_size": int, "gradient_accumulation_steps": int, "max_steps": int}
+    for _, field, _ in RUN_SETTINGS:
+        names = [f"--{field}", f"--{field.replace('_', '-')}"]
+        if field == "dataloader_drop_last":
+            parser.add_argument(*names, dest=field, nargs="?", const="true", type=str)
+        else:
+            parser.add_argument(*names, dest=field, type=types.get(field, float))
+    try:
+        known, _ = parser.parse_known_args(argv)
+    except SystemExit:
+        raise ValueError(
+            f"The script arguments {' '.join(argv)!r} give one of {fields_text()} no valid value."
+        ) from None
+    fields = {field: value for field, value in vars(known).items() if value is not None}
+    if "dataloader_drop_last" in fields:
+        fields["dataloader_drop_last"] = fields["dataloader_drop_last"].lower() in ("true", "1", "yes")
+    return fields
+
+
+def fields_text() -> str:
+    return ", ".join(field for _, field, _ in RUN_SETTINGS)
+
+
 def apply_training_args(options: argparse.Namespace) -> None:
-    """Fill the plan's settings left unset on the command line from --args, then from the defaults."""
+    """Fill the plan's settings left unset on the command line from the script's arguments (after --), then from
+    --args, then from the defaults."""
     fields = read_training_args(options.args) if options.args is not None else {}
+    fields.update(read_script_args(getattr(options, "script_args", None) or []))
     for flag, field, default in RUN_SETTINGS:
         given = getattr(options, flag)
         if given is None or (flag == "drop_last" and not given):

@@ -210,6 +210,39 @@ def test_plan_reads_the_run_s_saved_training_arguments(capsys, tmp_path, saved_a
     assert json.loads(out)["starting_effective_batch_size"] == 15  # 5 x the file's 3
 
 
+def test_plan_reads_the_scripts_own_arguments_after_a_double_dash(capsys, tmp_path):
+    script = [
+        "--model_name_or_path",
+        "m",
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient-accumulation-steps=3",
+    ]
+    script += ["--num_train_epochs", "2", "--dataloader_drop_last", "--learning_rate", "2e-4"]
+    code, out, err = run(capsys, "plan", "--dataset-size", "100", "--json", "--", *script)
+    assert code == 0, err
+    result = json.loads(
+        out
+    )  # as the saved arguments above: 12 a step, the short last step of each epoch dropped
+    assert result["starting_effective_batch_size"] == 12 and result["budget_samples"] == 200
+    assert result["samples"] == 2 * 96
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 5}))
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--dataset-size",
+        "100",
+        "--args",
+        str(path),
+        "--json",
+        "--",
+        "--per_device_train_batch_size",
+        "7",
+    )
+    assert json.loads(out)["starting_effective_batch_size"] == 35  # the script's 7 over the file's 2, x its 5
+
+
 def test_plan_refuses_a_file_that_holds_no_training_arguments(capsys, tmp_path):
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"learning_rate": 1e-4}))
