@@ -150,3 +150,19 @@ class FakeOutOfMemory:
 
     def remove(self) -> None:
         self.handle.remove()
+
+
+def example_model(model_dir: str | None, texts: list[str], vocab_size: int = 512, hidden_size: int = 64):
+    """The examples' model and tokenizer: a local model folder (their `--model DIR`, e.g. for a GPU run) or, without
+    one, a tiny random Llama with a tokenizer trained on `texts`. Returns `(tokenizer, make_model)`, where
+    `make_model()` builds a fresh copy each call."""
+    if model_dir is None:
+        tokenizer = train_tokenizer(texts[:1500], vocab_size=vocab_size)
+        return tokenizer, lambda: tiny_llama(tokenizer, hidden_size=hidden_size, num_layers=2)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:  # many causal LMs ship none; the collator pads with it
+        tokenizer.pad_token = tokenizer.eos_token
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return tokenizer, lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)

@@ -15,16 +15,18 @@ Four runs, offline on the CPU (a small Llama built from a config learns Python's
 
     python examples/max_steps_trap.py                     # max_steps=400
     python examples/max_steps_trap.py --max-steps 40      # the smallest run (the test suite's)
+    python examples/max_steps_trap.py --model ~/models/SmolLM2-135M   # a local model folder (on a GPU if any)
 """
 
 import argparse
 import tempfile
 import time
 
+import torch
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
 from adaptive_batch import AdaptiveBatch, PhaseSchedule
-from adaptive_batch.testing import text_corpus, tiny_llama, token_dataset, train_tokenizer
+from adaptive_batch.testing import example_model, text_corpus, token_dataset
 
 BIG = 128
 
@@ -32,17 +34,18 @@ BIG = 128
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, default=400, help="max_steps, the same in every run")
+    parser.add_argument("--model", help="a local model folder instead of the small random Llama")
     options = parser.parse_args()
     steps = options.max_steps
 
     texts = text_corpus()
-    tokenizer = train_tokenizer(texts[:1500], vocab_size=512)
+    tokenizer, make_model = example_model(options.model, texts)
     rows = token_dataset(tokenizer, texts, max_length=32)
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
 
     def trainer(batch: int, callbacks=()) -> Trainer:
         return Trainer(
-            model=tiny_llama(tokenizer, hidden_size=64, num_layers=2),
+            model=make_model(),
             args=TrainingArguments(
                 output_dir=tempfile.mkdtemp(prefix="adaptive-batch-trap-"),
                 per_device_train_batch_size=batch,
@@ -51,7 +54,7 @@ def main():
                 logging_steps=10,
                 save_strategy="no",
                 report_to=[],
-                use_cpu=True,
+                use_cpu=not torch.cuda.is_available(),
                 disable_tqdm=True,
                 seed=0,
             ),

@@ -7,25 +7,28 @@ tokenizer trained on it on the spot.
 
     python examples/phase_warmup.py                          # 320 samples, 2 epochs
     python examples/phase_warmup.py --samples 48 --epochs 1  # the smallest run (the test suite's)
+    python examples/phase_warmup.py --model ~/models/SmolLM2-135M  # a local model folder (on a GPU if there is one)
 """
 
 import argparse
 import tempfile
 
+import torch
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
 from adaptive_batch import AdaptiveBatch, PhaseSchedule
-from adaptive_batch.testing import text_corpus, tiny_llama, token_dataset, train_tokenizer
+from adaptive_batch.testing import example_model, text_corpus, token_dataset
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=320, help="training samples (paragraphs)")
     parser.add_argument("--epochs", type=float, default=2)
+    parser.add_argument("--model", help="a local model folder instead of the small random Llama")
     options = parser.parse_args()
 
     texts = text_corpus()
-    tokenizer = train_tokenizer(texts[:1500], vocab_size=512)
+    tokenizer, make_model = example_model(options.model, texts)
     rows = token_dataset(tokenizer, texts[: options.samples], max_length=64)
     adaptive = AdaptiveBatch(
         # 8 samples a step for the first 10% of the samples, 16 until 30%, then 32
@@ -33,7 +36,7 @@ def main():
         lr_scaling="sqrt",  # LR x sqrt(B / 8): the rule for Adam-family optimizers
     )
     trainer = Trainer(
-        model=tiny_llama(tokenizer, hidden_size=64, num_layers=2),
+        model=make_model(),
         args=TrainingArguments(
             output_dir=tempfile.mkdtemp(prefix="adaptive-batch-warmup-"),
             per_device_train_batch_size=8,
@@ -44,7 +47,7 @@ def main():
             logging_steps=1,
             save_strategy="no",
             report_to=[],
-            use_cpu=True,
+            use_cpu=not torch.cuda.is_available(),
             disable_tqdm=True,
             seed=0,
         ),

@@ -76,18 +76,10 @@ def test_length_grouped_sampling_is_refused(make_trainer):
         make_trainer([AdaptiveBatch()], train_sampling_strategy="group_by_length")
 
 
-@pytest.mark.parametrize(
-    "flag, message",
-    [
-        ("is_deepspeed_enabled", "DeepSpeed"),
-        # no FSDP plugin stated: accelerate's default, version 1
-        ("is_fsdp_enabled", r"FSDP version 1 is not supported.*fsdp_config=\{'version': 2\}"),
-    ],
-)
-def test_unsupported_engines_are_refused(make_trainer, flag, message):
+def test_fsdp1_is_refused_with_the_fix(make_trainer):
     trainer = make_trainer()
-    setattr(trainer, flag, True)  # what Trainer.__init__ sets when launched with that engine
-    with pytest.raises(ValueError, match=message):
+    trainer.is_fsdp_enabled = True  # what Trainer.__init__ sets under FSDP; no plugin stated: version 1
+    with pytest.raises(ValueError, match=r"FSDP version 1 is not supported.*fsdp_config=\{'version': 2\}"):
         AdaptiveBatch.attach(trainer)
 
 

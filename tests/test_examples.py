@@ -56,3 +56,21 @@ def test_the_example_runs_under_accelerate_launch_on_two_processes():
     evaluations = re.findall(r"evaluation: epoch 1: loss (\S+)", result.stdout)
     # both ranks evaluated, and agree
     assert len(evaluations) == 2 and evaluations[0] == evaluations[1], result.stdout[-3000:]
+
+
+def test_an_example_trains_a_local_model_folder(tmp_path, tokenizer):
+    # what --model DIR loads on a GPU: here a small model saved as a user's folder would be
+    from adaptive_batch.testing import tiny_llama
+
+    folder = tmp_path / "model"
+    tiny_llama(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    argv = ["--samples", "48", "--epochs", "1", "--model", str(folder)]
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "phase_warmup.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "48 samples in 3 optimizer steps" in result.stdout
