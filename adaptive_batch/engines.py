@@ -58,7 +58,8 @@ class Engine:
             "step cannot be run again smaller on every rank"
         )
         return EngineOutOfMemoryError(
-            f"Out of memory in a micro-batch under {self.name} with {world_size} processes: {why}. Choose a "
+            f"Out of memory in a micro-batch under {self.name} with {world_size} "
+            f"process{'es' if world_size != 1 else ''}: {why}. Choose a "
             "micro-batch that fits before the run: run "
             "`adaptive-batch probe` for this model and sequence length on one GPU and pass its size as "
             f"AdaptiveBatch(micro_batch_size=N) (or max_micro_batch_size=N). The error was: {error}"
@@ -90,8 +91,8 @@ class DataParallel(Engine):
 class FullyShardedV2(Engine):
     """FSDP2 (`fully_shard`): every micro-batch reduce-scatters its gradient into the sharded `.grad` (the least
     memory; FSDP averages over the ranks itself), so the step's end has nothing to do. A failed attempt is undone by
-    FSDP's `reset_iter_state` plus the unsharded gradients it leaves behind; with several processes an
-    out-of-memory error is not retried (see the module docstring)."""
+    FSDP's `reset_iter_state` (it reshards and drops the failed pass's gradients); with several processes, or a
+    torch without it, an out-of-memory error is not retried (see the module docstring)."""
 
     name = "FSDP2"
     measures_noise = False  # the hooks would see the sharded gradient, already averaged over the ranks
