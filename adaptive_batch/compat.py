@@ -200,7 +200,7 @@ def is_fsdp2(trainer) -> bool:
 # DeepSpeed's switch that hands the accumulation boundary to the caller: `engine.backward` only accumulates, and
 # `engine.step()` reduces the gradients (ZeRO-2/3: `finalize_gradient_accumulation_boundary`; ZeRO-0/1:
 # `allreduce_gradients`) and steps. From DeepSpeed 0.19.5.
-UNMANAGED_ACCUMULATION = "managed_gradient_accumulation"
+MANAGED_ACCUMULATION = "managed_gradient_accumulation"
 
 
 def deepspeed_config(trainer) -> dict:
@@ -236,8 +236,8 @@ def deepspeed_reset(engine) -> None:
     gradient gone. `zero_grad` alone is not enough: ZeRO-2 keeps the reduced gradients of earlier micro-batches in
     `all_grad_tensors`, and a backward cut short leaves a half-filled reduce bucket, "already reduced" flags and a
     backward depth behind (a retry asserts "has already been reduced"); ZeRO-3 keeps the parameters a forward
-    gathered. Checked on DeepSpeed 0.19.8 against a run without the error, ZeRO-1, 2 and 3, in forward and backward
-    (tests/test_deepspeed.py)."""
+    gathered. tests/test_deepspeed.py checks it on DeepSpeed 0.19.8 with the error in the middle of a backward,
+    under ZeRO-2 and 3, against a run without the error."""
     optimizer = engine.optimizer
     stage = engine.zero_optimization_stage()
     engine.zero_grad()  # first: ZeRO-3's optimizer.zero_grad fails on a CPU gradient still set

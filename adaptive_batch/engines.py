@@ -156,11 +156,11 @@ def prepare(trainer) -> None:
             "optimizer steps; AdaptiveBatch drives the learning rate by samples through the Trainer's scheduler. "
             "Remove the scheduler section and set lr_scheduler_type (and warmup_steps) in TrainingArguments."
         )
-    config[compat.UNMANAGED_ACCUMULATION] = False
+    config[compat.MANAGED_ACCUMULATION] = False
     logger.info(
         "DeepSpeed: AdaptiveBatch owns the accumulation boundary (%s: false); the config's batch fields "
         "(train_micro_batch_size_per_gpu, gradient_accumulation_steps) are only logged by DeepSpeed.",
-        compat.UNMANAGED_ACCUMULATION,
+        compat.MANAGED_ACCUMULATION,
     )
 
 

@@ -28,7 +28,7 @@ from .checkpoint import (
 )
 from .checks import check_trainer
 from .config import AdaptiveBatchConfig
-from .engines import engine_for
+from .engines import Engine, engine_for
 from .goodput import NoiseScaleSchedule, StepTimeModel
 from .gradnoise import GradientNoiseMeter
 from .lr import SampleClock, gain_power, nominal_steps
@@ -115,8 +115,9 @@ class Session:
             self.budget = Budget.from_epochs(args.num_train_epochs, len(dataset))
         # a stream is one pass over the budget, read in order (stream.py)
         self.dataset_size = self.budget.samples if is_stream(dataset) else len(dataset)
+        engine = engine_for(trainer, self.world_size)
         if self.growing is not None:
-            self._check_growing(checkpoint)
+            self._check_growing(checkpoint, engine)
         self.adoption = self._adoption(checkpoint)
         done = None
         if self.adoption is not None:
@@ -166,6 +167,7 @@ class Session:
             trainer,
             self.controller,
             self.world_size,
+            engine,
             packed=compat.padding_free(trainer),
             flatten=config.padding_free,
             noise=GradientNoiseMeter(config.noise_preconditioner, args.device)
@@ -187,7 +189,7 @@ class Session:
             unit=_dataset_unit(args),
         )
 
-    def _check_growing(self, checkpoint: StoredCheckpoint | None) -> None:
+    def _check_growing(self, checkpoint: StoredCheckpoint | None, engine: Engine) -> None:
         """A NoiseScaleSchedule's requirements, and its changes: none for a new run, a checkpoint's to resume."""
         schedule, config = self.growing, self.config
         if not config.measure_noise:
@@ -195,7 +197,6 @@ class Session:
                 "schedule=NoiseScaleSchedule(...) decides by the gradient noise scale, but measure_noise=False turns "
                 "its measurement off. Leave measure_noise=True (the default), or use a PhaseSchedule."
             )
-        engine = engine_for(self.trainer, self.world_size)
         if not engine.measures_noise:
             raise ValueError(
                 f"schedule=NoiseScaleSchedule(...) decides by the gradient noise scale, which is not measured under "

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from . import compat
 from .batch import StepBatch
-from .engines import engine_for
+from .engines import Engine
 from .gradnoise import GradientNoiseMeter
 from .memory import Stopwatch, is_out_of_memory, release_memory
 from .microbatch import MicroBatchController, MicroBatchTooLargeError
@@ -134,6 +134,7 @@ class MicroBatchRunner:
         controller: decides how each step is cut: by rows ([`MicroBatchController`]) or by padded tokens
             ([`TokenBudgetController`]); its `cut` gives the micro-batches of a step, which one loop runs.
         world_size: data-parallel processes.
+        engine: what the engine (DDP, FSDP2, DeepSpeed, or none) does around the micro-batches.
         packed: the collator flattens every batch into one padding-free row (cut between its sequences).
         flatten: flatten a padding collator's step batches into such a row ([`flatten_padded`]).
         noise: measures each micro-batch's contribution to the gradient for the noise scale (`None`: off).
@@ -144,6 +145,7 @@ class MicroBatchRunner:
         trainer,
         controller: MicroBatchController | TokenBudgetController,
         world_size: int,
+        engine: Engine,
         packed: bool = False,
         flatten: bool = False,
         noise: GradientNoiseMeter | None = None,
@@ -154,7 +156,7 @@ class MicroBatchRunner:
         self.packed = packed  # the collator flattens every batch (a step of one sequence looks unpacked)
         self.flatten = flatten
         self.device = trainer.args.device
-        self.engine = engine_for(trainer, world_size)
+        self.engine = engine
         if noise is not None and not self.engine.measures_noise:
             logger.info("The gradient noise scale is not measured under %s.", self.engine.name)
             noise = None

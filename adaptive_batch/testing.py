@@ -166,3 +166,12 @@ def example_model(model_dir: str | None, texts: list[str], vocab_size: int = 512
         tokenizer.pad_token = tokenizer.eos_token
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return tokenizer, lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+
+
+def skip_deepspeed_shm_build() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory op (about 2 minutes of C++, used only by inference
+    all-reduce, never in training) when it sets up communication on CPU processes. Through `importlib`:
+    `import deepspeed.comm.torch` binds the real `torch` package, which `deepspeed.comm` re-exports."""
+    import importlib
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None

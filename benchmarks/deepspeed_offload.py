@@ -167,10 +167,10 @@ def main() -> None:
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(key, value)  # one process without a launcher (DeepSpeed wants a process group)
     os.environ.setdefault("MASTER_PORT", "29517")
-    if options.tiny:  # DeepSpeed's CPU shared-memory op: minutes of C++ for inference only
-        import importlib
+    if options.tiny:
+        from adaptive_batch.testing import skip_deepspeed_shm_build
 
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        skip_deepspeed_shm_build()
     os.makedirs(options.out, exist_ok=True)
     seq_len = 32 if options.tiny else options.seq_len
     model_path = save_random_llama(

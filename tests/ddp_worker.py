@@ -186,12 +186,12 @@ def deepspeed_config(stage: int) -> dict:
 
 
 def cpu_deepspeed(world_size: int) -> dict | None:
-    """DeepSpeed on CPU processes: no build of its shared-memory op (2 minutes of C++ for inference all-reduce, never
-    used in training), and with several processes, accelerate's state made with gloo before TrainingArguments (left
-    to TrainingArguments, every CPU rank takes itself for rank 0 of 1). Returns the accelerator_config to pass."""
-    import importlib
+    """DeepSpeed on CPU processes: no build of its shared-memory op, and with several processes, accelerate's state
+    made with gloo before TrainingArguments (left to TrainingArguments, every CPU rank takes itself for rank 0 of 1).
+    Returns the accelerator_config to pass."""
+    from adaptive_batch.testing import skip_deepspeed_shm_build
 
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    skip_deepspeed_shm_build()
     if world_size == 1:
         return None
     from accelerate import PartialState

@@ -39,11 +39,11 @@ def deepspeed_trainer(config: dict):
 def test_under_deepspeed_the_step_owns_the_accumulation_boundary():
     config = {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto"}
     prepare(deepspeed_trainer(config))
-    assert config[compat.UNMANAGED_ACCUMULATION] is False
+    assert config[compat.MANAGED_ACCUMULATION] is False
 
 
 def test_a_deepspeed_scheduler_is_refused_with_the_fix():
     config = {"scheduler": {"type": "WarmupDecayLR", "params": {}}}
     with pytest.raises(ValueError, match="scheduler \\('WarmupDecayLR'\\).*set lr_scheduler_type"):
         prepare(deepspeed_trainer(config))
-    assert compat.UNMANAGED_ACCUMULATION not in config  # refused before anything was changed
+    assert compat.MANAGED_ACCUMULATION not in config  # refused before anything was changed
