@@ -117,6 +117,9 @@ def main():
     print(f"micro-batch: {now['micro_batch_size']} (settled: {now['micro_batch_settled_because']})")
     evals = [log for log in trainer.state.log_history if "eval_loss" in log]
     print("evaluation:", ", ".join(f"epoch {log['epoch']:g}: loss {log['eval_loss']:.3f}" for log in evals))
+    # under torchrun / accelerate launch: end the process group before the interpreter does (PyTorch's rule;
+    # a gloo group left to interpreter shutdown can abort the process: pytorch/pytorch#190489)
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -183,6 +183,7 @@ def main():
     print(f"micro-batch: {now['micro_batch_size']} (settled: {now['micro_batch_settled_because']})")
     went_down = after < before
     print(f"eval loss: {before:.3f} -> {after:.3f} ({'went down' if went_down else 'did NOT go down'})")
+    trainer.accelerator.end_training()  # ends the process group under a launcher, as PyTorch asks
     sys.exit(0 if went_down else 1)
 
 

@@ -52,7 +52,7 @@ def test_the_example_runs_under_accelerate_launch_on_two_processes():
     result = subprocess.run(
         [sys.executable, *command, *script], capture_output=True, text=True, timeout=600, env=env
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     evaluations = re.findall(r"evaluation: epoch 1: loss (\S+)", result.stdout)
     # both ranks evaluated, and agree
     assert len(evaluations) == 2 and evaluations[0] == evaluations[1], result.stdout[-3000:]
