@@ -171,7 +171,7 @@ class Session:
             packed=compat.padding_free(trainer),
             flatten=config.padding_free,
             noise=GradientNoiseMeter(config.noise_preconditioner, args.device)
-            if config.measure_noise
+            if config.measure_noise and engine.measures_noise
             else None,
         )
         if checkpoint is not None:
@@ -344,6 +344,8 @@ class Session:
         self.prepare(checkpoint)
         if self.trainer.args.should_log:
             logger.info("%s", report.format_rows("AdaptiveBatch plan", self.plan_rows()))
+            if self.config.measure_noise and not self.runner.engine.measures_noise:
+                logger.info("The gradient noise scale is not measured under %s.", self.runner.engine.name)
         self._check_longest_row()
         args = self.trainer.args
         args.gradient_accumulation_steps = 1

@@ -157,10 +157,7 @@ class MicroBatchRunner:
         self.flatten = flatten
         self.device = trainer.args.device
         self.engine = engine
-        if noise is not None and not self.engine.measures_noise:
-            logger.info("The gradient noise scale is not measured under %s.", self.engine.name)
-            noise = None
-        self.noise = noise
+        self.noise = noise  # None where the engine cannot measure it (the session says so)
         self.last = StepStats()
 
     @property

@@ -1,9 +1,10 @@
 """Each engine's undoing of a failed micro-batch, on the device's own torch and DeepSpeed: tests/ddp_worker.py's FSDP2
 and ZeRO-2/3 runs, one process under torchrun, with the fake out-of-memory error in the middle of a backward at
 micro-batch 2, against the clean run at micro-batch 1. Bit for bit, as tests/test_ddp.py and test_deepspeed.py
-assert on the CPU.
+assert on the CPU. The tiny model is float32 on the GPU (DeepSpeed refuses float64 parameters there under ZeRO-3)
+and float64 on the CPU, as in the tests.
 
-    python benchmarks/engine_resets.py --out results/ [--cpu]
+    python benchmarks/engine_resets.py --out results/ [--cpu] [--kinds zero2,zero3]
 """
 
 import argparse
@@ -18,11 +19,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 
 
-def run(out: str, kind: str, micro: int, fake_oom_rank: str | None, cpu: bool) -> dict:
+def run(out: str, kind: str, micro: int, fake_oom_rank: str | None, cpu: bool, dtype: str) -> dict:
     os.makedirs(out, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone", WORKER]
     command += [out, kind, str(micro), *([fake_oom_rank] if fake_oom_rank else [])]
-    env = {**os.environ, "WORKER_ARGS": json.dumps({"use_cpu": cpu}), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "WORKER_ARGS": json.dumps({"use_cpu": cpu}),
+        "WORKER_DTYPE": dtype,
+        "OMP_NUM_THREADS": "1",
+    }
     process = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     if process.returncode != 0:
         worker = [line for line in process.stderr.splitlines() if line.startswith("[rank0]:")]
@@ -36,17 +42,22 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--kinds", default="fsdp2,zero2,zero3")
+    parser.add_argument(
+        "--dtype", help="the model's dtype: float64 on the CPU, float32 on a GPU unless given"
+    )
     options = parser.parse_args()
+    dtype = options.dtype or ("float64" if options.cpu else "float32")
     report = {
         "command": " ".join(sys.argv),
         "device": "cpu" if options.cpu else torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        "dtype": dtype,
         "kinds": {},
     }
     for kind in options.kinds.split(","):
         base = os.path.join(options.out, "engine_resets", kind)
-        retried = run(os.path.join(base, "oom"), kind, 2, "0", options.cpu)
-        clean = run(os.path.join(base, "clean"), kind, 1, None, options.cpu)
+        retried = run(os.path.join(base, "oom"), kind, 2, "0", options.cpu, dtype)
+        clean = run(os.path.join(base, "clean"), kind, 1, None, options.cpu, dtype)
         entry = {"retried_returncode": retried["returncode"], "clean_returncode": clean["returncode"]}
         if retried["returncode"] == 0 and clean["returncode"] == 0:
             a = torch.load(os.path.join(base, "oom", "rank0.pt"))
