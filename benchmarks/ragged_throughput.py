@@ -20,9 +20,14 @@ Measured: the wall time of every optimizer step (device synchronised at each ste
 trained on (counted in the collator); tokens per second over the steps after the first, and for AdaptiveBatch
 also over the steps after its measurements ended ("steady").
 
+`--attention flex_attention` runs every arm with flex attention instead of sdpa: on a padding-free row its block
+mask skips the blocks between sequences, where sdpa's packed mask is dense (quadratic in the whole row). It needs a
+GPU for training (torch has no flex attention backward on the CPU).
+
 Usage (results go to OUT/ragged_throughput.json, written after every arm, and a table at the end):
 
     python benchmarks/ragged_throughput.py --out OUT            # the H200 run (needs CUDA and bitsandbytes)
+    python benchmarks/ragged_throughput.py --out OUT --attention flex_attention --arms random,flat32,flat64,auto_pf
     python benchmarks/ragged_throughput.py --out OUT --tiny     # a CPU dry run of the same code on a tiny model
 """
 
@@ -172,6 +177,7 @@ def main():
         "--adaptive-steps", type=int, default=16, help="optimizer steps of each AdaptiveBatch arm"
     )
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
     options = parser.parse_args()
     os.makedirs(options.out, exist_ok=True)
     os.makedirs(options.workdir, exist_ok=True)
@@ -181,6 +187,8 @@ def main():
     import adaptive_batch
 
     model, config = build_model(options.tiny, options.workdir)
+    if options.attention != "sdpa":
+        model.set_attn_implementation(options.attention)
     arms = options.arms.split(",")
     count = 64 * max(options.steps, options.adaptive_steps)
     row_lengths = lengths(count)
@@ -203,7 +211,8 @@ def main():
         },
         "model": "tiny"
         if options.tiny
-        else "Llama-2-7B shape, NF4 double-quant, bf16 compute, LoRA r=16 q/v, sdpa",
+        else "Llama-2-7B shape, NF4 double-quant, bf16 compute, LoRA r=16 q/v",
+        "attention": options.attention,
         "lengths": {
             "distribution": f"lognormal, median {MEDIAN}, sigma {SIGMA}, clipped to [{SHORTEST}, {LONGEST}]",
             "rows": count,
@@ -254,7 +263,9 @@ def summarise(report):
 
 
 def print_table(report):
-    print(f"\n{report['device']}, {report['model']}; lengths {report['lengths']['distribution']}")
+    print(
+        f"\n{report['device']}, {report['model']}, {report['attention']}; lengths {report['lengths']['distribution']}"
+    )
     print(f"{'arm':>10} {'pair':>6} {'real tok/s':>11} {'steady':>8} {'x random':>9} {'peak GiB':>9}")
     summary = report.get("summary", {})
     for run in report["runs"]:
