@@ -73,6 +73,9 @@ class MicroBatchController:
             trial whose first one is already `DECISIVE` times the margin faster than the size before is kept at once.
         memory_limit: bytes a micro-batch's peak may reach; with two measured sizes a trial predicted to exceed it
             (peak memory is close to affine in tokens) is not run.
+        oom_is_fatal: an out-of-memory error cannot be retried (several processes under FSDP2 or DeepSpeed): a
+            trial runs only where memory predicts it fits even before two sizes are measured ([`predict_peak`]'s
+            `cautious` bound), and not at all before one is.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class MicroBatchController:
         growth_margin: float = 0.01,
         repeats: int = 2,
         memory_limit: float | None = None,
+        oom_is_fatal: bool = False,
     ):
         limit = min(x for x in (max_size, row_limit) if x is not None) if (max_size or row_limit) else None
         self.start = max(1, start)  # a fixed size held down by a step's rows comes back when steps grow
@@ -93,6 +97,7 @@ class MicroBatchController:
         self.growth_margin = growth_margin
         self.repeats = repeats
         self.memory_limit = memory_limit
+        self.oom_is_fatal = oom_is_fatal
         self.trial: int | None = self.size if auto else None
         self.trial_left = repeats
         self.settled_because = None if auto else FIXED
@@ -192,7 +197,7 @@ class MicroBatchController:
     def _predicted_to_fit(self, tokens: float) -> bool:
         if self.memory_limit is None:
             return True
-        return predict_peak(self.memory_points, tokens) <= self.memory_limit
+        return predict_peak(self.memory_points, tokens, cautious=self.oom_is_fatal) <= self.memory_limit
 
     def raise_row_limit(self, row_limit: int) -> None:
         """A step now holds up to `row_limit` rows on a rank (the effective batch grew): a search that stopped at the
@@ -288,13 +293,23 @@ class RowCut:
         """The step ran to its end (nothing to conclude: rows are decided micro-batch by micro-batch)."""
 
 
-def predict_peak(points: list[tuple[float, float]], tokens: float) -> float:
+def predict_peak(points: list[tuple[float, float]], tokens: float, cautious: bool = False) -> float:
     """Least-squares affine fit of peak bytes against tokens per micro-batch, evaluated at `tokens`.
 
-    With fewer than two distinct token counts nothing can be predicted and 0 is returned (assume it fits).
+    With fewer than two distinct token counts no line can be fitted. Then 0 is returned (assume it fits: an
+    out-of-memory error only costs a retry), or with `cautious` (where it cannot be retried) an upper bound: a peak
+    affine in tokens with a non-negative intercept (the weights, the optimizer state) grows at most in proportion,
+    so `tokens` needs at most the largest measured peak scaled by `tokens` over its tokens; with no point at all,
+    infinity (nothing known, nothing fits).
     """
     line = affine(points)
-    if line is None:
+    if line is not None:
+        intercept, slope = line
+        return intercept + slope * tokens
+    if not cautious:
         return 0.0
-    intercept, slope = line
-    return intercept + slope * tokens
+    measured = [(t, peak) for t, peak in points if t > 0]
+    if not measured:
+        return math.inf
+    most, peak = max(measured)
+    return peak * max(1.0, tokens / most)

@@ -159,7 +159,7 @@ class Session:
             if differences:
                 raise ValueError(identity_error(differences))
         if self.controller is None or checkpoint is not None:  # a second train() keeps what the first learned
-            self.controller = self._new_controller()
+            self.controller = self._new_controller(engine)
         self.controller.row_limit = self.plan.max_rows_per_rank
         if isinstance(self.controller, TokenBudgetController):  # the row cap, under a plan that may be new
             self.controller.size = self._token_row_cap()
@@ -230,7 +230,9 @@ class Session:
         config = self.config
         return NoiseScale(config.noise_time_constant_samples) if config.measure_noise else None
 
-    def _new_controller(self) -> MicroBatchController | TokenBudgetController:
+    def _new_controller(self, engine: Engine) -> MicroBatchController | TokenBudgetController:
+        """Under an engine that cannot retry an out-of-memory error, a size or budget grows only where memory
+        predicts it fits (`oom_is_fatal`)."""
         config, args = self.config, self.trainer.args
         limit = memory_limit(args.device, config.memory_headroom)
         budget = config.max_tokens_per_micro_batch
@@ -248,6 +250,7 @@ class Session:
                 tune=tune,
                 overhead=config.micro_batch_overhead,
                 memory_limit=limit,
+                oom_is_fatal=not engine.retries,
             )
         return MicroBatchController(
             config.micro_batch_size if not config.auto else self._probed_start(),
@@ -256,6 +259,7 @@ class Session:
             row_limit=self.plan.max_rows_per_rank,
             growth_margin=config.growth_margin,
             memory_limit=limit,
+            oom_is_fatal=not engine.retries,
         )
 
     def _token_row_cap(self) -> int:

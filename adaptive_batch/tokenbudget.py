@@ -39,6 +39,8 @@ class TokenBudgetController:
         tune: grow the budget while the cut needs more and memory allows.
         overhead: the fixed time of one micro-batch in padded tokens' worth; `None`: measured.
         memory_limit: bytes a micro-batch's peak may reach (`None`: not known, as on the CPU).
+        oom_is_fatal: an out-of-memory error cannot be retried: the budget doubles only where [`predict_peak`]'s
+            `cautious` bound fits.
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class TokenBudgetController:
         tune: bool = False,
         overhead: int | None = None,
         memory_limit: float | None = None,
+        oom_is_fatal: bool = False,
     ):
         self.max_tokens = max_tokens
         self.size = max_rows
@@ -56,6 +59,7 @@ class TokenBudgetController:
         self.overhead = overhead
         self.calibrating = overhead is None
         self.memory_limit = memory_limit
+        self.oom_is_fatal = oom_is_fatal
         self.steps_measured = 0
         self.time_points: list[tuple[float, float]] = []  # (padded tokens of a micro-batch, seconds)
         self.memory_points: list[tuple[float, float]] = []  # (padded tokens of a micro-batch, peak bytes)
@@ -107,7 +111,8 @@ class TokenBudgetController:
                 if cut_with_measured_overhead:  # else the measured overhead may still ask for more
                     self._stop_tuning("a larger one would not change the cut")
             elif (
-                self.memory_limit is not None and predict_peak(self.memory_points, bigger) > self.memory_limit
+                self.memory_limit is not None
+                and predict_peak(self.memory_points, bigger, cautious=self.oom_is_fatal) > self.memory_limit
             ):
                 self._stop_tuning(f"{bigger:,} is predicted to exceed the memory limit")
             else:

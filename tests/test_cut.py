@@ -116,6 +116,21 @@ def test_the_budget_doubles_while_the_cut_needs_more_and_memory_allows():
     assert "800,000 is predicted to exceed the memory limit" in controller.settled_because
 
 
+def test_where_an_out_of_memory_error_is_fatal_the_budget_doubles_only_under_the_bound_of_one_size():
+    # every micro-batch of 100,000 tokens peaked at 1.2 GB: no line, so doubling is bounded by 2.4 GB
+    for limit, grows in ((2.5e9, True), (2.0e9, False)):
+        controller = TokenBudgetController(
+            100_000, 8, tune=True, overhead=0, memory_limit=limit, oom_is_fatal=True
+        )
+        controller.record(1.0, 100_000, peak_bytes=1.2e9)
+        controller.end_step(bound=True)
+        assert controller.max_tokens == (200_000 if grows else 100_000), limit
+    trusting = tuned(max_tokens=100_000, memory_limit=2.0e9, overhead=0)  # a retried error: taken on trust
+    trusting.record(1.0, 100_000, peak_bytes=1.2e9)
+    trusting.end_step(bound=True)
+    assert trusting.max_tokens == 200_000
+
+
 def test_the_budget_stops_growing_when_a_larger_one_would_not_change_the_cut():
     controller = tuned(overhead=0)
     controller.end_step(bound=True)

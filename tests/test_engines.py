@@ -47,3 +47,21 @@ def test_a_deepspeed_scheduler_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="scheduler \\('WarmupDecayLR'\\).*set lr_scheduler_type"):
         prepare(deepspeed_trainer(config))
     assert compat.MANAGED_ACCUMULATION not in config  # refused before anything was changed
+
+
+@pytest.mark.parametrize("retries", [True, False])
+def test_a_controller_under_an_engine_that_cannot_retry_grows_only_where_memory_bounds_it(
+    make_trainer, monkeypatch, retries
+):
+    from adaptive_batch import AdaptiveBatch, engines, session
+
+    class NoRetry(engines.Engine):
+        pass
+
+    NoRetry.retries = retries
+    monkeypatch.setattr(session, "engine_for", lambda trainer, world_size: NoRetry())
+    adaptive = AdaptiveBatch()
+    trainer = make_trainer(callbacks=[adaptive])
+    assert trainer._adaptive_batch.controller.oom_is_fatal is not retries
+    tokens = make_trainer(callbacks=[AdaptiveBatch(max_tokens_per_micro_batch=64)])
+    assert tokens._adaptive_batch.controller.oom_is_fatal is not retries

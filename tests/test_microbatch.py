@@ -123,6 +123,47 @@ def test_predict_peak_is_an_affine_fit():
     assert predict_peak([(100, 1100), (100, 1150)], 800) == 0.0
 
 
+def test_a_cautious_prediction_bounds_the_peak_from_one_measured_size():
+    # one distinct token count: no line, so the bound of a peak affine with a non-negative intercept
+    assert predict_peak([(100, 1100), (100, 1150)], 800, cautious=True) == pytest.approx(1150 * 8)
+    assert predict_peak([(100, 1100)], 50, cautious=True) == 1100  # never below a measured peak
+    assert predict_peak([], 800, cautious=True) == float("inf")  # nothing measured, nothing fits
+    # two distinct counts: the fitted line, as without caution
+    assert predict_peak([(100, 1100), (200, 1200)], 800, cautious=True) == pytest.approx(1800)
+
+
+def grow_with_memory(controller, peak, rows=64):
+    """Run a step, feeding every timed micro-batch a peak of `peak(tokens)` bytes; return the sizes run."""
+    sizes, remaining = [], rows
+    while remaining > 0:
+        size = controller.next_size(remaining)
+        if controller.needs_timing(size):
+            tokens = size * 100
+            controller.record(size, tokens / (1000 * size), tokens, peak_bytes=peak(tokens))
+        sizes.append(size)
+        remaining -= size
+    return sizes
+
+
+def test_where_an_out_of_memory_error_is_fatal_a_size_grows_only_where_memory_bounds_it_under_the_limit():
+    peak = lambda tokens: 1000 + 20 * tokens  # noqa: E731 - the true peak: 4 rows (400 tokens) take 9,000 bytes
+    # retried errors: the first doubling is taken on trust (one size measured, no line); here 2 -> 4 fits
+    trusting = MicroBatchController(start=1, row_limit=64, memory_limit=10_000)
+    grow_with_memory(trusting, peak)
+    assert trusting.size == 4
+    # fatal errors: from 1 row (3,000 bytes) the bound for 2 is 6,000, under the limit: tried; with two sizes the
+    # line is known (it is the true peak here) and 8 rows (17,000) are refused, as before
+    cautious = MicroBatchController(start=1, row_limit=64, memory_limit=10_000, oom_is_fatal=True)
+    grow_with_memory(cautious, peak)
+    assert cautious.size == 4 and "predicted to exceed the memory limit" in cautious.settled_because
+    # a limit of 5,000: 2 rows bounded at 6,000 are never tried where an error is fatal, and are where it is not
+    cautious = MicroBatchController(start=1, row_limit=64, memory_limit=5_000, oom_is_fatal=True)
+    assert grow_with_memory(cautious, peak)[:3] == [1, 1, 1]
+    assert cautious.size == 1 and "2 is predicted to exceed the memory limit" in cautious.settled_because
+    trusting = MicroBatchController(start=1, row_limit=64, memory_limit=5_000)
+    assert 2 in grow_with_memory(trusting, peak)
+
+
 def test_state_dict_round_trip_continues_identically():
     a = MicroBatchController(start=1, row_limit=64)
     run_step(a, 20, H200.__getitem__)
