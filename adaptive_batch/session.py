@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, replace
 from typing import ClassVar
 
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 from transformers import Trainer
 
@@ -392,7 +393,10 @@ class Session:
             self.trainer, self.trainer.train_dataset, self.trainer.data_collator
         )
         if is_stream(dataset):  # the steps come out of the stream itself, one list of samples each
-            dataset = self.sampler = StepStream(dataset, self.plan, rank=self.rank, max_steps=args.max_steps)
+            shared = args.dataloader_num_workers == 0 and dist.is_available() and dist.is_initialized()
+            dataset = self.sampler = StepStream(
+                dataset, self.plan, rank=self.rank, max_steps=args.max_steps, shared=shared
+            )
             params = {"batch_size": None}
         else:
             self.sampler = StepBatchSampler(

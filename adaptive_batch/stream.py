@@ -4,8 +4,11 @@ A stream has no length and no random access, so it has no epochs to plan over an
 AdaptiveBatch plans it as one pass over the budget, `max_steps x the starting effective batch` samples (the Trainer
 requires `max_steps` for a stream), and reads it in order: step `k` takes the next `plan.sizes[k]` samples, of
 which rank `r` of `world_size` keeps every `world_size`-th starting at the `r`-th, as the step sampler does with a
-map-style dataset. Every rank reads the whole stream (give each rank the same stream: a stream already split by
-node would lose the other ranks' samples). A stream that ends before the budget is an error, not a silent restart.
+map-style dataset. With several processes (and no DataLoader workers), rank 0 alone reads the stream and sends each
+rank its share of every step (`shared`); the other ranks' streams are never read. With workers, which cannot reach
+the process group, every rank reads the whole stream and keeps its share (give each rank the same stream then: a
+stream already split by node would lose the other ranks' samples). A stream that ends before the budget is an
+error on every rank, not a silent restart.
 
 A resumed run skips the steps already trained by reading them again (the Trainer skips a resumed run's first
 batches), so the samples after the checkpoint are exactly those the uninterrupted run would have read next.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .plan import StepPlan
@@ -41,18 +45,33 @@ class StepStream(IterableDataset):
         plan: the step plan (one pass over the budget: `plan.dataset_size == plan.budget`).
         rank: this process's index among the data-parallel ranks.
         max_steps: the `max_steps` the budget came from, for the error when the stream ends early.
+        shared: rank 0 reads the stream and scatters the shares over the default process group (which every rank
+            must have, and no DataLoader worker may be reading).
     """
 
-    def __init__(self, stream, plan: StepPlan, rank: int = 0, max_steps: int | None = None):
+    def __init__(
+        self, stream, plan: StepPlan, rank: int = 0, max_steps: int | None = None, shared: bool = False
+    ):
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank={rank} is outside world_size={plan.world_size}.")
         self.stream, self.plan, self.rank, self.max_steps = stream, plan, rank, max_steps
+        self.shared = shared and plan.world_size > 1
         self.issued = -1
 
     def __iter__(self) -> Iterator[list]:
         worker = get_worker_info()
         if worker is not None and worker.id != 0:
             return
+        steps = self._shares() if self.rank == 0 or not self.shared else None
+        step = 0
+        while step < self.plan.num_steps:  # (read at every step: a new plan may change it)
+            batch = self._receive(steps) if self.shared else next(steps)[self.rank]
+            self.issued = step
+            yield batch
+            step += 1
+
+    def _shares(self) -> Iterator[list[list]]:
+        """Read the stream: every step's samples, as one list per rank."""
         samples = iter(self.stream)
         read = 0
         step = 0
@@ -61,15 +80,27 @@ class StepStream(IterableDataset):
             for _ in range(self.plan.starts[step] - read):  # (positions the plan leaves out, if any)
                 self._next(samples, read)
                 read += 1
-            batch = []
+            shares = [[] for _ in range(world)]
             for index in range(size):
-                sample = self._next(samples, read)
+                shares[index % world].append(self._next(samples, read))
                 read += 1
-                if index % world == self.rank:
-                    batch.append(sample)
-            self.issued = step
-            yield batch
+            yield shares
             step += 1
+
+    def _receive(self, steps: Iterator[list[list]] | None) -> list:
+        """This rank's share of the next step, read by rank 0 and scattered; a stream that ended raises on every
+        rank."""
+        shares = None
+        if self.rank == 0:
+            try:
+                shares = next(steps)
+            except StreamEndedError as error:
+                shares = [error] * self.plan.world_size
+        received = [None]
+        dist.scatter_object_list(received, shares, src=0)
+        if isinstance(received[0], StreamEndedError):
+            raise received[0]
+        return received[0]
 
     def _next(self, samples: Iterator, read: int):
         try:

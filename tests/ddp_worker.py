@@ -1,8 +1,9 @@
 """Run by test_ddp.py, under torchrun (2 ranks, gloo) or alone: a short run whose results the test compares.
 
-usage: ddp_worker.py OUTPUT_DIR {trainer,stream,sft,tokens,packed,noise,growing} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
+usage: ddp_worker.py OUTPUT_DIR {trainer,stream,stream_workers,sft,tokens,packed,noise,growing} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
 
-`stream` is `trainer` with the rows given as a stream (an IterableDataset without a length) and max_steps=10.
+`stream` is `trainer` with the rows given as a stream (an IterableDataset without a length) and max_steps=10;
+`stream_workers` the same read through a DataLoader worker (so every rank reads the stream, instead of rank 0).
 `fsdp2` is `trainer` under FSDP2 (`fully_shard`), which accelerate runs on CPU only through `cpu_fsdp2()`; `zero1`,
 `zero2` and `zero3` are `trainer` under DeepSpeed ZeRO of that stage (`cpu_deepspeed()`). Under all of them the fake
 out-of-memory error comes in the middle of the backward (at the first decoder layer), where most state is left behind.
@@ -95,19 +96,24 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
             else DataCollatorForLanguageModeling(tokenizer, mlm=False),
             callbacks=[callback],
         )
-    elif kind in ("trainer", "stream", "fsdp2") or stage is not None:
+    elif kind in ("trainer", "stream", "stream_workers", "fsdp2") or stage is not None:
         rows = token_dataset(tokenizer, texts[:43], max_length=24)
-        if kind == "stream":
-            common["max_steps"] = 10  # 40 samples: 5 steps of 4, then 8, 8 and 4
+        if kind.startswith("stream"):
+            common.setdefault("max_steps", 10)  # 40 samples: 5 steps of 4, then 8, 8 and 4 (WORKER_ARGS: more)
+            if kind == "stream_workers":
+                common["dataloader_num_workers"] = 1
+            reads = torch.zeros(1, dtype=torch.long).share_memory_()  # (counted in a worker too)
 
             class Stream(torch.utils.data.IterableDataset):
                 def __iter__(self):
-                    yield from rows
+                    for row in rows:
+                        reads.add_(1)
+                        yield row
 
         trainer = Trainer(
             model=model,
             args=TrainingArguments(**common),
-            train_dataset=Stream() if kind == "stream" else rows,
+            train_dataset=Stream() if kind.startswith("stream") else rows,
             data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
             callbacks=[callback],
         )
@@ -144,6 +150,7 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         "micro_batches": [(*m[:4], len(m[4])) for m in getattr(trainer, "micro_batches", [])],
         "max_tokens": getattr(session.controller, "max_tokens", None),
         "controller": session.controller.state_dict(),
+        "stream_reads": int(reads) if kind.startswith("stream") else None,  # samples this rank's stream gave
     }
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

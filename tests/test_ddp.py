@@ -89,18 +89,19 @@ def assert_same_weights(a, b):
         assert torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("kind", ["trainer", "stream", "sft", "fsdp2"])
+@pytest.mark.parametrize("kind", ["trainer", "stream", "stream_workers", "sft", "fsdp2"])
 def test_two_ranks_train_exactly_as_one_process(tmp_path, kind):
-    # FSDP2's reference is one process without it
-    single, single_weights = launch(
-        tmp_path, "single", "trainer" if kind == "fsdp2" else kind, 1, world_size=1
-    )
+    # FSDP2's reference is one process without it; a stream read by a DataLoader worker, the same stream without
+    reference = {"fsdp2": "trainer", "stream_workers": "stream"}.get(kind, kind)
+    single, single_weights = launch(tmp_path, "single", reference, 1, world_size=1)
     ranks, rank_weights = launch(tmp_path, "ddp", kind, micro=1, world_size=2)
+    if kind.startswith("stream"):  # 40 samples: rank 0 reads them for both ranks, or each rank reads them all
+        assert [rank["stream_reads"] for rank in ranks] == ([40, 0] if kind == "stream" else [40, 40])
     assert ranks[0]["world_size"] == 2
     assert ranks[0]["plan"] == ranks[1]["plan"] == single[0]["plan"]
     sizes = [log["adaptive_batch/effective_batch_size"] for log in ranks[0]["logs"]]
     assert sizes == [log["adaptive_batch/effective_batch_size"] for log in single[0]["logs"]]
-    if kind != "stream":  # (a stream's budget, max_steps x 4, leaves no odd remainder)
+    if not kind.startswith("stream"):  # (a stream's budget, max_steps x 4, leaves no odd remainder)
         assert any(
             size % 2 for size in sizes
         )  # a step whose shares differ by one sample (a row adding nothing)
@@ -121,6 +122,14 @@ def test_two_ranks_train_exactly_as_one_process(tmp_path, kind):
         values = [log[key] for log in ranks[0]["logs"]]
         assert values == [log[key] for log in ranks[1]["logs"]], key
         assert values == pytest.approx([log[key] for log in single[0]["logs"]], rel=1e-9), key
+
+
+def test_a_stream_that_ends_early_stops_every_rank_with_the_error(tmp_path):
+    # rank 0 reads for both: the error it meets is sent to rank 1, which would otherwise wait for its share
+    longer = {"WORKER_ARGS": json.dumps({"max_steps": 20})}  # 80 samples from a stream of 43
+    stderr = launch(tmp_path, "short", "stream", micro=1, world_size=2, env=longer, fails=True)
+    for rank in (0, 1):
+        assert f"[rank{rank}]: adaptive_batch.stream.StreamEndedError: The training stream ended after 43" in stderr
 
 
 @pytest.mark.parametrize("kind", ["trainer", "sft"])
