@@ -129,7 +129,23 @@ def test_a_stream_that_ends_early_stops_every_rank_with_the_error(tmp_path):
     longer = {"WORKER_ARGS": json.dumps({"max_steps": 20})}  # 80 samples from a stream of 43
     stderr = launch(tmp_path, "short", "stream", micro=1, world_size=2, env=longer, fails=True)
     for rank in (0, 1):
-        assert f"[rank{rank}]: adaptive_batch.stream.StreamEndedError: The training stream ended after 43" in stderr
+        assert (
+            f"[rank{rank}]: adaptive_batch.stream.StreamEndedError: The training stream ended after 43"
+            in stderr
+        )
+
+
+def test_a_stream_read_by_rank_0_resumes_exactly_on_two_ranks(tmp_path):
+    saving = {"WORKER_ARGS": json.dumps({"save_strategy": "steps", "save_steps": 4})}
+    full, full_weights = launch(tmp_path, "full", "stream", micro=1, world_size=2, env=saving)
+    resume = {"WORKER_RESUME": str(tmp_path / "full" / "checkpoint-4")}
+    resumed, resumed_weights = launch(tmp_path, "resumed", "stream", micro=1, world_size=2, env=resume)
+    # (the checkpoint's log history holds the first 4 steps)
+    assert [log["loss"] for log in resumed[0]["logs"]] == [log["loss"] for log in full[0]["logs"]]
+    assert (
+        resumed[0]["stream_reads"] == 40 and resumed[1]["stream_reads"] == 0
+    )  # the skipped steps read again
+    assert_same_weights(resumed_weights[0], full_weights[0])
 
 
 @pytest.mark.parametrize("kind", ["trainer", "sft"])
