@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from base_model import TINY, save_random_llama  # noqa: E402
+from qlora_throughput import sync  # noqa: E402
 
 TINYLLAMA_1B = dict(
     hidden_size=2048,
@@ -89,11 +90,6 @@ class StepTimer:
         self.callback = Callback()
         self.seconds: list[float] = []
         self.started = 0.0
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def run_arm(
