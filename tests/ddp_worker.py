@@ -99,9 +99,8 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     elif kind in ("trainer", "stream", "stream_workers", "fsdp2") or stage is not None:
         rows = token_dataset(tokenizer, texts[:43], max_length=24)
         if kind.startswith("stream"):
-            common.setdefault(
-                "max_steps", 10
-            )  # 40 samples: 5 steps of 4, then 8, 8 and 4 (WORKER_ARGS: more)
+            # 40 samples: 5 steps of 4, then 8, 8 and 4 (WORKER_ARGS may ask for more)
+            common.setdefault("max_steps", 10)
             if kind == "stream_workers":
                 common["dataloader_num_workers"] = 1
             reads = torch.zeros(1, dtype=torch.long).share_memory_()  # (counted in a worker too)

@@ -142,9 +142,8 @@ def test_a_stream_read_by_rank_0_resumes_exactly_on_two_ranks(tmp_path):
     resumed, resumed_weights = launch(tmp_path, "resumed", "stream", micro=1, world_size=2, env=resume)
     # (the checkpoint's log history holds the first 4 steps)
     assert [log["loss"] for log in resumed[0]["logs"]] == [log["loss"] for log in full[0]["logs"]]
-    assert (
-        resumed[0]["stream_reads"] == 40 and resumed[1]["stream_reads"] == 0
-    )  # the skipped steps read again
+    # rank 0 read the skipped steps again, alone
+    assert resumed[0]["stream_reads"] == 40 and resumed[1]["stream_reads"] == 0
     assert_same_weights(resumed_weights[0], full_weights[0])
 
 
