@@ -177,6 +177,9 @@ def main():
         "--adaptive-steps", type=int, default=16, help="optimizer steps of each AdaptiveBatch arm"
     )
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the arms this many times, every other round in reverse order"
+    )
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
     options = parser.parse_args()
     os.makedirs(options.out, exist_ok=True)
@@ -227,10 +230,13 @@ def main():
         "runs": [],
     }
     path = os.path.join(options.out, "ragged_throughput.json")
-    for name in arms:
+    # rounds alternate the order (A B C, C B A, ...) so that every arm's mean position in the run is the same
+    order = [(r, name) for r in range(options.rounds) for name in (arms if r % 2 == 0 else arms[::-1])]
+    for round_, name in order:
         started = time.perf_counter()
         steps = options.adaptive_steps if ARMS[name][3] is not None else options.steps
         result = run_arm(name, model, dataset, steps, options.tiny, options.workdir)
+        result["round"] = round_
         report["runs"].append(result)
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
@@ -246,18 +252,38 @@ def main():
     print_table(report)
 
 
+def steady_part(run) -> tuple[int, float]:
+    """Real tokens and seconds of a run's steps after the first and after AdaptiveBatch's measuring steps (all but
+    the first where measuring took every step, as in a short dry run)."""
+    first = run.get("first_steady_step", 1)
+    if first >= len(run["step_seconds"]):
+        first = 1
+    return sum(run["real_tokens_per_step"][first:]), sum(run["step_seconds"][first:])
+
+
 def summarise(report):
-    runs = {run["arm"]: run for run in report["runs"]}
-    if "random" not in runs:
+    """Per arm: its runs pooled (real tokens over seconds of their steady steps), the ratios to the plain random arm
+    and to the best plain padding-free arm, and how far apart its repeats were (the noise floor of the ratios)."""
+    by_arm: dict[str, list] = {}
+    for run in report["runs"]:
+        by_arm.setdefault(run["arm"], []).append(run)
+    pooled = {}
+    for name, runs in by_arm.items():
+        parts = [steady_part(run) for run in runs]
+        pooled[name] = sum(t for t, _ in parts) / sum(s for _, s in parts)
+    if "random" not in pooled:
         return
-    base = runs["random"]["real_tokens_per_second"]
-    flat = [run["real_tokens_per_second"] for name, run in runs.items() if name.startswith("flat")]
+    base = pooled["random"]
+    flat = [speed for name, speed in pooled.items() if name.startswith("flat")]
     summary = {"random_real_tokens_per_second": base}
-    for name, run in runs.items():
-        speed = run.get("real_tokens_per_second_steady") or run["real_tokens_per_second"]
+    for name, speed in pooled.items():
+        speeds = [t / s for t, s in map(steady_part, by_arm[name])]
         summary[name] = {
+            "real_tokens_per_second": speed,
             "over_random": speed / base,
             "over_best_plain_flat": speed / max(flat) if flat else None,
+            "repeats": len(speeds),
+            "spread_between_repeats": max(speeds) / min(speeds) - 1,
         }
     report["summary"] = summary
 
@@ -266,17 +292,23 @@ def print_table(report):
     print(
         f"\n{report['device']}, {report['model']}, {report['attention']}; lengths {report['lengths']['distribution']}"
     )
-    print(f"{'arm':>10} {'pair':>6} {'real tok/s':>11} {'steady':>8} {'x random':>9} {'peak GiB':>9}")
-    summary = report.get("summary", {})
+    print(f"{'round':>5} {'arm':>10} {'pair':>6} {'real tok/s':>11} {'steady':>8} {'peak GiB':>9}")
     for run in report["runs"]:
         steady = run.get("real_tokens_per_second_steady")
         peak = f"{run['peak_allocated_gib']:.1f}" if run["peak_allocated_gib"] else "-"
-        ratio = summary.get(run["arm"], {}).get("over_random")
         print(
-            f"{run['arm']:>10} {run['per_device_train_batch_size']}x{run['gradient_accumulation_steps']:<3} "
-            f"{run['real_tokens_per_second']:>11,.0f} {steady or 0:>8,.0f} "
-            f"{ratio or 0:>9.2f} {peak:>9}"
+            f"{run.get('round', 0):>5} {run['arm']:>10} "
+            f"{run['per_device_train_batch_size']}x{run['gradient_accumulation_steps']:<3} "
+            f"{run['real_tokens_per_second']:>11,.0f} {steady or 0:>8,.0f} {peak:>9}"
         )
+    summary = report.get("summary", {})
+    print(f"\n{'pooled':>10} {'real tok/s':>11} {'x random':>9} {'x flat':>7} {'repeats apart':>14}")
+    for name, row in summary.items():
+        if isinstance(row, dict):
+            print(
+                f"{name:>10} {row['real_tokens_per_second']:>11,.0f} {row['over_random']:>9.2f} "
+                f"{row['over_best_plain_flat'] or 0:>7.2f} {row['spread_between_repeats']:>14.1%}"
+            )
 
 
 if __name__ == "__main__":
