@@ -178,7 +178,10 @@ def main():
     )
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
     parser.add_argument(
-        "--rounds", type=int, default=1, help="run the arms this many times, every other round in reverse order"
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the arms this many times, every other round in reverse order",
     )
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
     options = parser.parse_args()
