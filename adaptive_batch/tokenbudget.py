@@ -4,11 +4,19 @@ Each step's rows are cut by their lengths ([`cut.py`]) into micro-batches of at 
 (a longer row alone) and at most `size` rows, at the least modelled time: `overhead` x micro-batches + padded
 tokens. The overhead (the fixed time of one micro-batch, in tokens' worth) is stated, or measured: the micro-batches
 of `CALIBRATION_STEPS` steps after a warm-up step are timed and a line of seconds against padded tokens is fitted
-(its intercept over its slope; no rising line means the fixed part dominates, and the cut is then the fewest
-micro-batches). With `tune` ("auto" on rows of varying length) the budget also grows: it doubles after each step
-whose cut a doubled budget would change, while peak memory, measured against padded tokens, predicts that the
-doubled budget fits. An out-of-memory error halves the budget for good. Once measuring is over the cut depends on the
-rows' lengths alone, so a resumed run cuts its steps as the uninterrupted one did.
+(its intercept over its slope), robustly ([`fit.robust_affine`]): a micro-batch slowed by a compile or a busy host
+does not tip it. Where the times give no rising line, the cut keeps the rule it used while measuring (an overhead of
+one longest row), never the fewest micro-batches, which pad the whole step to its longest row.
+
+With `tune` ("auto" on rows of varying length) the budget also grows: it doubles after each step whose cut a
+doubled budget would change, while peak memory, measured against padded tokens, predicts that the doubled budget
+fits. The micro-batches stay timed while it grows, and the line is fitted again after each step, but only where it
+held: micro-batches larger than any it was fitted on must run within `LINE_MARGIN` of what it predicts, or the
+budget falls back to the largest micro-batch it was fitted on and stops growing (attention kernels with a fixed
+cost per call, such as flex attention's, cost the same from a few to several thousand tokens and then grow: a line
+from the small ones would pad the whole step into one micro-batch). An out-of-memory error halves the budget for
+good. Once measuring is over the cut depends on the rows' lengths alone, so a resumed run cuts its steps as the
+uninterrupted one did.
 
 Under DDP each rank cuts its own rows; the ranks agree on the number of micro-batches (a rank with fewer runs rows
 that add nothing) and on whether the budget bound the cut, and are fed the same combined measurements, so they
@@ -22,12 +30,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from .fit import affine
+from .fit import robust_affine
 from .microbatch import MicroBatch, MicroBatchTooLargeError, predict_peak
 
 logger = logging.getLogger("adaptive_batch")
 
 CALIBRATION_STEPS = 3  # steps timed to measure the overhead of a micro-batch, after one warm-up step
+LINE_MARGIN = 0.15  # how much slower than the fitted line micro-batches beyond its range may run
 
 
 class TokenBudgetController:
@@ -58,10 +67,13 @@ class TokenBudgetController:
         self.tuning = tune
         self.overhead = overhead
         self.calibrating = overhead is None
+        self.measures_overhead = overhead is None  # a stated one is kept as stated
+        self.no_line = False  # measured, but the times gave no rising line: one longest row's worth
         self.memory_limit = memory_limit
         self.oom_is_fatal = oom_is_fatal
         self.steps_measured = 0
         self.time_points: list[tuple[float, float]] = []  # (padded tokens of a micro-batch, seconds)
+        self.step_start = 0  # where this step's time points begin
         self.memory_points: list[tuple[float, float]] = []  # (padded tokens of a micro-batch, peak bytes)
         self.oom_sizes: list[int] = []
         self.budget_because = None if tune else "stated"
@@ -81,11 +93,12 @@ class TokenBudgetController:
         return TokenCut(self, batch, agree, row_cap)
 
     def token_overhead(self, longest: int) -> int | None:
-        """The overhead a cut uses now: stated or measured; while measuring, one longest row's worth (`longest`
-        padded tokens); `None` (the fewest micro-batches) when the measurements gave no rising line."""
+        """The overhead a cut uses now: stated or measured; while measuring, or where the measurements gave no
+        rising line, one longest row's worth (`longest` padded tokens); `None` (the fewest micro-batches) only for a
+        checkpoint written before the overhead was measured, as its run cut."""
         if self.overhead is not None:
             return self.overhead
-        return longest if self.calibrating else None
+        return longest if self.calibrating or self.no_line else None
 
     # -- what happened -----------------------------------------------------------------------------------------
 
@@ -93,7 +106,8 @@ class TokenBudgetController:
         """Feed the time, padded tokens and peak memory of a micro-batch timed while measuring."""
         if peak_bytes is not None:
             self.memory_points.append((float(padded_tokens), float(peak_bytes)))
-        if self.calibrating and self.steps_measured > 0 and seconds > 0:  # the first step warms up
+        if self.measures_overhead and self.exploring and self.steps_measured > 0 and seconds > 0:
+            # the first step warms up
             self.time_points.append((float(padded_tokens), seconds))
 
     def end_step(self, bound: bool) -> None:
@@ -101,10 +115,23 @@ class TokenBudgetController:
         if not self.exploring:
             return
         self.steps_measured += 1
+        fitted_on, this_step = self.time_points[: self.step_start], self.time_points[self.step_start :]
+        self.step_start = len(self.time_points)
         cut_with_measured_overhead = not self.calibrating
         if self.calibrating and self.steps_measured > CALIBRATION_STEPS:
             self.calibrating = False
-            self.overhead = fitted_overhead(self.time_points)
+            self._fit(self.time_points)
+        elif self.measures_overhead and cut_with_measured_overhead:  # growing: keep the line where it held
+            slower = slower_than_the_line(fitted_on, this_step)
+            if slower is not None:
+                largest = int(max(tokens for tokens, _ in fitted_on))
+                self.max_tokens = min(self.max_tokens, largest)
+                self._stop_tuning(
+                    f"micro-batches above {largest:,} padded tokens ran {slower:.0%} slower than the line "
+                    f"measured up to there predicts"
+                )
+            else:
+                self._fit(self.time_points)
         if self.tuning:
             bigger = 2 * self.max_tokens
             if not bound:
@@ -118,9 +145,12 @@ class TokenBudgetController:
             else:
                 self.max_tokens = bigger
         if not self.exploring:
-            overhead = (
-                "fewest micro-batches" if self.overhead is None else f"overhead {self.overhead:,} tokens"
-            )
+            if self.overhead is not None:
+                overhead = f"overhead {self.overhead:,} tokens"
+            elif self.no_line:
+                overhead = "overhead one longest row (the time of a micro-batch did not rise with its tokens)"
+            else:
+                overhead = "fewest micro-batches"
             self.settled_because = f"token budget {self.max_tokens:,} ({self.budget_because}), {overhead}"
 
     def on_out_of_memory(self, rows: int, padded_tokens: int) -> None:
@@ -164,6 +194,10 @@ class TokenBudgetController:
         if max_size is not None:
             self.size = min(self.size, max_size)
 
+    def _fit(self, points: list[tuple[float, float]]) -> None:
+        self.overhead = fitted_overhead(points)
+        self.no_line = self.overhead is None
+
     def _stop_tuning(self, because: str) -> None:
         self.tuning = False
         self.budget_because = because
@@ -180,6 +214,7 @@ class TokenBudgetController:
             "budget_because": self.budget_because,
             "overhead": self.overhead,
             "calibrating": self.calibrating,
+            "no_line": self.no_line,
             "steps_measured": self.steps_measured,
             "time_points": [list(point) for point in self.time_points],
             "memory_points": [list(point) for point in self.memory_points],
@@ -196,8 +231,10 @@ class TokenBudgetController:
         overhead = state.get("overhead")
         self.overhead = None if overhead is None else int(overhead)
         self.calibrating = bool(state.get("calibrating", False))
+        self.no_line = bool(state.get("no_line", False))
         self.steps_measured = int(state.get("steps_measured", 0))
         self.time_points = [(float(t), float(s)) for t, s in state.get("time_points", [])]
+        self.step_start = len(self.time_points)  # written at a step's end
         self.memory_points = [(float(t), float(p)) for t, p in state.get("memory_points", [])]
         self.oom_sizes = [int(size) for size in state.get("oom_sizes", [])]
         self.settled_because = state.get("settled_because")
@@ -248,13 +285,34 @@ class TokenCut:
 
 
 def fitted_overhead(points: list[tuple[float, float]]) -> int | None:
-    """The fixed time of a micro-batch in tokens' worth: the intercept over the slope of the least-squares line of
-    seconds against padded tokens (at least 0); `None` when the points give no rising line.
+    """The fixed time of a micro-batch in tokens' worth: the intercept over the slope of the robust line of seconds
+    against padded tokens ([`fit.robust_affine`]; at least 0); `None` when the points give no rising line.
 
     Example: micro-batches of 1,000 and 3,000 tokens taking 0.2 s and 0.4 s: 0.1 s + 0.0001 s per token, so 1,000.
     """
-    line = affine(points)
+    line = robust_affine(points)
     if line is None or line[1] <= 0:
         return None
     intercept, slope = line
     return max(0, round(intercept / slope))
+
+
+def slower_than_the_line(
+    fitted_on: list[tuple[float, float]], new: list[tuple[float, float]]
+) -> float | None:
+    """How much slower than the line of `fitted_on` the `new` micro-batches larger than all of those ran, together,
+    where that is more than `LINE_MARGIN`; else `None` (also when none is larger, or there is no rising line).
+
+    Example: a line of 0.1 s + 0.0001 s per token fitted up to 2,000 tokens predicts 0.9 s at 8,000; 1.8 s is 100%
+    slower.
+    """
+    line = robust_affine(fitted_on) if fitted_on else None
+    if line is None or line[1] <= 0:
+        return None
+    largest = max(tokens for tokens, _ in fitted_on)
+    beyond = [(tokens, seconds) for tokens, seconds in new if tokens > largest]
+    if not beyond:
+        return None
+    predicted = sum(line[0] + line[1] * tokens for tokens, _ in beyond)
+    slower = sum(seconds for _, seconds in beyond) / predicted - 1
+    return slower if slower > LINE_MARGIN else None

@@ -29,6 +29,10 @@ Usage (results go to OUT/ragged_throughput.json, written after every arm, and a 
     python benchmarks/ragged_throughput.py --out OUT            # the H200 run (needs CUDA and bitsandbytes)
     python benchmarks/ragged_throughput.py --out OUT --attention flex_attention --arms random,flat32,flat64,auto_pf
     python benchmarks/ragged_throughput.py --out OUT --tiny     # a CPU dry run of the same code on a tiny model
+
+Arms that run the same micro-batches differed by up to 42% between positions in one run on the H200. `--rounds 2`
+runs the arms again in reverse order (each arm's mean position the same) and the summary pools each arm's repeats
+and says how far apart they were; `--warmup-steps N` first trains N unrecorded steps, so that no arm runs cold.
 """
 
 from __future__ import annotations
@@ -138,7 +142,7 @@ def run_arm(name, model, dataset, steps, tiny, workdir):
         "training_arguments": extra,
         "step_seconds": seconds,
         "real_tokens_per_step": tokens,
-        "real_tokens_per_second": sum(tokens[1:]) / sum(seconds[1:]),
+        "real_tokens_per_second": sum(tokens[1:] or tokens) / sum(seconds[1:] or seconds),
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30
         if torch.cuda.is_available()
         else None,
@@ -182,6 +186,12 @@ def main():
         type=int,
         default=1,
         help="run the arms this many times, every other round in reverse order",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        help="train this many steps of the plain random arm first, unrecorded (the first arm runs cold otherwise)",
     )
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
     options = parser.parse_args()
@@ -232,6 +242,16 @@ def main():
         },
         "runs": [],
     }
+    if (
+        options.warmup_steps
+    ):  # the process's first training pays for new shapes and kernels: not an arm's cost
+        started = time.perf_counter()
+        run_arm("random", model, dataset, options.warmup_steps, options.tiny, options.workdir)
+        report["warmup"] = {
+            "arm": "random",
+            "steps": options.warmup_steps,
+            "seconds": time.perf_counter() - started,
+        }
     path = os.path.join(options.out, "ragged_throughput.json")
     # rounds alternate the order (A B C, C B A, ...) so that every arm's mean position in the run is the same
     order = [(r, name) for r in range(options.rounds) for name in (arms if r % 2 == 0 else arms[::-1])]

@@ -77,6 +77,30 @@ def test_the_fitted_overhead_is_the_intercept_over_the_slope():
     assert fitted_overhead([(1000, 0.3), (1000, 0.2)]) is None  # one size: no slope
 
 
+def test_a_few_slow_micro_batches_do_not_tip_the_fitted_overhead():
+    # 0.1 s + 0.0001 s per token (an overhead of 1,000), and three micro-batches slowed by a compile or a busy host,
+    # the smallest among them, as on the H200 (`benchmarks/results/ragged_throughput_h200_rounds_lsq.json`), where a
+    # least-squares line fell and the cut became one micro-batch padded to the step's longest row
+    points = [(tokens, 0.1 + 0.0001 * tokens) for tokens in range(1000, 9000, 700)]
+    points += [(900, 2.4), (2200, 14.2), (3100, 11.8)]
+    assert fitted_overhead(points) == 1000
+
+
+def test_where_the_times_give_no_rising_line_the_cut_keeps_one_longest_row_of_overhead():
+    controller = TokenBudgetController(100, 8)
+    controller.end_step(bound=False)  # the warm-up step
+    for _ in range(CALIBRATION_STEPS):
+        controller.record(0.5, 40)
+        controller.record(0.4, 80)
+        controller.end_step(bound=False)
+    assert not controller.exploring and controller.overhead is None
+    assert controller.token_overhead(longest=32) == 32  # not None: the fewest micro-batches
+    assert "overhead one longest row" in controller.settled_because
+    restored = TokenBudgetController(100, 8)
+    restored.load_state_dict(json.loads(json.dumps(controller.state_dict())))
+    assert restored.token_overhead(longest=32) == 32
+
+
 def tuned(max_tokens=100, memory_limit=None, overhead=None):
     return TokenBudgetController(max_tokens, 8, tune=True, overhead=overhead, memory_limit=memory_limit)
 
@@ -176,6 +200,47 @@ def test_a_checkpoint_from_before_the_overhead_loads_as_the_fewest_micro_batches
     controller = TokenBudgetController(100, 8)
     controller.load_state_dict(old)
     assert not controller.exploring and controller.token_overhead(longest=32) is None
+
+
+def calibrated(seconds, tokens=(40, 80)):
+    """A tuned controller (budget 100) whose warm-up and calibration steps timed `tokens` by `seconds`."""
+    controller = tuned()
+    controller.end_step(bound=True)  # the warm-up step: the budget doubles, still measuring
+    for _ in range(CALIBRATION_STEPS):
+        for size in tokens:
+            controller.record(seconds(size), size)
+        controller.end_step(bound=True)
+    assert not controller.calibrating and controller.tuning
+    return controller
+
+
+def test_a_budget_whose_larger_micro_batches_run_as_the_line_predicts_keeps_growing_and_refits():
+    line = lambda tokens: 0.01 + 0.0001 * tokens  # noqa: E731 - an overhead of 100 tokens
+    controller = calibrated(line)
+    budget = controller.max_tokens
+    larger = [(tokens, line(tokens) * 1.1) for tokens in range(1000, 1800, 100)]  # 10%: within LINE_MARGIN
+    for tokens, seconds in larger:
+        controller.record(seconds, tokens)
+    controller.end_step(bound=True)
+    assert controller.tuning and controller.max_tokens == 2 * budget
+    assert controller.overhead == fitted_overhead(controller.time_points) != 100  # fitted again, on them too
+
+
+def test_a_budget_whose_larger_micro_batches_run_slower_than_the_line_falls_back_and_stops():
+    # flex attention on the H200: about the same time from 2,000 to 5,000 padded tokens, then 120 us per token,
+    # so the line of the small ones (a large overhead) would pad the whole step into one micro-batch
+    flat_then_steep = lambda tokens: max(0.55, 0.00012 * tokens)  # noqa: E731
+    controller = calibrated(
+        lambda tokens: flat_then_steep(tokens * 50) + 0.0001 * tokens, tokens=(40, 60, 80)
+    )
+    overhead = controller.overhead
+    controller.record(flat_then_steep(300 * 50), 300)
+    controller.end_step(bound=True)
+    assert not controller.exploring
+    assert controller.max_tokens == 80  # the largest micro-batch the line was fitted on
+    assert controller.overhead == overhead  # not fitted again on the points that broke it
+    assert "micro-batches above 80 padded tokens ran" in controller.settled_because
+    assert "slower than the line" in controller.settled_because
 
 
 def test_the_budget_waits_for_the_measured_overhead_before_it_stops_growing():
