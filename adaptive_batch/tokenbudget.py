@@ -11,8 +11,9 @@ one longest row), never the fewest micro-batches, which pad the whole step to it
 With `tune` ("auto" on rows of varying length) the budget also grows: it doubles after each step whose cut a
 doubled budget would change, while peak memory, measured against padded tokens, predicts that the doubled budget
 fits. The micro-batches stay timed while it grows, and the line is fitted again after each step, but only where it
-held: micro-batches larger than any it was fitted on must run within `LINE_MARGIN` of what it predicts, or the
-budget falls back to the largest micro-batch it was fitted on and stops growing (attention kernels with a fixed
+held: micro-batches larger than any it was fitted on must run within `LINE_MARGIN` of what it predicts; if they
+run slower in two steps running (once may be a slow moment of the host: that step's times are dropped and the
+budget held), the budget falls back to the largest micro-batch the line was fitted on and stops growing (attention kernels with a fixed
 cost per call, such as flex attention's, cost the same from a few to several thousand tokens and then grow: a line
 from the small ones would pad the whole step into one micro-batch). An out-of-memory error halves the budget for
 good. Once measuring is over the cut depends on the rows' lengths alone, so a resumed run cuts its steps as the
@@ -69,6 +70,7 @@ class TokenBudgetController:
         self.calibrating = overhead is None
         self.measures_overhead = overhead is None  # a stated one is kept as stated
         self.no_line = False  # measured, but the times gave no rising line: one longest row's worth
+        self.line_missed: float | None = None  # how much slower than the line a grown budget's last step ran
         self.memory_limit = memory_limit
         self.oom_is_fatal = oom_is_fatal
         self.steps_measured = 0
@@ -123,15 +125,21 @@ class TokenBudgetController:
             self._fit(self.time_points)
         elif self.measures_overhead and cut_with_measured_overhead:  # growing: keep the line where it held
             slower = slower_than_the_line(fitted_on, this_step)
-            if slower is not None:
+            if slower is None:
+                self.line_missed = None
+                self._fit(self.time_points)
+            elif self.line_missed is None:  # once may be a slow moment of the host: the same budget once more
+                self.line_missed = slower
+                del self.time_points[len(fitted_on) :]
+                self.step_start = len(self.time_points)
+                return
+            else:  # twice: the line does not hold there
                 largest = int(max(tokens for tokens, _ in fitted_on))
                 self.max_tokens = min(self.max_tokens, largest)
                 self._stop_tuning(
-                    f"micro-batches above {largest:,} padded tokens ran {slower:.0%} slower than the line "
-                    f"measured up to there predicts"
+                    f"micro-batches above {largest:,} padded tokens ran {min(slower, self.line_missed):.0%} "
+                    f"slower than the line measured up to there predicts, twice"
                 )
-            else:
-                self._fit(self.time_points)
         if self.tuning:
             bigger = 2 * self.max_tokens
             if not bound:
@@ -215,6 +223,7 @@ class TokenBudgetController:
             "overhead": self.overhead,
             "calibrating": self.calibrating,
             "no_line": self.no_line,
+            "line_missed": self.line_missed,
             "steps_measured": self.steps_measured,
             "time_points": [list(point) for point in self.time_points],
             "memory_points": [list(point) for point in self.memory_points],
@@ -232,6 +241,7 @@ class TokenBudgetController:
         self.overhead = None if overhead is None else int(overhead)
         self.calibrating = bool(state.get("calibrating", False))
         self.no_line = bool(state.get("no_line", False))
+        self.line_missed = state.get("line_missed")
         self.steps_measured = int(state.get("steps_measured", 0))
         self.time_points = [(float(t), float(s)) for t, s in state.get("time_points", [])]
         self.step_start = len(self.time_points)  # written at a step's end

@@ -234,13 +234,30 @@ def test_a_budget_whose_larger_micro_batches_run_slower_than_the_line_falls_back
         lambda tokens: flat_then_steep(tokens * 50) + 0.0001 * tokens, tokens=(40, 60, 80)
     )
     overhead = controller.overhead
+    budget = controller.max_tokens
     controller.record(flat_then_steep(300 * 50), 300)
+    controller.end_step(bound=True)
+    assert controller.tuning and controller.max_tokens == budget  # once: held, tried again
+    assert (300.0, flat_then_steep(300 * 50)) not in controller.time_points
+    controller.record(flat_then_steep(250 * 50), 250)
     controller.end_step(bound=True)
     assert not controller.exploring
     assert controller.max_tokens == 80  # the largest micro-batch the line was fitted on
     assert controller.overhead == overhead  # not fitted again on the points that broke it
     assert "micro-batches above 80 padded tokens ran" in controller.settled_because
-    assert "slower than the line" in controller.settled_because
+    assert "slower than the line measured up to there predicts, twice" in controller.settled_because
+
+
+def test_one_slow_step_of_a_grown_budget_is_tried_again_and_then_forgotten():
+    line = lambda tokens: 0.01 + 0.0001 * tokens  # noqa: E731
+    controller = calibrated(line)
+    budget = controller.max_tokens
+    controller.record(line(1500) * 5, 1500)  # a slow moment of the host
+    controller.end_step(bound=True)
+    assert controller.tuning and controller.max_tokens == budget and controller.line_missed > 3
+    controller.record(line(1500), 1500)  # as predicted: it grows again
+    controller.end_step(bound=True)
+    assert controller.tuning and controller.max_tokens == 2 * budget and controller.line_missed is None
 
 
 def test_the_budget_waits_for_the_measured_overhead_before_it_stops_growing():
