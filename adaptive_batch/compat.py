@@ -253,6 +253,11 @@ def deepspeed_reset(engine) -> None:
         else:
             bucket.clear()
             bucket.index = 0
+    offloaded = getattr(optimizer, "_offload_accumulated_param_ids", None)
+    if isinstance(
+        offloaded, set
+    ):  # with the optimizer offloaded, step() restores these from their CPU buffers
+        offloaded.clear()
     if isinstance(getattr(optimizer, "extra_large_param_to_reduce", None), dict):
         optimizer.extra_large_param_to_reduce.clear()
     if hasattr(optimizer, "_release_ipg_buffers"):

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1, 2 and 3 on CPU processes (gloo; tests/ddp_worker.py's `zero1`..`zero3` kinds): every sample once,
+"""DeepSpeed ZeRO-1, 2 and 3, and ZeRO-2 with the optimizer offloaded to the CPU, on CPU processes (gloo; tests/ddp_worker.py's `zero1`..`zero3` kinds): every sample once,
 the global batch exact, the parameters those of DeepSpeed taking each step's share in one micro-batch, an
 out-of-memory error in the middle of a backward retried bit for bit in one process and ending every rank with the
 error in two, and a resume from DeepSpeed's checkpoint bit for bit.
@@ -17,18 +17,33 @@ DEEPSPEED_TOLERANCE = 1e-6
 COUNTS = ("adaptive_batch/effective_batch_size", "adaptive_batch/samples_seen", "adaptive_batch/tokens_seen")
 
 
+# ZeRO-2 with the optimizer offloaded to the CPU (the classic recipe); `zero_force_ds_cpu_optimizer: false` keeps the
+# worker's SGD (else accelerate swaps in DeepSpeed's CPU Adam, which the runs without DeepSpeed do not have)
+OFFLOAD = {
+    "WORKER_DEEPSPEED": json.dumps(
+        {
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "zero_force_ds_cpu_optimizer": False,
+        }
+    )
+}
+STAGES = pytest.mark.parametrize(
+    "stage, env", [(1, None), (2, None), (3, None), (2, OFFLOAD)], ids=["1", "2", "3", "2-offload"]
+)
+
+
 def assert_close(a, b, tolerance=DEEPSPEED_TOLERANCE):
     for name in a:
         diff = (a[name] - b[name]).norm() / b[name].norm()
         assert diff < tolerance, f"{name}: {diff:.2e}"
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_two_ranks_under_zero_train_as_deepspeed_taking_each_step_at_once(tmp_path, stage):
+@STAGES
+def test_two_ranks_under_zero_train_as_deepspeed_taking_each_step_at_once(tmp_path, stage, env):
     kind = f"zero{stage}"
-    ranks, weights = ddp.launch(tmp_path, "micro", kind, micro=1, world_size=2)
+    ranks, weights = ddp.launch(tmp_path, "micro", kind, micro=1, world_size=2, env=env)
     whole, whole_weights = ddp.launch(
-        tmp_path, "whole", kind, micro=8, world_size=2
+        tmp_path, "whole", kind, micro=8, world_size=2, env=env
     )  # one micro-batch a step
     single, single_weights = ddp.launch(tmp_path, "single", "trainer", micro=1, world_size=1)
     assert ranks[0]["world_size"] == 2 and ranks[0]["plan"] == single[0]["plan"]
@@ -42,17 +57,18 @@ def test_two_ranks_under_zero_train_as_deepspeed_taking_each_step_at_once(tmp_pa
     assert not any("adaptive_batch/noise_scale" in log for log in ranks[0]["logs"])  # not measured under ZeRO
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_one_process_under_zero_retries_an_out_of_memory_error_exactly(tmp_path, stage):
+@pytest.mark.parametrize("stage, env", [(2, None), (3, None), (2, OFFLOAD)], ids=["2", "3", "2-offload"])
+def test_one_process_under_zero_retries_an_out_of_memory_error_exactly(tmp_path, stage, env):
     # in the middle of the backward: ZeRO-2 has a half-filled reduce bucket and the first micro-batch's reduced
-    # gradients, ZeRO-3 gathered parameters besides (a retry without compat.deepspeed_reset asserts "already reduced")
+    # gradients (offloaded: accumulated in CPU buffers), ZeRO-3 gathered parameters besides (a retry without
+    # compat.deepspeed_reset asserts "already reduced")
     kind = f"zero{stage}"
     retried, weights = ddp.launch(
-        tmp_path, "oom", kind, micro=2, world_size=1, fake_oom_rank=0, torchrun=True
+        tmp_path, "oom", kind, micro=2, world_size=1, fake_oom_rank=0, torchrun=True, env=env
     )
     assert retried[0]["raised"] == [2]
     assert {log["adaptive_batch/micro_batch_size"] for log in retried[0]["logs"]} == {1}
-    clean, clean_weights = ddp.launch(tmp_path, "clean", kind, micro=1, world_size=1, torchrun=True)
+    clean, clean_weights = ddp.launch(tmp_path, "clean", kind, micro=1, world_size=1, torchrun=True, env=env)
     assert [log["loss"] for log in retried[0]["logs"]] == [log["loss"] for log in clean[0]["logs"]]
     ddp.assert_same_weights(weights[0], clean_weights[0])
 
