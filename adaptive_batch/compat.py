@@ -253,10 +253,9 @@ def deepspeed_reset(engine) -> None:
         else:
             bucket.clear()
             bucket.index = 0
+    # with the optimizer offloaded, step() restores every parameter named here from its CPU buffer
     offloaded = getattr(optimizer, "_offload_accumulated_param_ids", None)
-    if isinstance(
-        offloaded, set
-    ):  # with the optimizer offloaded, step() restores these from their CPU buffers
+    if isinstance(offloaded, set):
         offloaded.clear()
     if isinstance(getattr(optimizer, "extra_large_param_to_reduce", None), dict):
         optimizer.extra_large_param_to_reduce.clear()

@@ -11,13 +11,13 @@ one longest row), never the fewest micro-batches, which pad the whole step to it
 With `tune` ("auto" on rows of varying length) the budget also grows: it doubles after each step whose cut a
 doubled budget would change, while peak memory, measured against padded tokens, predicts that the doubled budget
 fits. The micro-batches stay timed while it grows, and the line is fitted again after each step, but only where it
-held: micro-batches larger than any it was fitted on must run within `LINE_MARGIN` of what it predicts; if they
-run slower in two steps running (once may be a slow moment of the host: that step's times are dropped and the
-budget held), the budget falls back to the largest micro-batch the line was fitted on and stops growing (attention kernels with a fixed
-cost per call, such as flex attention's, cost the same from a few to several thousand tokens and then grow: a line
-from the small ones would pad the whole step into one micro-batch). An out-of-memory error halves the budget for
-good. Once measuring is over the cut depends on the rows' lengths alone, so a resumed run cuts its steps as the
-uninterrupted one did.
+held: micro-batches larger than any it was fitted on must run within `LINE_MARGIN` of what it predicts. If they run
+slower in two steps running (once may be a slow moment of the host: that step's times are dropped and the budget
+held), the budget falls back to the largest micro-batch the line was fitted on and stops growing. Flex attention,
+for one, costs about the same per call from a few to several thousand tokens and then grows: a line fitted on the
+small micro-batches would pad the whole step into one. An out-of-memory error halves the budget for good. Once
+measuring is over the cut depends on the rows' lengths alone, so a resumed run cuts its steps as the uninterrupted
+one did.
 
 Under DDP each rank cuts its own rows; the ranks agree on the number of micro-batches (a rank with fewer runs rows
 that add nothing) and on whether the budget bound the cut, and are fed the same combined measurements, so they
