@@ -242,9 +242,8 @@ def main():
         },
         "runs": [],
     }
-    if (
-        options.warmup_steps
-    ):  # the process's first training pays for new shapes and kernels: not an arm's cost
+    # the process's first training pays for new shapes and kernels: not an arm's cost
+    if options.warmup_steps:
         started = time.perf_counter()
         run_arm("random", model, dataset, options.warmup_steps, options.tiny, options.workdir)
         report["warmup"] = {
@@ -290,17 +289,15 @@ def summarise(report):
     by_arm: dict[str, list] = {}
     for run in report["runs"]:
         by_arm.setdefault(run["arm"], []).append(run)
-    pooled = {}
-    for name, runs in by_arm.items():
-        parts = [steady_part(run) for run in runs]
-        pooled[name] = sum(t for t, _ in parts) / sum(s for _, s in parts)
+    parts = {name: [steady_part(run) for run in runs] for name, runs in by_arm.items()}
+    pooled = {name: sum(t for t, _ in own) / sum(s for _, s in own) for name, own in parts.items()}
     if "random" not in pooled:
         return
     base = pooled["random"]
     flat = [speed for name, speed in pooled.items() if name.startswith("flat")]
     summary = {"random_real_tokens_per_second": base}
     for name, speed in pooled.items():
-        speeds = [t / s for t, s in map(steady_part, by_arm[name])]
+        speeds = [t / s for t, s in parts[name]]
         summary[name] = {
             "real_tokens_per_second": speed,
             "over_random": speed / base,
