@@ -197,9 +197,10 @@ def is_fsdp2(trainer) -> bool:
 
 # -- DeepSpeed (through accelerate) --------------------------------------------------------------------------------
 
-# DeepSpeed's switch that hands the accumulation boundary to the caller: `engine.backward` only accumulates, and
-# `engine.step()` reduces the gradients (ZeRO-2/3: `finalize_gradient_accumulation_boundary`; ZeRO-0/1:
-# `allreduce_gradients`) and steps. From DeepSpeed 0.19.5.
+# DeepSpeed's switch that, set to false, hands the accumulation boundary to `engine.step()` (from 0.19.5): then
+# `engine.backward` only accumulates, and `step()` does the boundary's work after the backward, overlapped with
+# nothing (with offload: every gradient back to the GPU and out again). AdaptiveBatch keeps it true (the default) and
+# marks the boundary per micro-batch instead.
 MANAGED_ACCUMULATION = "managed_gradient_accumulation"
 
 
@@ -215,13 +216,14 @@ def deepspeed_engine(trainer):
 
 
 @contextlib.contextmanager
-def deepspeed_backward_only(trainer) -> Iterator[None]:
-    """Make `Accelerator.backward` run `engine.backward` alone: accelerate's `DeepSpeedEngineWrapper.backward` also
-    sets the accumulation boundary (which DeepSpeed refuses when the caller owns it) and calls `engine.step()` when
-    `sync_gradients` is true."""
+def deepspeed_backward_only(trainer, boundary: bool) -> Iterator[None]:
+    """Make `Accelerator.backward` mark the accumulation boundary (`boundary`: the step's last micro-batch) and run
+    `engine.backward`, without the `engine.step()` that accelerate's `DeepSpeedEngineWrapper.backward` calls when
+    `sync_gradients` is true: the step's end calls it, once every rank's micro-batches ran."""
     wrapper = trainer.accelerator.deepspeed_engine_wrapped
 
     def backward(loss, sync_gradients=True, **kwargs):
+        wrapper.engine.set_gradient_accumulation_boundary(boundary)
         wrapper.engine.backward(loss, **kwargs)
 
     wrapper.backward = backward
@@ -271,9 +273,12 @@ def deepspeed_reset(engine) -> None:
     if hasattr(optimizer, "_backward_active_depth"):
         optimizer._backward_active_depth = 0
     if hasattr(optimizer, "micro_step_id"):
-        optimizer.micro_step_id = 0
-    engine._is_gradient_accumulation_boundary = None
-    if hasattr(engine, "_unmanaged_backward_count"):
-        engine._unmanaged_backward_count = 0
+        # what step() leaves, so that the next backward is the step's first: ZeRO-3 counts from 0, ZeRO-1/2 from -1
+        # (a backward adds one first). Left one higher, an offloaded backward adds the CPU buffers, which still hold
+        # the failed attempt's gradients.
+        optimizer.micro_step_id = 0 if stage == 3 else -1
+    if callable(getattr(optimizer, "reset_cpu_buffers", None)) and getattr(optimizer, "cpu_offload", False):
+        optimizer.reset_cpu_buffers()  # a boundary backward cut short: norms and the overflow flag it set
+    engine.set_gradient_accumulation_boundary(False)
     if stage == 3:
         optimizer.empty_partition_cache()  # gives back the parameters the failed pass gathered

@@ -3,7 +3,8 @@
 The step runner ([`step.MicroBatchRunner`]) cuts a step and runs its micro-batches the same way under every engine.
 Three things differ, and an [`Engine`] holds them:
 
-- `micro_batch(model)`: the context each micro-batch's forward and backward run in (DDP keeps gradients local);
+- `micro_batch(model, last)`: the context each micro-batch's forward and backward run in (DDP keeps gradients
+  local; DeepSpeed is told whether it is the step's last);
 - `finish_step(model)`: what makes the step's gradient whole once every micro-batch ran (DDP averages it once);
 - `forget(model, optimizer)`: what undoes a failed attempt at a step, so that it can run again from its start;
 
@@ -40,7 +41,7 @@ class Engine:
     no_retry_because: str | None = None  # where `retries` is False for another reason than collectives
     measures_noise = True  # each micro-batch's own gradient reaches the parameters' hooks ([`gradnoise`])
 
-    def micro_batch(self, model: torch.nn.Module):
+    def micro_batch(self, model: torch.nn.Module, last: bool):
         return contextlib.nullcontext()
 
     def finish_step(self, model: torch.nn.Module) -> None:
@@ -76,7 +77,7 @@ class DataParallel(Engine):
         self.trainer = trainer
         self.world_size = world_size
 
-    def micro_batch(self, model):
+    def micro_batch(self, model, last):
         return compat.no_sync(self.trainer, model)
 
     def finish_step(self, model) -> None:
@@ -112,11 +113,13 @@ class FullyShardedV2(Engine):
 
 
 class DeepSpeed(Engine):
-    """DeepSpeed ZeRO-0 to 3, with or without offload, through accelerate. The step owns the accumulation boundary
-    (`managed_gradient_accumulation: false`, set by [`prepare`]): each micro-batch runs `engine.backward` alone,
-    and the step's end runs `engine.step()` once: the gradients reduced, clipped, the optimizer stepped. A failed
-    attempt is undone by [`compat.deepspeed_reset`]; with several processes an out-of-memory error is not retried
-    (ZeRO-2 and 3 reduce or gather inside every backward)."""
+    """DeepSpeed ZeRO-0 to 3, with or without offload, through accelerate. Each micro-batch runs `engine.backward`
+    alone, told whether it is the step's last (`set_gradient_accumulation_boundary`), as accelerate's own
+    accumulation does: that backward does the boundary's work (ZeRO-0/1 reduce; with offload, each gradient's norm
+    and its copy to the CPU optimizer's buffer, overlapped with the backward). Then the step's end runs
+    `engine.step()` once, after every rank's micro-batches ran: clipped, the optimizer stepped. A failed attempt is
+    undone by [`compat.deepspeed_reset`]; with several processes an out-of-memory error is not retried (ZeRO-2 and 3
+    reduce or gather inside every backward)."""
 
     name = "DeepSpeed"
     measures_noise = False  # ZeRO reduces and partitions the gradients the hooks would read
@@ -125,8 +128,8 @@ class DeepSpeed(Engine):
         self.trainer = trainer
         self.retries = world_size == 1
 
-    def micro_batch(self, model):
-        return compat.deepspeed_backward_only(self.trainer)
+    def micro_batch(self, model, last):
+        return compat.deepspeed_backward_only(self.trainer, boundary=last)
 
     def finish_step(self, model) -> None:
         compat.deepspeed_engine(self.trainer).step()
@@ -136,8 +139,9 @@ class DeepSpeed(Engine):
 
 
 def prepare(trainer) -> None:
-    """Set what the engine needs before the Trainer builds it: under DeepSpeed, the caller owns the accumulation
-    boundary. Raises for a DeepSpeed setup that cannot follow AdaptiveBatch's steps."""
+    """Check, before the Trainer builds the engine, that a DeepSpeed setup can follow AdaptiveBatch's steps; give
+    DeepSpeed back the accumulation boundary where the config took it away (AdaptiveBatch sets it per micro-batch).
+    Raises for one that cannot."""
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return
     import deepspeed
@@ -145,9 +149,9 @@ def prepare(trainer) -> None:
 
     if Version(deepspeed.__version__) < Version("0.19.5"):
         raise ValueError(
-            f"DeepSpeed {deepspeed.__version__} cannot leave the accumulation boundary to AdaptiveBatch "
-            "(managed_gradient_accumulation, from 0.19.5). Upgrade: pip install 'adaptive-batch[deepspeed]' "
-            "(deepspeed>=0.19.5)."
+            f"DeepSpeed {deepspeed.__version__} is older than AdaptiveBatch supports: undoing a failed attempt at a "
+            "step reads ZeRO's state as DeepSpeed 0.19.5 and later keep it (tested on 0.19.8). Upgrade: "
+            "pip install 'adaptive-batch[deepspeed]' (deepspeed>=0.19.5)."
         )
     config = compat.deepspeed_config(trainer)
     if "scheduler" in config:
@@ -156,11 +160,16 @@ def prepare(trainer) -> None:
             "optimizer steps; AdaptiveBatch drives the learning rate by samples through the Trainer's scheduler. "
             "Remove the scheduler section and set lr_scheduler_type (and warmup_steps) in TrainingArguments."
         )
-    config[compat.MANAGED_ACCUMULATION] = False
+    if config.get(compat.MANAGED_ACCUMULATION) is False:
+        config[compat.MANAGED_ACCUMULATION] = True
+        logger.warning(
+            "DeepSpeed: %s: false in the config is set to true: AdaptiveBatch marks each step's last micro-batch "
+            "as the accumulation boundary, so that its backward does the boundary's work.",
+            compat.MANAGED_ACCUMULATION,
+        )
     logger.info(
-        "DeepSpeed: AdaptiveBatch owns the accumulation boundary (%s: false); the config's batch fields "
-        "(train_micro_batch_size_per_gpu, gradient_accumulation_steps) are only logged by DeepSpeed.",
-        compat.MANAGED_ACCUMULATION,
+        "DeepSpeed: AdaptiveBatch marks each step's accumulation boundary; the config's batch fields "
+        "(train_micro_batch_size_per_gpu, gradient_accumulation_steps) are only logged by DeepSpeed."
     )
 
 

@@ -52,12 +52,13 @@ FIXED = "fixed by micro_batch_size"
 class MicroBatch:
     """One micro-batch of a step on this rank: `rows` rows from `start` of the step batch's order (0 rows: a row that
     adds nothing, for a rank with fewer), `size` the size it stands for in the controller's decisions, `timed`
-    whether its time and memory are measured."""
+    whether its time and memory are measured, `last` whether it ends the step's attempt (on every rank alike)."""
 
     start: int
     rows: int
     size: int
     timed: bool
+    last: bool = False
 
 
 class MicroBatchController:
@@ -277,7 +278,7 @@ class RowCut:
             if self.row_cap is not None and size > self.row_cap:  # (a trial size is then not timed this step)
                 size = even_chunk(remaining, self.row_cap)
             own = max(0, min(size, self.rows - start))
-            yield MicroBatch(start, own, size, self.controller.needs_timing(size))
+            yield MicroBatch(start, own, size, self.controller.needs_timing(size), last=remaining <= size)
             start += own
             remaining -= size
 

@@ -38,7 +38,7 @@ from .batch import StepBatch
 from .engines import Engine
 from .gradnoise import GradientNoiseMeter
 from .memory import Stopwatch, is_out_of_memory, release_memory
-from .microbatch import MicroBatchController, MicroBatchTooLargeError
+from .microbatch import MicroBatch, MicroBatchController, MicroBatchTooLargeError
 from .noise import MicroBatchSums
 from .packed import PackedStepBatch, check_packed_inputs, flatten_padded, is_packed
 from .tokenbudget import TokenBudgetController
@@ -246,7 +246,7 @@ class MicroBatchRunner:
         if self.noise is not None:
             self.noise.begin_attempt()
         for micro in cut:
-            report = self._micro_batch(step, micro.start, micro.rows, outcome, micro.timed)
+            report = self._micro_batch(step, micro, outcome)
             if report.out_of_memory:
                 report.failed_rows = cut.failed_rows(micro, report)
                 outcome.failed = report
@@ -298,16 +298,19 @@ class MicroBatchRunner:
         """The largest of each value over the ranks (the values themselves without DDP)."""
         return _all_reduce(values, self.device, dist.ReduceOp.MAX) if self.distributed else values
 
-    def _micro_batch(
-        self, step: _Step, start: int, own: int, outcome: _Outcome, timed: bool = False
-    ) -> MicroBatchReport:
-        """Forward and backward of `own` rows from `start` (none: a row that adds nothing), the loss added to
-        `outcome`; timed if `timed`. Returns the report of every rank combined (this rank's alone without DDP)."""
+    def _micro_batch(self, step: _Step, micro: MicroBatch, outcome: _Outcome) -> MicroBatchReport:
+        """Forward and backward of the micro-batch's rows (none: a row that adds nothing), the loss added to
+        `outcome`; timed if it says so. Returns the report of every rank combined (this rank's alone without DDP)."""
         trainer, batch = self.trainer, step.batch
-        stopwatch = Stopwatch(self.device) if timed else None
+        start, own = micro.start, micro.rows
+        stopwatch = Stopwatch(self.device) if micro.timed else None
         local = MicroBatchReport()
         try:
-            with stopwatch or contextlib.nullcontext(), self.engine.micro_batch(step.model), self._guard():
+            with (
+                stopwatch or contextlib.nullcontext(),
+                self.engine.micro_batch(step.model, micro.last),
+                self._guard(),
+            ):
                 if own > 0:
                     chunk = batch.take(start, own)
                     compat.set_loss_divisor(trainer, step.weights.divisor(batch, start, own))

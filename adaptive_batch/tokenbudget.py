@@ -279,7 +279,7 @@ class TokenCut:
         start, timed = 0, self.controller.exploring
         for index in range(self.count):
             own = self.sizes[index] if index < len(self.sizes) else 0
-            yield MicroBatch(start, own, own, timed)
+            yield MicroBatch(start, own, own, timed, last=index == self.count - 1)
             start += own
 
     def record(self, micro: MicroBatch, report) -> None:

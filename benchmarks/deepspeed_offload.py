@@ -8,7 +8,7 @@ adaptive, plain (so that a drift over the call weighs on both alike):
 
 - plain: `per_device_train_batch_size=M`, `gradient_accumulation_steps=K`, DeepSpeed's own accumulation;
 - adaptive: the same arguments and `AdaptiveBatch(micro_batch_size=M)`: K micro-batches of M a step, the
-  accumulation boundary owned by AdaptiveBatch (`managed_gradient_accumulation: false`).
+  last marked as the accumulation boundary by AdaptiveBatch, as DeepSpeed's own accumulation marks it.
 
 Reported: every step's seconds, tokens/s from the median step after the first, the ratio of the adaptive arms' mean
 to the plain arms' mean, the spread between identical arms (the noise floor the ratio must be read against), each

@@ -133,6 +133,8 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
     watcher = None
     if fake_oom_rank == str(rank):
         limits = dict(max_rows=None, max_tokens=30) if kind in ("tokens", "packed") else dict(max_rows=1)
+        # WORKER_OOM_AFTER: oversized micro-batches that pass first (1: the error in a step's last micro-batch)
+        limits["only_after_calls"] = int(os.environ.get("WORKER_OOM_AFTER", "0"))
         if (
             kind == "fsdp2" or stage is not None
         ):  # mid-backward: the last layer's and root's gradients are made

@@ -25,7 +25,10 @@ OFFLOAD = {
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
             "zero_force_ds_cpu_optimizer": False,
         }
-    )
+    ),
+    # float32 weights, as ZeRO's: gradients accumulate in the CPU buffers as on a GPU in bf16 (float64 weights take
+    # DeepSpeed's other path, a float32 partition on the device)
+    "WORKER_DTYPE": "float32",
 }
 STAGES = pytest.mark.parametrize(
     "stage, env", [(1, None), (2, None), (3, None), (2, OFFLOAD)], ids=["1", "2", "3", "2-offload"]
@@ -59,12 +62,20 @@ def test_two_ranks_under_zero_train_as_deepspeed_taking_each_step_at_once(tmp_pa
 
 @pytest.mark.parametrize("stage, env", [(2, None), (3, None), (2, OFFLOAD)], ids=["2", "3", "2-offload"])
 def test_one_process_under_zero_retries_an_out_of_memory_error_exactly(tmp_path, stage, env):
-    # in the middle of the backward: ZeRO-2 has a half-filled reduce bucket and the first micro-batch's reduced
-    # gradients (offloaded: accumulated in CPU buffers), ZeRO-3 gathered parameters besides (a retry without
-    # compat.deepspeed_reset asserts "already reduced")
+    # in the middle of the backward of the first step's last micro-batch, the accumulation boundary: the first
+    # micro-batch's gradients are reduced (offloaded: in the CPU buffers), the boundary's work half done, the reduce
+    # bucket half filled; ZeRO-3 gathered parameters besides (a retry without compat.deepspeed_reset asserts "already
+    # reduced")
     kind = f"zero{stage}"
     retried, weights = ddp.launch(
-        tmp_path, "oom", kind, micro=2, world_size=1, fake_oom_rank=0, torchrun=True, env=env
+        tmp_path,
+        "oom",
+        kind,
+        micro=2,
+        world_size=1,
+        fake_oom_rank=0,
+        torchrun=True,
+        env={**(env or {}), "WORKER_OOM_AFTER": "1"},
     )
     assert retried[0]["raised"] == [2]
     assert {log["adaptive_batch/micro_batch_size"] for log in retried[0]["logs"]} == {1}

@@ -36,10 +36,17 @@ def deepspeed_trainer(config: dict):
     )
 
 
-def test_under_deepspeed_the_step_owns_the_accumulation_boundary():
-    config = {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto"}
-    prepare(deepspeed_trainer(config))
-    assert config[compat.MANAGED_ACCUMULATION] is False
+def test_under_deepspeed_a_config_that_took_the_boundary_from_deepspeed_gives_it_back(caplog):
+    # AdaptiveBatch marks each step's last micro-batch as the boundary, which DeepSpeed allows only when it manages
+    # the accumulation (the default)
+    default = {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto"}
+    prepare(deepspeed_trainer(default))
+    assert compat.MANAGED_ACCUMULATION not in default
+    taken = {"zero_optimization": {"stage": 2}, compat.MANAGED_ACCUMULATION: False}
+    with caplog.at_level("WARNING", logger="adaptive_batch"):
+        prepare(deepspeed_trainer(taken))
+    assert taken[compat.MANAGED_ACCUMULATION] is True
+    assert f"{compat.MANAGED_ACCUMULATION}: false in the config is set to true" in caplog.text
 
 
 def test_a_deepspeed_scheduler_is_refused_with_the_fix():
@@ -65,3 +72,61 @@ def test_a_controller_under_an_engine_that_cannot_retry_grows_only_where_memory_
     assert trainer._adaptive_batch.controller.oom_is_fatal is not retries
     tokens = make_trainer(callbacks=[AdaptiveBatch(max_tokens_per_micro_batch=64)])
     assert tokens._adaptive_batch.controller.oom_is_fatal is not retries
+
+
+class Boundaries:
+    """Records what the engine is told: per attempt at a step, each micro-batch's `last`, then "step" (finished) or
+    "failed" (forgotten)."""
+
+    def __init__(self, engine):
+        self.engine, self.attempts = engine, [[]]
+
+    def micro_batch(self, model, last):
+        self.attempts[-1].append(last)
+        return self.engine.micro_batch(model, last)
+
+    def finish_step(self, model):
+        self.attempts[-1].append("step")
+        self.attempts.append([])
+        self.engine.finish_step(model)
+
+    def forget(self, model, optimizer):
+        self.attempts[-1].append("failed")
+        self.attempts.append([])
+        self.engine.forget(model, optimizer)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.parametrize("cut", ["rows", "tokens"])
+def test_each_steps_last_micro_batch_and_only_it_is_the_boundary(make_trainer, fixed_rows, monkeypatch, cut):
+    # DeepSpeed does the boundary's work in the backward of the micro-batch told `last` (test_deepspeed.py trains
+    # through it): under both cuts, and after out-of-memory errors (the first in a step's last micro-batch), every
+    # finished attempt ends with the one micro-batch told `last`
+    from adaptive_batch import AdaptiveBatch, engines, session
+    from adaptive_batch.testing import FakeOutOfMemory
+
+    recorded = []
+    monkeypatch.setattr(
+        session,
+        "engine_for",
+        lambda trainer, world_size: recorded.append(Boundaries(engines.Engine())) or recorded[-1],
+    )
+    dataset = fixed_rows[:96] if cut == "rows" else None  # rows of 3 to 32 tokens: cut by tokens
+    trainer = make_trainer(
+        callbacks=[AdaptiveBatch()], dataset=dataset, num_rows=96, per_device_train_batch_size=16
+    )
+    limits = dict(max_rows=4) if cut == "rows" else dict(max_rows=None, max_tokens=96)
+    watcher = FakeOutOfMemory(trainer.model, **limits, only_after_calls=1)
+    trainer.train()
+    attempts = [attempt for attempt in recorded[-1].attempts if attempt]
+    assert watcher.raised and [attempt[-1] for attempt in attempts].count("failed") == len(watcher.raised)
+    assert [attempt[-1] for attempt in attempts].count("step") == trainer.state.global_step
+    assert attempts[0] == [False, True, "failed"]  # the first micro-batch passed, the step's last failed
+    assert any(len(attempt) > 3 for attempt in attempts)  # several micro-batches in a step
+    for attempt in attempts:
+        *told, end = attempt
+        assert not any(told[:-1]), attempt
+        if end == "step":
+            assert told[-1] is True, attempt
