@@ -71,7 +71,8 @@ def deepspeed_config(offload: bool = True) -> dict:
 
 
 class StepTimer:
-    """Seconds of every optimizer step, the device synchronised at both ends."""
+    """Seconds of every optimizer step, the device synchronised at both ends, and the host CPU seconds this process
+    spent in it (all threads: Python, the launches, DeepSpeed's and torch's CPU work)."""
 
     def __init__(self):
         from transformers import TrainerCallback
@@ -82,14 +83,17 @@ class StepTimer:
             def on_step_begin(self, args, state, control, **kwargs):
                 sync()
                 timer.started = time.perf_counter()
+                timer.cpu_started = time.process_time()
 
             def on_step_end(self, args, state, control, **kwargs):
                 sync()
                 timer.seconds.append(time.perf_counter() - timer.started)
+                timer.cpu_seconds.append(time.process_time() - timer.cpu_started)
 
         self.callback = Callback()
         self.seconds: list[float] = []
-        self.started = 0.0
+        self.cpu_seconds: list[float] = []
+        self.started = self.cpu_started = 0.0
 
 
 def run_arm(
@@ -140,6 +144,7 @@ def run_arm(
         "name": name,
         "adaptive": adaptive,
         "step_seconds": timer.seconds,
+        "step_cpu_seconds": timer.cpu_seconds,
         "tokens_per_second": (per_device or micro * accumulation) * seq_len / median,
         "load_seconds": load_seconds,
         "train_seconds": time.perf_counter() - started - load_seconds,

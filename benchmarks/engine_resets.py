@@ -1,10 +1,11 @@
 """Each engine's undoing of a failed micro-batch, on the device's own torch and DeepSpeed: tests/ddp_worker.py's FSDP2
-and ZeRO-2/3 runs, one process under torchrun, with the fake out-of-memory error in the middle of a backward at
-micro-batch 2, against the clean run at micro-batch 1. Bit for bit, as tests/test_ddp.py and test_deepspeed.py
-assert on the CPU. The tiny model is float32 on the GPU (DeepSpeed refuses float64 parameters there under ZeRO-3)
-and float64 on the CPU, as in the tests.
+and ZeRO-2/3 runs (`zero2_offload`: ZeRO-2 with the optimizer offloaded to the CPU, test_deepspeed.py's config), one
+process under torchrun, with the fake out-of-memory error in the middle of a backward of a micro-batch of 2 (with
+`--oom-after 1`, the second such, the first step's last micro-batch), against the clean run at micro-batch 1. Bit
+for bit, as tests/test_ddp.py and test_deepspeed.py assert on the CPU. The tiny model is float32 on the GPU
+(DeepSpeed refuses float64 parameters there under ZeRO-3) and float64 on the CPU, as in the tests.
 
-    python benchmarks/engine_resets.py --out results/ [--cpu] [--kinds zero2,zero3]
+    python benchmarks/engine_resets.py --out results/ [--cpu] [--kinds zero2,zero3,zero2_offload] [--oom-after 1]
 """
 
 import argparse
@@ -19,14 +20,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 
 
-def run(out: str, kind: str, micro: int, fake_oom_rank: str | None, cpu: bool, dtype: str) -> dict:
+OFFLOAD = {
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "zero_force_ds_cpu_optimizer": False,
+}
+
+
+def run(
+    out: str, kind: str, micro: int, fake_oom_rank: str | None, cpu: bool, dtype: str, oom_after: int = 0
+) -> dict:
     os.makedirs(out, exist_ok=True)
+    config = OFFLOAD if kind == "zero2_offload" else {}
+    kind = "zero2" if kind == "zero2_offload" else kind
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone", WORKER]
     command += [out, kind, str(micro), *([fake_oom_rank] if fake_oom_rank else [])]
     env = {
         **os.environ,
         "WORKER_ARGS": json.dumps({"use_cpu": cpu}),
         "WORKER_DTYPE": dtype,
+        "WORKER_DEEPSPEED": json.dumps(config),
+        "WORKER_OOM_AFTER": str(oom_after),
         "OMP_NUM_THREADS": "1",
     }
     process = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
@@ -42,6 +55,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--kinds", default="fsdp2,zero2,zero3")
+    parser.add_argument("--oom-after", type=int, default=0, help="oversized micro-batches that pass first")
     parser.add_argument(
         "--dtype", help="the model's dtype: float64 on the CPU, float32 on a GPU unless given"
     )
@@ -52,11 +66,12 @@ def main() -> None:
         "device": "cpu" if options.cpu else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "dtype": dtype,
+        "oom_after": options.oom_after,
         "kinds": {},
     }
     for kind in options.kinds.split(","):
         base = os.path.join(options.out, "engine_resets", kind)
-        retried = run(os.path.join(base, "oom"), kind, 2, "0", options.cpu, dtype)
+        retried = run(os.path.join(base, "oom"), kind, 2, "0", options.cpu, dtype, options.oom_after)
         clean = run(os.path.join(base, "clean"), kind, 1, None, options.cpu, dtype)
         entry = {"retried_returncode": retried["returncode"], "clean_returncode": clean["returncode"]}
         if retried["returncode"] == 0 and clean["returncode"] == 0:
