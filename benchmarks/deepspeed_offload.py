@@ -10,13 +10,13 @@ adaptive, plain (so that a drift over the call weighs on both alike):
 - adaptive: the same arguments and `AdaptiveBatch(micro_batch_size=M)`: K micro-batches of M a step, the
   last marked as the accumulation boundary by AdaptiveBatch, as DeepSpeed's own accumulation marks it.
 
-Reported: every step's seconds, tokens/s from the median step after the first, the ratio of the adaptive arms' mean
-to the plain arms' mean, the spread between identical arms (the noise floor the ratio must be read against), each
-arm's seconds to load (model and Trainer) and to train (DeepSpeed's engine is built inside) and its peak memory,
-and the largest relative difference of the parameters after the run between the two arms (the same samples, the
-same micro-batches). First (unless `--memory-fraction 0`), with the process capped by
-`torch.cuda.set_per_process_memory_fraction` (then the cap is lifted), AdaptiveBatch from a per-device batch of
-M x K (one micro-batch a step) must run out of memory for real and finish by retrying smaller.
+Reported: every step's seconds and the host CPU seconds of all its threads, tokens/s from the median step after
+the first, the ratio of the adaptive arms' mean to the plain arms' mean, the spread between identical arms (the noise
+floor the ratio must be read against), each arm's seconds to load (model and Trainer) and to train (DeepSpeed's
+engine is built inside) and its peak memory, and the largest relative difference of the parameters after the run
+between the two arms (the same samples, the same micro-batches). First (unless `--memory-fraction 0`), with the
+process capped by `torch.cuda.set_per_process_memory_fraction` (then the cap is lifted), AdaptiveBatch from a
+per-device batch of M x K (one micro-batch a step) must run out of memory for real and finish by retrying smaller.
 
 The optimizer is DeepSpeed's AdamW run by torch on the CPU (`torch_adam: true`, so nothing is compiled); the ZeRO-2
 offload config is examples/launch/zero2_offload.json's otherwise.
