@@ -9,6 +9,7 @@ The script is an ordinary TRL SFT script; the AdaptiveBatch line is the only add
 """
 
 import argparse
+import sys
 import tempfile
 
 import torch
@@ -114,9 +115,15 @@ def main():
     trainer.remove_callback(PrinterCallback)  # PrintSteps prints one line per step instead of the raw dicts
     trainer.train()
     now = adaptive.current()
-    print(f"micro-batch: {now['micro_batch_size']} (settled: {now['micro_batch_settled_because']})")
     evals = [log for log in trainer.state.log_history if "eval_loss" in log]
-    print("evaluation:", ", ".join(f"epoch {log['epoch']:g}: loss {log['eval_loss']:.3f}" for log in evals))
+    evaluated = ", ".join(f"epoch {log['epoch']:g}: loss {log['eval_loss']:.3f}" for log in evals)
+    # one write per line: under a launcher every rank prints to the same pipe, and print()'s separate writes of the
+    # parts and the newline interleave with the other rank's
+    sys.stdout.write(
+        f"micro-batch: {now['micro_batch_size']} (settled: {now['micro_batch_settled_because']})\n"
+        f"evaluation: {evaluated}\n"
+    )
+    sys.stdout.flush()
     # under torchrun / accelerate launch: end the process group before the interpreter does (PyTorch's rule;
     # a gloo group left to interpreter shutdown can abort the process: pytorch/pytorch#190489)
     trainer.accelerator.end_training()
