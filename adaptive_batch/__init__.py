@@ -7,9 +7,9 @@ trainer = Trainer(..., callbacks=[AdaptiveBatch()])
 ```
 """
 
-from .goodput import NoiseScaleSchedule
-from .microbatch import MicroBatchTooLargeError
-from .schedule import ConstantSchedule, PhaseSchedule, Progress
+from .core.goodput import NoiseScaleSchedule
+from .core.rows import MicroBatchTooLargeError
+from .core.schedule import ConstantSchedule, PhaseSchedule, Progress
 
 __version__ = "0.1.0"
 
@@ -27,7 +27,7 @@ __all__ = [
 def __getattr__(name):
     # The callback imports transformers; the pure core (schedules, plans, LR rules) does not need it.
     if name == "AdaptiveBatch":
-        from .callback import AdaptiveBatch
+        from .hf.callback import AdaptiveBatch
 
         return AdaptiveBatch
     raise AttributeError(f"module 'adaptive_batch' has no attribute {name!r}")

@@ -50,7 +50,7 @@ def main():
 
     import adaptive_batch
     from adaptive_batch import AdaptiveBatch
-    from adaptive_batch.step import MicroBatchRunner
+    from adaptive_batch.runtime.step import MicroBatchRunner
 
     torch.manual_seed(0)
     config = LlamaConfig(

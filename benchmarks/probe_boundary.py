@@ -93,7 +93,7 @@ def write_report(options, report: dict) -> None:
 
 
 def load(options, model_dir: str):
-    from adaptive_batch.load import load_model
+    from adaptive_batch.probe.load import load_model
 
     device, dtype = device_and_dtype(options)
     model = load_model(
@@ -103,7 +103,7 @@ def load(options, model_dir: str):
 
 
 def limit_bytes(device) -> float:
-    from adaptive_batch.memory import memory_limit
+    from adaptive_batch.runtime.memory import memory_limit
 
     return memory_limit(device, HEADROOM) if device.type == "cuda" else TINY_BUDGET_GIB * 2**30
 
@@ -130,7 +130,7 @@ def synchronize(device) -> None:
 
 
 def phase_probe(options, model_dir: str, _inputs: dict) -> dict:
-    from adaptive_batch.cli import main as cli
+    from adaptive_batch.cli.main import main as cli
 
     argv = probe_argv(options, model_dir)
     started = time.perf_counter()
@@ -227,7 +227,7 @@ def phase_auto_find(options, model_dir: str, _inputs: dict) -> dict:
 
 
 def phase_exhaustive(options, model_dir: str, inputs: dict) -> dict:
-    from adaptive_batch.trials import TrialRunner, make_optimizer
+    from adaptive_batch.probe.trials import TrialRunner, make_optimizer
 
     boundary = inputs["probe"]["boundary"]
     low, high = max(1, math.floor(0.95 * boundary)), math.ceil(1.08 * boundary)
@@ -252,7 +252,7 @@ def phase_exhaustive(options, model_dir: str, inputs: dict) -> dict:
 
 
 def phase_train(options, model_dir: str, inputs: dict) -> dict:
-    from adaptive_batch.memory import release_memory
+    from adaptive_batch.runtime.memory import release_memory
 
     probe = inputs["probe"]
     model, device, _ = load(options, model_dir)

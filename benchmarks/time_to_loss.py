@@ -103,7 +103,7 @@ class EvalClock:
                 clock.start = clock.now()
 
             def on_step_end(self, args, state, control, **kwargs):
-                from adaptive_batch.session import Session
+                from adaptive_batch.hf.session import Session
 
                 session = Session.active
                 samples = session.plan.samples_before_step[state.global_step]

@@ -305,7 +305,7 @@ def growing_run(output_dir: str, micro: int) -> None:
     from transformers import Trainer, TrainingArguments
 
     from adaptive_batch import AdaptiveBatch, NoiseScaleSchedule
-    from adaptive_batch.goodput import StepTimeModel
+    from adaptive_batch.core.goodput import StepTimeModel
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     per_row = 0.02 if int(os.environ.get("RANK", "0")) == 0 else 1.0

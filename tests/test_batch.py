@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlattening
 
-from adaptive_batch.batch import StepBatch
+from adaptive_batch.runtime.batch import StepBatch
 from adaptive_batch.testing import tiny_llama
 
 
@@ -59,7 +59,7 @@ def test_dummy_row_has_every_label_ignored(collated):
 
 
 def test_padding_free_batches_are_cut_by_their_sequences_not_their_rows(rows):
-    from adaptive_batch.packed import PackedStepBatch, is_packed
+    from adaptive_batch.runtime.packed import PackedStepBatch, is_packed
 
     flattened = DataCollatorWithFlattening()(
         [{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in rows[:3]]

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from adaptive_batch.boundary import (
+from adaptive_batch.core.fit import affine
+from adaptive_batch.probe.boundary import (
     Trial,
     find_boundary,
     next_throughput_size,
@@ -12,7 +13,6 @@ from adaptive_batch.boundary import (
     split_reason,
     with_estimated_step,
 )
-from adaptive_batch.fit import affine
 
 GIB = 2**30
 

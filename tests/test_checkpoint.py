@@ -1,8 +1,8 @@
 """The resume rules of `checkpoint.py`, as pure functions: what changed in a plan, and which micro-batch settings
 apply."""
 
-from adaptive_batch.checkpoint import MicroBatchSettings, PlanIdentity, learned_state_applies
-from adaptive_batch.microbatch import MicroBatchController
+from adaptive_batch.core.checkpoint import MicroBatchSettings, PlanIdentity, learned_state_applies
+from adaptive_batch.core.rows import MicroBatchController
 
 IDENTITY = PlanIdentity(
     dataset_size=44,

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from adaptive_batch.cli import devices_text, main
+from adaptive_batch.cli.main import devices_text, main
 
 
 def run(capsys, *argv):

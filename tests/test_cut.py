@@ -4,8 +4,8 @@ overhead of a micro-batch fitted from timings, the budget grown while the cut ne
 import json
 import random
 
-from adaptive_batch.cut import cheapest_chunks, chunk_tokens, fewest_chunks
-from adaptive_batch.tokenbudget import CALIBRATION_STEPS, TokenBudgetController, fitted_overhead
+from adaptive_batch.core.cut import cheapest_chunks, chunk_tokens, fewest_chunks
+from adaptive_batch.core.tokens import CALIBRATION_STEPS, TokenBudgetController, fitted_overhead
 
 
 def set_partitions(items: list[int]):

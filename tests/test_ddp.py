@@ -130,7 +130,7 @@ def test_a_stream_that_ends_early_stops_every_rank_with_the_error(tmp_path):
     stderr = launch(tmp_path, "short", "stream", micro=1, world_size=2, env=longer, fails=True)
     for rank in (0, 1):
         assert (
-            f"[rank{rank}]: adaptive_batch.stream.StreamEndedError: The training stream ended after 43"
+            f"[rank{rank}]: adaptive_batch.runtime.stream.StreamEndedError: The training stream ended after 43"
             in stderr
         )
 
@@ -243,7 +243,7 @@ def test_the_noise_scale_over_two_ranks_is_that_of_their_micro_batches_together(
     """Linear regression (see conftest): 300 steps of 64 fresh rows cut into micro-batches of 8, the last step one
     row short (32 and 31 rows: 8, 8, 8, 8 and 8, 8, 8, 7). Each rank's loss is a mean over its own rows, and the
     ranks' gradients are averaged."""
-    from adaptive_batch.noise import MicroBatchSums, NoiseScale
+    from adaptive_batch.core.noise import MicroBatchSums, NoiseScale
 
     ranks, weights = launch(tmp_path, "noise", "noise", micro=8, world_size=2)
     assert_same_weights(weights[0], weights[1])

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from adaptive_batch import compat
-from adaptive_batch.engines import FullyShardedV2, prepare
+from adaptive_batch.runtime import compat
+from adaptive_batch.runtime.engines import FullyShardedV2, prepare
 
 
 def test_fsdp2_retries_in_one_process_only():
@@ -60,7 +60,9 @@ def test_a_deepspeed_scheduler_is_refused_with_the_fix():
 def test_a_controller_under_an_engine_that_cannot_retry_grows_only_where_memory_bounds_it(
     make_trainer, monkeypatch, retries
 ):
-    from adaptive_batch import AdaptiveBatch, engines, session
+    from adaptive_batch import AdaptiveBatch
+    from adaptive_batch.hf import session
+    from adaptive_batch.runtime import engines
 
     class NoRetry(engines.Engine):
         pass
@@ -104,7 +106,9 @@ def test_each_steps_last_micro_batch_and_only_it_is_the_boundary(make_trainer, f
     # DeepSpeed does the boundary's work in the backward of the micro-batch told `last` (test_deepspeed.py trains
     # through it): under both cuts, and after out-of-memory errors (the first in a step's last micro-batch), every
     # finished attempt ends with the one micro-batch told `last`
-    from adaptive_batch import AdaptiveBatch, engines, session
+    from adaptive_batch import AdaptiveBatch
+    from adaptive_batch.hf import session
+    from adaptive_batch.runtime import engines
     from adaptive_batch.testing import FakeOutOfMemory
 
     recorded = []

@@ -20,9 +20,9 @@ from conftest import (
 )
 
 from adaptive_batch import AdaptiveBatch, NoiseScaleSchedule
-from adaptive_batch.goodput import StepTimeModel, goodput_gain, statistical_efficiency
-from adaptive_batch.lr import gain
-from adaptive_batch.schedule import Progress
+from adaptive_batch.core.goodput import StepTimeModel, goodput_gain, statistical_efficiency
+from adaptive_batch.core.lr import gain
+from adaptive_batch.core.schedule import Progress
 
 # -- the step time model -------------------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 import pytest
 
-from adaptive_batch.microbatch import MicroBatchController, MicroBatchTooLargeError, even_chunk, predict_peak
+from adaptive_batch.core.rows import MicroBatchController, MicroBatchTooLargeError, even_chunk, predict_peak
 
 
 def run_step(controller, rows, speed, tokens_per_row=100, oom_at=None):

@@ -24,9 +24,9 @@ from conftest import (
 )
 
 from adaptive_batch import AdaptiveBatch
-from adaptive_batch.config import AdaptiveBatchConfig
-from adaptive_batch.gradnoise import GradientNoiseMeter
-from adaptive_batch.noise import MicroBatchSums, NoiseScale, StepEstimate, step_estimate
+from adaptive_batch.core.config import AdaptiveBatchConfig
+from adaptive_batch.core.noise import MicroBatchSums, NoiseScale, StepEstimate, step_estimate
+from adaptive_batch.runtime.noise_hooks import GradientNoiseMeter
 from adaptive_batch.testing import FakeOutOfMemory
 
 NOISE_KEYS = ("adaptive_batch/noise_scale", "adaptive_batch/grad_norm_sq", "adaptive_batch/grad_variance")

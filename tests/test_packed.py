@@ -16,7 +16,7 @@ from conftest import (
 from transformers import DataCollatorWithFlattening
 
 from adaptive_batch import AdaptiveBatch
-from adaptive_batch.packed import PackedStepBatch, check_packed_inputs, is_packed
+from adaptive_batch.runtime.packed import PackedStepBatch, check_packed_inputs, is_packed
 from adaptive_batch.testing import tiny_llama
 
 FLATTEN = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
@@ -224,7 +224,7 @@ def test_trl_packing_with_the_one_line_trains_as_whole_packed_steps(tokenizer, t
 def test_a_padded_step_flattened_is_the_batch_the_flattening_collator_makes(tokenizer, varied):
     from transformers import DataCollatorForLanguageModeling
 
-    from adaptive_batch.packed import flatten_padded
+    from adaptive_batch.runtime.packed import flatten_padded
 
     padded = DataCollatorForLanguageModeling(tokenizer, mlm=False)(varied[:6])
     assert_same_batch(flatten_padded(padded), DataCollatorWithFlattening()(varied[:6]))
@@ -243,7 +243,7 @@ def test_a_padded_step_flattened_is_the_batch_the_flattening_collator_makes(toke
 def test_what_cannot_be_flattened_is_refused(tokenizer, varied, change, message):
     from transformers import DataCollatorForLanguageModeling
 
-    from adaptive_batch.packed import flatten_padded
+    from adaptive_batch.runtime.packed import flatten_padded
 
     batch = DataCollatorForLanguageModeling(tokenizer, mlm=False)(varied[:6])
     change(batch)

@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from adaptive_batch.plan import Budget, build_plan
-from adaptive_batch.schedule import PhaseSchedule, as_schedule
+from adaptive_batch.core.plan import Budget, build_plan
+from adaptive_batch.core.schedule import PhaseSchedule, as_schedule
 
 
 def test_constant_batch_with_a_short_last_step_per_epoch():
@@ -126,7 +126,7 @@ def test_a_long_plan_builds_in_time_linear_in_its_steps():
 
 
 def test_steps_done_before_the_plan_took_over_come_first():
-    from adaptive_batch.plain import PlainBatching
+    from adaptive_batch.core.plain_trainer import PlainBatching
 
     # the plain Trainer's 8 x 1 on 20 samples: steps of 8, 8, 4 each epoch; 4 of them done (one epoch and a step)
     done = PlainBatching(20, 8, 1).done_steps(4)
@@ -141,7 +141,7 @@ def test_steps_done_before_the_plan_took_over_come_first():
 
 
 def test_the_plain_trainers_steps_with_accumulation_ranks_and_drop_last():
-    from adaptive_batch.plain import PlainBatching
+    from adaptive_batch.core.plain_trainer import PlainBatching
 
     # 44 samples, 4 per device, accumulation 2, 2 ranks: 11 batches, 6 per rank, 3 steps of 16, 16, 12
     plain = PlainBatching(44, 4, 2, world_size=2)

@@ -1,4 +1,4 @@
-"""`adaptive-batch plot` and `adaptive_batch.plot`: the series read back from a real run's saved log history, the
+"""`adaptive-batch plot` and `adaptive_batch.cli.plot`: the series read back from a real run's saved log history, the
 PNG, the command line and the errors."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from conftest import QUIET_CPU_RUN
 
 from adaptive_batch import AdaptiveBatch, PhaseSchedule
-from adaptive_batch.cli import main
-from adaptive_batch.plot import (
+from adaptive_batch.cli.main import main
+from adaptive_batch.cli.plot import (
     DPI,
     FIGURE_INCHES,
     PNG_NAME,

@@ -9,13 +9,14 @@ import sys
 import pytest
 import torch
 
-from adaptive_batch import AdaptiveBatch, load
-from adaptive_batch.boundary import split_reason
-from adaptive_batch.cli import main
-from adaptive_batch.probe import ProbeReport, probe
-from adaptive_batch.probe_cache import CachedStart, cached_start, save_report
+from adaptive_batch import AdaptiveBatch
+from adaptive_batch.cli.main import main
+from adaptive_batch.probe import load
+from adaptive_batch.probe.boundary import split_reason
+from adaptive_batch.probe.cache import CachedStart, cached_start, save_report
+from adaptive_batch.probe.search import ProbeReport, probe
+from adaptive_batch.probe.trials import TrialRunner
 from adaptive_batch.testing import FakeOutOfMemory, tiny_llama
-from adaptive_batch.trials import TrialRunner
 
 
 @pytest.fixture(scope="module")
@@ -314,8 +315,8 @@ def test_a_setup_probed_at_shorter_sequences_says_how_long():
 
 def test_the_cache_module_imports_neither_the_trials_nor_model_loading():
     code = (
-        "import sys, adaptive_batch.probe_cache; "
-        "print(sorted(m for m in ('adaptive_batch.trials', 'adaptive_batch.load', 'adaptive_batch.probe') "
+        "import sys, adaptive_batch.probe.cache; "
+        "print(sorted(m for m in ('adaptive_batch.probe.trials', 'adaptive_batch.probe.load', 'adaptive_batch.probe.search') "
         "if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -323,7 +324,7 @@ def test_the_cache_module_imports_neither_the_trials_nor_model_loading():
 
 
 def test_the_throughput_confirmation_runs_the_forward_pass_only(tokenizer, monkeypatch):
-    import adaptive_batch.probe as probe_module
+    import adaptive_batch.probe.search as probe_module
 
     proposals = iter([3])  # after the search, confirm size 3 (a size the search did not try), then stop
     monkeypatch.setattr(probe_module, "next_throughput_size", lambda trials, limit: next(proposals, None))

@@ -2,9 +2,9 @@ from collections import Counter
 
 import pytest
 
-from adaptive_batch.plan import Budget, build_plan
-from adaptive_batch.sampler import StepBatchSampler
-from adaptive_batch.schedule import PhaseSchedule
+from adaptive_batch.core.plan import Budget, build_plan
+from adaptive_batch.core.schedule import PhaseSchedule
+from adaptive_batch.runtime.sampler import StepBatchSampler
 
 
 def plan_for(world_size, dataset_size=47, epochs=3, drop_last=False):

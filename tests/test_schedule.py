@@ -1,6 +1,6 @@
 import pytest
 
-from adaptive_batch.schedule import (
+from adaptive_batch.core.schedule import (
     ConstantSchedule,
     PhaseSchedule,
     Progress,

@@ -7,7 +7,7 @@ import torch
 from conftest import assert_same_parameters, logged
 
 from adaptive_batch import AdaptiveBatch, NoiseScaleSchedule
-from adaptive_batch.stream import StreamEndedError
+from adaptive_batch.runtime.stream import StreamEndedError
 
 
 class Stream(torch.utils.data.IterableDataset):
@@ -86,7 +86,7 @@ def test_a_resumed_stream_goes_on_with_the_samples_after_its_checkpoint(make_tra
 
 
 def test_a_growing_batch_reads_the_stream_once(make_trainer, rows, tmp_path, monkeypatch):
-    from adaptive_batch.goodput import StepTimeModel
+    from adaptive_batch.core.goodput import StepTimeModel
 
     monkeypatch.setattr(StepTimeModel, "predict", lambda self, rows, micro_batches: 1.0)  # growing is free
     schedule = NoiseScaleSchedule(8, max_size=32, min_samples_between_changes=16, confidence_z=0)

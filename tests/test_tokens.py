@@ -19,10 +19,10 @@ from conftest import (
 )
 
 from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
-from adaptive_batch.batch import IGNORE_INDEX, StepBatch
-from adaptive_batch.microbatch import MicroBatchController
+from adaptive_batch.core.rows import MicroBatchController
+from adaptive_batch.core.tokens import CALIBRATION_STEPS, TokenBudgetController
+from adaptive_batch.runtime.batch import IGNORE_INDEX, StepBatch
 from adaptive_batch.testing import FakeOutOfMemory
-from adaptive_batch.tokenbudget import CALIBRATION_STEPS, TokenBudgetController
 
 BUDGET = 64
 # a stated overhead above any step's tokens: the cut is the fewest micro-batches, whatever a measurement would say

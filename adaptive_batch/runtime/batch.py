@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .cut import cheapest_chunks, fewest_chunks
+from ..core.cut import cheapest_chunks, fewest_chunks
 
 IGNORE_INDEX = -100
 LABEL_KEYS = ("labels", "shift_labels")

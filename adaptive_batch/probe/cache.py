@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .probe import ProbeReport
+    from .search import ProbeReport
 
 CACHE_ENV = "ADAPTIVE_BATCH_CACHE"
 # a setup of another model differs in dozens of config keys: name a few, count the rest

@@ -22,10 +22,10 @@ import logging
 from torch.utils.data import DataLoader
 from transformers import Trainer
 
-from .checkpoint import STATE_KEY, read_checkpoint
+from ..core.checkpoint import STATE_KEY, read_checkpoint
+from ..core.config import AdaptiveBatchConfig
+from ..runtime.engines import prepare as prepare_engine
 from .checks import check_trainer
-from .config import AdaptiveBatchConfig
-from .engines import prepare as prepare_engine
 from .session import Session
 
 logger = logging.getLogger("adaptive_batch")

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from transformers import Trainer
 
-from . import compat, lengths, report
-from .checkpoint import (
+from ..core import report
+from ..core.checkpoint import (
     Adoption,
     MicroBatchSettings,
     PlanIdentity,
@@ -27,23 +27,24 @@ from .checkpoint import (
     identity_error,
     learned_state_applies,
 )
+from ..core.config import AdaptiveBatchConfig
+from ..core.goodput import NoiseScaleSchedule, StepTimeModel
+from ..core.lr import SampleClock, gain_power, nominal_steps
+from ..core.noise import NoiseScale
+from ..core.plain_trainer import PlainBatching
+from ..core.plan import Budget, StepPlan, build_plan
+from ..core.rows import MicroBatchController
+from ..core.schedule import Progress, check_effective_batch_size, describe
+from ..core.tokens import TokenBudgetController
+from ..runtime import compat, lengths
+from ..runtime.engines import Engine, engine_for
+from ..runtime.lr_scheduler import follow_sample_clock
+from ..runtime.memory import memory_limit
+from ..runtime.noise_hooks import GradientNoiseMeter
+from ..runtime.sampler import StepBatchSampler
+from ..runtime.step import MicroBatchRunner
+from ..runtime.stream import StepStream, is_stream
 from .checks import check_trainer
-from .config import AdaptiveBatchConfig
-from .engines import Engine, engine_for
-from .goodput import NoiseScaleSchedule, StepTimeModel
-from .gradnoise import GradientNoiseMeter
-from .lr import SampleClock, gain_power, nominal_steps
-from .memory import memory_limit
-from .microbatch import MicroBatchController
-from .noise import NoiseScale
-from .plain import PlainBatching
-from .plan import Budget, StepPlan, build_plan
-from .sampler import StepBatchSampler
-from .schedule import Progress, check_effective_batch_size, describe
-from .scheduler import follow_sample_clock
-from .step import MicroBatchRunner
-from .stream import StepStream, is_stream
-from .tokenbudget import TokenBudgetController
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -307,7 +308,7 @@ class Session:
     def _probed_start(self) -> int:
         """Where 'auto' starts: a cached `adaptive-batch probe` result for this setup, else the per-device size.
         When the cache holds another setup, one line says which field differs."""
-        from .probe_cache import cached_start, describe_setup
+        from ..probe.cache import cached_start, describe_setup
 
         trainer, args = self.trainer, self.trainer.args
         seq_len = getattr(args, "max_length", None) or lengths.longest(trainer.train_dataset)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from .lr import SampleClock
+from ..core.lr import SampleClock
 
 
 class SampleClockLR(LambdaLR):

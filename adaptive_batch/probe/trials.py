@@ -23,8 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..runtime.memory import Stopwatch, is_out_of_memory, memory_limit, release_memory, synchronize
 from .boundary import Trial
-from .memory import Stopwatch, is_out_of_memory, memory_limit, release_memory, synchronize
 
 # the warm-up's sample: one-time costs do not grow with its length, and it is not a reading
 WARM_UP_TOKENS = 64

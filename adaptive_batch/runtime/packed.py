@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from ..core.cut import fewest_chunks
 from .batch import IGNORE_INDEX, LABEL_KEYS, labels_ignored
-from .cut import fewest_chunks
 
 SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 

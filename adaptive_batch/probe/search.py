@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..runtime.memory import release_memory
 from .boundary import (
     Trial,
     find_boundary,
@@ -37,7 +38,6 @@ from .boundary import (
     split_reason,
     with_estimated_step,
 )
-from .memory import release_memory
 from .trials import Snapshot, TrialRunner, make_optimizer, trial_limit, vocab_size
 
 THROUGHPUT_TRIALS = 3  # trials after the search, to find the smallest size near the best speed

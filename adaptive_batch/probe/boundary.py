@@ -22,8 +22,8 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
-from .fit import affine
-from .plan import nearest_multiples
+from ..core.fit import affine
+from ..core.plan import nearest_multiples
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from .noise import PRECONDITIONERS, MicroBatchSums
+from ..core.noise import PRECONDITIONERS, MicroBatchSums
 
 SPLIT = (
     "a parameter received its gradient in several parts within one micro-batch (a weight shared by layers "

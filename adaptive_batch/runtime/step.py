@@ -33,15 +33,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..core.noise import MicroBatchSums
+from ..core.rows import MicroBatch, MicroBatchController, MicroBatchTooLargeError
+from ..core.tokens import TokenBudgetController
 from . import compat
 from .batch import StepBatch
 from .engines import Engine
-from .gradnoise import GradientNoiseMeter
 from .memory import Stopwatch, is_out_of_memory, release_memory
-from .microbatch import MicroBatch, MicroBatchController, MicroBatchTooLargeError
-from .noise import MicroBatchSums
+from .noise_hooks import GradientNoiseMeter
 from .packed import PackedStepBatch, check_packed_inputs, flatten_padded, is_packed
-from .tokenbudget import TokenBudgetController
 
 logger = logging.getLogger(__name__)
 

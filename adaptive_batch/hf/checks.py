@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch.utils.data import IterableDataset
 from transformers import Trainer
 
-from . import compat
+from ..runtime import compat
 
 
 def check_trainer(trainer: Trainer) -> None:

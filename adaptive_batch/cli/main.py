@@ -23,10 +23,12 @@ import math
 import sys
 from pathlib import Path
 
-from . import __version__, lengths, report
-from .lr import SampleClock, lr_scale, nominal_steps, resolve_rule
-from .plan import Budget, build_plan
-from .schedule import PhaseSchedule, Progress, as_schedule, describe
+from .. import __version__
+from ..core import report
+from ..core.lr import SampleClock, lr_scale, nominal_steps, resolve_rule
+from ..core.plan import Budget, build_plan
+from ..core.schedule import PhaseSchedule, Progress, as_schedule, describe
+from ..runtime import lengths
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,7 +313,9 @@ def probe_command(options: argparse.Namespace) -> dict:
     """Load the model as the run would, probe it, cache the result and return the report as plain data."""
     import torch
 
-    from . import load, probe, probe_cache
+    from ..probe import cache as probe_cache
+    from ..probe import load
+    from ..probe import search as probe
 
     _check_memory_budget(options.memory_budget)
     if options.cpu:

@@ -32,7 +32,7 @@ import logging
 from collections.abc import Callable
 
 from .fit import robust_affine
-from .microbatch import MicroBatch, MicroBatchTooLargeError, predict_peak
+from .rows import MicroBatch, MicroBatchTooLargeError, predict_peak
 
 logger = logging.getLogger("adaptive_batch")
 

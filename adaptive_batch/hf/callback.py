@@ -9,10 +9,10 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import IntervalStrategy
 
-from .config import AdaptiveBatchConfig
-from .plan import StepPlan
+from ..core.config import AdaptiveBatchConfig
+from ..core.plan import StepPlan
+from .install import find_trainer_on_stack, install
 from .session import Session
-from .trainer import find_trainer_on_stack, install
 
 logger = logging.getLogger("adaptive_batch")
 
