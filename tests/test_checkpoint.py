@@ -2,7 +2,7 @@
 apply."""
 
 from adaptive_batch.core.checkpoint import MicroBatchSettings, PlanIdentity, learned_state_applies
-from adaptive_batch.core.rows import MicroBatchController
+from adaptive_batch.core.rows import RowController
 
 IDENTITY = PlanIdentity(
     dataset_size=44,
@@ -46,7 +46,7 @@ def test_learned_state_applies_only_under_the_settings_it_was_learned_with():
 
 
 def test_a_cap_stated_after_the_size_was_learned_holds_from_then_on():
-    controller = MicroBatchController(start=4, auto=True, row_limit=64)
+    controller = RowController(start=4, auto=True, row_limit=64)
     controller.record(4, 1.0, 400)
     controller.record(4, 1.0, 400)  # 4 kept: the trial moves on to 8
     assert controller.exploring and controller.trial == 8

@@ -5,7 +5,7 @@ import json
 import random
 
 from adaptive_batch.core.cut import cheapest_chunks, chunk_tokens, fewest_chunks
-from adaptive_batch.core.tokens import CALIBRATION_STEPS, TokenBudgetController, fitted_overhead
+from adaptive_batch.core.tokens import CALIBRATION_STEPS, TokenController, fitted_overhead
 
 
 def set_partitions(items: list[int]):
@@ -87,7 +87,7 @@ def test_a_few_slow_micro_batches_do_not_tip_the_fitted_overhead():
 
 
 def test_where_the_times_give_no_rising_line_the_cut_keeps_one_longest_row_of_overhead():
-    controller = TokenBudgetController(100, 8)
+    controller = TokenController(100, 8)
     controller.end_step(bound=False)  # the warm-up step
     for _ in range(CALIBRATION_STEPS):
         controller.record(0.5, 40)
@@ -96,17 +96,17 @@ def test_where_the_times_give_no_rising_line_the_cut_keeps_one_longest_row_of_ov
     assert not controller.exploring and controller.overhead is None
     assert controller.token_overhead(longest=32) == 32  # not None: the fewest micro-batches
     assert "overhead one longest row" in controller.settled_because
-    restored = TokenBudgetController(100, 8)
+    restored = TokenController(100, 8)
     restored.load_state_dict(json.loads(json.dumps(controller.state_dict())))
     assert restored.token_overhead(longest=32) == 32
 
 
 def tuned(max_tokens=100, memory_limit=None, overhead=None):
-    return TokenBudgetController(max_tokens, 8, tune=True, overhead=overhead, memory_limit=memory_limit)
+    return TokenController(max_tokens, 8, tune=True, overhead=overhead, memory_limit=memory_limit)
 
 
 def test_the_overhead_is_measured_after_a_warm_up_step_and_then_fixed():
-    controller = TokenBudgetController(100, 8)
+    controller = TokenController(100, 8)
     assert controller.exploring and controller.token_overhead(longest=32) == 32  # meanwhile: one longest row
     seconds = lambda tokens: 0.01 + 0.0001 * tokens  # noqa: E731 - an overhead of 100 tokens
     controller.record(5.0, 50)  # the warm-up step: slow, not counted
@@ -122,7 +122,7 @@ def test_the_overhead_is_measured_after_a_warm_up_step_and_then_fixed():
 
 
 def test_a_stated_overhead_is_not_measured():
-    controller = TokenBudgetController(100, 8, overhead=7)
+    controller = TokenController(100, 8, overhead=7)
     assert not controller.exploring and controller.token_overhead(longest=32) == 7
 
 
@@ -143,9 +143,7 @@ def test_the_budget_doubles_while_the_cut_needs_more_and_memory_allows():
 def test_where_an_out_of_memory_error_is_fatal_the_budget_doubles_only_under_the_bound_of_one_size():
     # every micro-batch of 100,000 tokens peaked at 1.2 GB: no line, so doubling is bounded by 2.4 GB
     for limit, grows in ((2.5e9, True), (2.0e9, False)):
-        controller = TokenBudgetController(
-            100_000, 8, tune=True, overhead=0, memory_limit=limit, oom_is_fatal=True
-        )
+        controller = TokenController(100_000, 8, tune=True, overhead=0, memory_limit=limit, oom_is_fatal=True)
         controller.record(1.0, 100_000, peak_bytes=1.2e9)
         controller.end_step(bound=True)
         assert controller.max_tokens == (200_000 if grows else 100_000), limit
@@ -186,7 +184,7 @@ def test_what_the_token_budget_learned_survives_a_checkpoint():
 
 
 def test_a_checkpoint_from_before_the_overhead_loads_as_the_fewest_micro_batches():
-    old = TokenBudgetController(100, 8, overhead=5).state_dict()
+    old = TokenController(100, 8, overhead=5).state_dict()
     for key in (
         "kind",
         "tuning",
@@ -197,7 +195,7 @@ def test_a_checkpoint_from_before_the_overhead_loads_as_the_fewest_micro_batches
         "time_points",
     ):
         del old[key]
-    controller = TokenBudgetController(100, 8)
+    controller = TokenController(100, 8)
     controller.load_state_dict(old)
     assert not controller.exploring and controller.token_overhead(longest=32) is None
 

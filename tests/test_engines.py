@@ -64,7 +64,7 @@ def test_a_controller_under_an_engine_that_cannot_retry_grows_only_where_memory_
     from adaptive_batch.hf import session
     from adaptive_batch.runtime import engines
 
-    class NoRetry(engines.Engine):
+    class NoRetry(engines.SingleProcess):
         pass
 
     NoRetry.retries = retries
@@ -115,7 +115,7 @@ def test_each_steps_last_micro_batch_and_only_it_is_the_boundary(make_trainer, f
     monkeypatch.setattr(
         session,
         "engine_for",
-        lambda trainer, world_size: recorded.append(Boundaries(engines.Engine())) or recorded[-1],
+        lambda trainer, world_size: recorded.append(Boundaries(engines.SingleProcess())) or recorded[-1],
     )
     dataset = fixed_rows[:96] if cut == "rows" else None  # rows of 3 to 32 tokens: cut by tokens
     trainer = make_trainer(

@@ -1,6 +1,6 @@
 import pytest
 
-from adaptive_batch.core.rows import MicroBatchController, MicroBatchTooLargeError, even_chunk, predict_peak
+from adaptive_batch.core.rows import MicroBatchTooLargeError, RowController, even_chunk, predict_peak
 
 
 def run_step(controller, rows, speed, tokens_per_row=100, oom_at=None):
@@ -29,7 +29,7 @@ def test_even_chunk_balances_the_step():
 
 
 def test_grows_inside_the_first_steps_and_settles_when_doubling_stops_paying():
-    controller = MicroBatchController(start=1, row_limit=64, growth_margin=0.02)
+    controller = RowController(start=1, row_limit=64, growth_margin=0.02)
     first = run_step(controller, 64, H200.__getitem__)
     # 1 is timed twice (its first run warms up); 2 and 4 are more than 5 margins (10%) faster at once; 8 (8.4%)
     # and 16 (2.8%) are timed twice
@@ -42,7 +42,7 @@ def test_grows_inside_the_first_steps_and_settles_when_doubling_stops_paying():
 
 
 def test_the_default_margin_goes_on_to_the_largest_size_that_pays():
-    controller = MicroBatchController(start=1, row_limit=64)
+    controller = RowController(start=1, row_limit=64)
     steps = [run_step(controller, 64, H200.__getitem__) for _ in range(4)]
     assert steps[1:] == [[32, 32], [64], [64]]  # each size is timed twice unless clearly faster
     assert controller.size == 64 and not controller.exploring
@@ -50,7 +50,7 @@ def test_the_default_margin_goes_on_to_the_largest_size_that_pays():
 
 def test_a_noisy_first_measurement_is_repeated():
     speeds = iter([1000, 1000, 1015, 1030])  # 4 is 1.5% faster, then 3%: not decisive, so timed twice
-    controller = MicroBatchController(start=2, row_limit=8, growth_margin=0.02)
+    controller = RowController(start=2, row_limit=8, growth_margin=0.02)
     sizes, remaining = [], 16
     while remaining > 0:
         size = controller.next_size(remaining)
@@ -62,17 +62,17 @@ def test_a_noisy_first_measurement_is_repeated():
 
 
 def test_respects_max_size_and_the_rows_of_a_step():
-    controller = MicroBatchController(start=4, max_size=8, row_limit=64)
+    controller = RowController(start=4, max_size=8, row_limit=64)
     assert run_step(controller, 64, lambda s: 1000 * s) == [4, 4, 8, 8, 8, 8, 8, 8, 8]  # 4 warms up twice
     assert controller.size == 8 and not controller.exploring
-    capped = MicroBatchController(start=4, row_limit=12)
+    capped = RowController(start=4, row_limit=12)
     steps = [run_step(capped, 12, lambda s: 1000 * s) for _ in range(3)]
     assert steps == [[4, 4, 4], [8, 4], [12]]
     assert capped.size == 12 and not capped.exploring
 
 
 def test_a_trial_waits_for_steps_with_enough_rows():
-    controller = MicroBatchController(start=4, row_limit=32)
+    controller = RowController(start=4, row_limit=32)
     assert run_step(controller, 8, lambda s: 1000 * s) == [4, 4]
     assert controller.trial == 8
     assert run_step(controller, 6, lambda s: 1000 * s) == [3, 3]  # too few rows to time 8: best size known
@@ -80,7 +80,7 @@ def test_a_trial_waits_for_steps_with_enough_rows():
 
 
 def test_out_of_memory_during_a_trial_falls_back_to_the_last_size_that_ran():
-    controller = MicroBatchController(start=2, row_limit=64)
+    controller = RowController(start=2, row_limit=64)
     steps = run_step(controller, 64, lambda s: 1000 * s, oom_at=8)
     assert steps == [2, 2, 4, ("oom", 8)]
     assert controller.size == 4 and not controller.exploring and controller.oom_sizes == [8]
@@ -88,7 +88,7 @@ def test_out_of_memory_during_a_trial_falls_back_to_the_last_size_that_ran():
 
 
 def test_out_of_memory_at_a_settled_size_halves_it_and_one_sample_raises():
-    controller = MicroBatchController(start=8, auto=False)
+    controller = RowController(start=8, auto=False)
     assert run_step(controller, 16, lambda s: s, oom_at=8) == [("oom", 8)]
     assert controller.size == 4
     assert run_step(controller, 16, lambda s: s, oom_at=4) == [("oom", 4)]
@@ -99,13 +99,13 @@ def test_out_of_memory_at_a_settled_size_halves_it_and_one_sample_raises():
 
 
 def test_fixed_size_never_grows():
-    controller = MicroBatchController(start=3, auto=False)
+    controller = RowController(start=3, auto=False)
     assert run_step(controller, 10, lambda s: 1000 * s) == [3, 3, 2, 2]
     assert controller.settled_because == "fixed by micro_batch_size"
 
 
 def test_memory_prediction_stops_growth_before_an_oom():
-    controller = MicroBatchController(start=1, row_limit=64, memory_limit=10_000)
+    controller = RowController(start=1, row_limit=64, memory_limit=10_000)
     remaining = 64
     while remaining > 0:
         size = controller.next_size(remaining)
@@ -148,26 +148,26 @@ def grow_with_memory(controller, peak, rows=64):
 def test_where_an_out_of_memory_error_is_fatal_a_size_grows_only_where_memory_bounds_it_under_the_limit():
     peak = lambda tokens: 1000 + 20 * tokens  # noqa: E731 - the true peak: 4 rows (400 tokens) take 9,000 bytes
     # retried errors: the first doubling is taken on trust (one size measured, no line); here 2 -> 4 fits
-    trusting = MicroBatchController(start=1, row_limit=64, memory_limit=10_000)
+    trusting = RowController(start=1, row_limit=64, memory_limit=10_000)
     grow_with_memory(trusting, peak)
     assert trusting.size == 4
     # fatal errors: from 1 row (3,000 bytes) the bound for 2 is 6,000, under the limit: tried; with two sizes the
     # line is known (it is the true peak here) and 8 rows (17,000) are refused, as before
-    cautious = MicroBatchController(start=1, row_limit=64, memory_limit=10_000, oom_is_fatal=True)
+    cautious = RowController(start=1, row_limit=64, memory_limit=10_000, oom_is_fatal=True)
     grow_with_memory(cautious, peak)
     assert cautious.size == 4 and "predicted to exceed the memory limit" in cautious.settled_because
     # a limit of 5,000: 2 rows bounded at 6,000 are never tried where an error is fatal, and are where it is not
-    cautious = MicroBatchController(start=1, row_limit=64, memory_limit=5_000, oom_is_fatal=True)
+    cautious = RowController(start=1, row_limit=64, memory_limit=5_000, oom_is_fatal=True)
     assert grow_with_memory(cautious, peak)[:3] == [1, 1, 1]
     assert cautious.size == 1 and "2 is predicted to exceed the memory limit" in cautious.settled_because
-    trusting = MicroBatchController(start=1, row_limit=64, memory_limit=5_000)
+    trusting = RowController(start=1, row_limit=64, memory_limit=5_000)
     assert 2 in grow_with_memory(trusting, peak)
 
 
 def test_state_dict_round_trip_continues_identically():
-    a = MicroBatchController(start=1, row_limit=64)
+    a = RowController(start=1, row_limit=64)
     run_step(a, 20, H200.__getitem__)
-    b = MicroBatchController(start=1, row_limit=64)
+    b = RowController(start=1, row_limit=64)
     b.load_state_dict(a.state_dict())
     assert run_step(a, 64, H200.__getitem__) == run_step(b, 64, H200.__getitem__)
     assert a.state_dict() == b.state_dict()
@@ -176,23 +176,23 @@ def test_state_dict_round_trip_continues_identically():
 def test_a_fixed_size_held_down_by_a_small_step_comes_back_when_steps_grow():
     """micro_batch_size=32 with steps of 16 rows runs micro-batches of 16; once the effective batch grows to 32
     rows a step, they are the 32 stated (not two of 16), and never more."""
-    controller = MicroBatchController(32, auto=False, row_limit=16)
+    controller = RowController(32, auto=False, row_limit=16)
     assert controller.size == 16 and controller.larger_step_cap() == 32
     controller.raise_row_limit(32)
     assert controller.size == 32
     controller.raise_row_limit(64)
     assert controller.size == 32 and controller.larger_step_cap() == 32
-    capped = MicroBatchController(32, auto=False, max_size=24, row_limit=16)
+    capped = RowController(32, auto=False, max_size=24, row_limit=16)
     capped.raise_row_limit(64)
     assert capped.size == 24 and capped.larger_step_cap() == 24
-    shrunk = MicroBatchController(32, auto=False, row_limit=16)
+    shrunk = RowController(32, auto=False, row_limit=16)
     shrunk.on_out_of_memory(16)  # 16 failed: 8 from now on, a larger step too
     shrunk.raise_row_limit(64)
     assert shrunk.size == 8 and shrunk.larger_step_cap() == 8
 
 
 def test_a_search_that_stopped_at_a_step_s_rows_goes_on_when_steps_grow():
-    controller = MicroBatchController(8, auto=True, row_limit=8)
+    controller = RowController(8, auto=True, row_limit=8)
     controller.record(8, 1.0, 800)
     controller.record(8, 1.0, 800)
     assert not controller.exploring and controller.larger_step_cap() is None

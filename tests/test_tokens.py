@@ -19,8 +19,8 @@ from conftest import (
 )
 
 from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
-from adaptive_batch.core.rows import MicroBatchController
-from adaptive_batch.core.tokens import CALIBRATION_STEPS, TokenBudgetController
+from adaptive_batch.core.rows import RowController
+from adaptive_batch.core.tokens import CALIBRATION_STEPS, TokenController
 from adaptive_batch.runtime.batch import IGNORE_INDEX, StepBatch
 from adaptive_batch.testing import FakeOutOfMemory
 
@@ -130,14 +130,14 @@ def test_a_budget_that_is_not_a_positive_int_is_refused(value):
 
 
 def test_the_controller_holds_the_budget_and_halves_it_on_out_of_memory():
-    controller = TokenBudgetController(BUDGET, 8, overhead=FEWEST)
+    controller = TokenController(BUDGET, 8, overhead=FEWEST)
     assert not controller.exploring and controller.settled_because == "cut by max_tokens_per_micro_batch"
     controller.on_out_of_memory(4, padded_tokens=60)
     assert controller.max_tokens == 30
     controller.on_out_of_memory(2, padded_tokens=64)  # never raised again by a larger failure
     assert controller.max_tokens == 30
     saved = json.loads(json.dumps(controller.state_dict()))
-    restored = TokenBudgetController(BUDGET, 8, overhead=FEWEST)
+    restored = TokenController(BUDGET, 8, overhead=FEWEST)
     restored.load_state_dict(saved)
     assert restored.max_tokens == 30 and restored.oom_sizes == [4, 2]
     with pytest.raises(MicroBatchTooLargeError) as error:
@@ -376,7 +376,7 @@ def test_auto_on_rows_of_varying_length_cuts_by_tokens_at_the_least_measured_tim
 def test_auto_on_rows_of_one_length_measures_rows(make_trainer, fixed_rows):
     trainer = make_trainer([AdaptiveBatch()], dataset=fixed_rows[:16], max_steps=1)
     trainer.train()
-    assert isinstance(trainer._adaptive_batch.controller, MicroBatchController)
+    assert isinstance(trainer._adaptive_batch.controller, RowController)
 
 
 def test_auto_by_tokens_resumes_bitwise_once_its_measurements_are_done(make_trainer, varied, tmp_path):
@@ -429,4 +429,4 @@ def test_a_checkpoint_cut_by_rows_is_not_taken_as_a_token_budget(
     assert (
         "cut by tokens now; the checkpoint's run cut by rows, and what it learned is not used" in caplog.text
     )
-    assert isinstance(resumed._adaptive_batch.controller, TokenBudgetController)
+    assert isinstance(resumed._adaptive_batch.controller, TokenController)

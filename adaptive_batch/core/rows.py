@@ -8,7 +8,7 @@ and is timed, while the rest of the step uses the best size known so far, so fin
 not one step per size. An out-of-memory error caps the size for good and halves it; the
 step is then run again from its first micro-batch.
 
-Cutting by tokens instead (rows of varying length) is [`tokenbudget.TokenBudgetController`]. Both controllers give
+Cutting by tokens instead (rows of varying length) is [`tokenbudget.TokenController`]. Both controllers give
 the step runner, per step, an iterable of [`MicroBatch`]es to run ([`RowCut`] here), and both are told what each
 timed one measured and when one ran out of memory.
 
@@ -61,7 +61,7 @@ class MicroBatch:
     last: bool = False
 
 
-class MicroBatchController:
+class RowController:
     """Chooses the size of every micro-batch.
 
     Args:
@@ -266,9 +266,7 @@ class RowCut:
     that settles the search changes the size of the rest of the step). Every rank runs the same sizes; a rank with a
     row fewer runs its last micro-batch a row short, or a row that adds nothing."""
 
-    def __init__(
-        self, controller: MicroBatchController, rows: int, max_rows: int, row_cap: int | None = None
-    ):
+    def __init__(self, controller: RowController, rows: int, max_rows: int, row_cap: int | None = None):
         self.controller, self.rows, self.max_rows, self.row_cap = controller, rows, max_rows, row_cap
 
     def __iter__(self):

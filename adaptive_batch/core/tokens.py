@@ -40,7 +40,7 @@ CALIBRATION_STEPS = 3  # steps timed to measure the overhead of a micro-batch, a
 LINE_MARGIN = 0.15  # how much slower than the fitted line micro-batches beyond its range may run
 
 
-class TokenBudgetController:
+class TokenController:
     """Cuts every step by padded tokens. See the module docstring.
 
     Args:
@@ -256,7 +256,7 @@ class TokenCut:
 
     def __init__(
         self,
-        controller: TokenBudgetController,
+        controller: TokenController,
         batch,
         agree: Callable[[list[float]], list[float]],
         row_cap: int | None = None,

@@ -33,9 +33,9 @@ from ..core.lr import SampleClock, gain_power, nominal_steps
 from ..core.noise import NoiseScale
 from ..core.plain_trainer import PlainBatching
 from ..core.plan import Budget, StepPlan, build_plan
-from ..core.rows import MicroBatchController
+from ..core.rows import RowController
 from ..core.schedule import Progress, check_effective_batch_size, describe
-from ..core.tokens import TokenBudgetController
+from ..core.tokens import TokenController
 from ..runtime import compat, lengths
 from ..runtime.engines import Engine, engine_for
 from ..runtime.lr_scheduler import follow_sample_clock
@@ -68,7 +68,7 @@ class Session:
         self.budget: Budget | None = None
         self.identity: PlanIdentity | None = None
         self.adoption: Adoption | None = None
-        self.controller: MicroBatchController | None = None
+        self.controller: RowController | None = None
         self.runner: MicroBatchRunner | None = None
         self.tokens_seen = 0
         self.last_step = -1
@@ -163,7 +163,7 @@ class Session:
         if self.controller is None or checkpoint is not None:  # a second train() keeps what the first learned
             self.controller = self._new_controller(engine)
         self.controller.row_limit = self.plan.max_rows_per_rank
-        if isinstance(self.controller, TokenBudgetController):  # the row cap, under a plan that may be new
+        if isinstance(self.controller, TokenController):  # the row cap, under a plan that may be new
             self.controller.size = self._token_row_cap()
         self.runner = MicroBatchRunner(
             trainer,
@@ -232,7 +232,7 @@ class Session:
         config = self.config
         return NoiseScale(config.noise_time_constant_samples) if config.measure_noise else None
 
-    def _new_controller(self, engine: Engine) -> MicroBatchController | TokenBudgetController:
+    def _new_controller(self, engine: Engine) -> RowController | TokenController:
         """Under an engine that cannot retry an out-of-memory error, a size or budget grows only where memory
         predicts it fits (`oom_is_fatal`)."""
         config, args = self.config, self.trainer.args
@@ -246,7 +246,7 @@ class Session:
                 seq_len = min(seq_len, max_length)
             budget = self._probed_start() * seq_len
         if budget is not None:
-            return TokenBudgetController(
+            return TokenController(
                 budget,
                 self._token_row_cap(),
                 tune=tune,
@@ -254,7 +254,7 @@ class Session:
                 memory_limit=limit,
                 oom_is_fatal=not engine.retries,
             )
-        return MicroBatchController(
+        return RowController(
             config.micro_batch_size if not config.auto else self._probed_start(),
             auto=config.auto,
             max_size=config.max_micro_batch_size,
@@ -366,7 +366,7 @@ class Session:
     def _check_longest_row(self) -> None:
         """Warn before any compute when the dataset holds a row longer than the token budget (it will run alone)."""
         controller = self.controller
-        if not isinstance(controller, TokenBudgetController) or getattr(self.trainer.args, "packing", False):
+        if not isinstance(controller, TokenController) or getattr(self.trainer.args, "packing", False):
             return  # a packed row is cut between sequences
         longest = lengths.longest(self.trainer.train_dataset)
         if longest is not None and longest > controller.max_tokens:
@@ -523,7 +523,7 @@ class Session:
         if self.sampler is not None:
             self.sampler.plan = self.plan
         self.identity = replace(self.identity, fingerprint=self.plan.fingerprint())
-        if isinstance(self.controller, TokenBudgetController):
+        if isinstance(self.controller, TokenController):
             self.controller.size = self._token_row_cap()
         else:
             self.controller.raise_row_limit(self.plan.max_rows_per_rank)
@@ -542,7 +542,7 @@ class Session:
     def _micro_batch_cap(self) -> int | None:
         """The most rows a micro-batch may hold at a larger step, as far as known (see `NoiseScaleSchedule.propose`)."""
         controller = self.controller
-        if isinstance(controller, TokenBudgetController):
+        if isinstance(controller, TokenController):
             return max(1, self.runner.last.micro_batch_size) if self._usual_micro_batches > 1 else None
         return controller.larger_step_cap()
 
@@ -684,7 +684,7 @@ class Session:
     def plan_rows(self) -> list[tuple[str, str]]:
         """The plan as (label, value) rows: what the log shows when training starts."""
         config, controller, plan = self.config, self.controller, self.plan
-        by_tokens = isinstance(controller, TokenBudgetController)
+        by_tokens = isinstance(controller, TokenController)
         plain = PlainBatching(
             plan.dataset_size,
             self.per_device_train_batch_size,

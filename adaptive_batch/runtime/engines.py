@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,23 @@ class EngineOutOfMemoryError(RuntimeError):
     """A micro-batch ran out of memory under an engine where a retry cannot be made safe."""
 
 
-class Engine:
+class Engine(Protocol):
+    """What the step runner asks of an engine (see the module docstring)."""
+
+    name: str
+    retries: bool  # an out-of-memory error can be retried
+    measures_noise: bool  # each micro-batch's own gradient reaches the parameters' hooks ([`noise_hooks`])
+
+    def micro_batch(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager: ...
+
+    def finish_step(self, model: torch.nn.Module) -> None: ...
+
+    def forget(self, model: torch.nn.Module, optimizer) -> None: ...
+
+    def out_of_memory(self, error: BaseException, world_size: int) -> EngineOutOfMemoryError: ...
+
+
+class SingleProcess:
     """One process, no engine: gradients accumulate in `.grad`, a failed attempt is forgotten by zeroing them."""
 
     name = "one process"
@@ -67,7 +84,7 @@ class Engine:
         )
 
 
-class DataParallel(Engine):
+class DataParallel(SingleProcess):
     """DDP (or several processes without a wrapper): gradients stay local during the step's micro-batches
     (`no_sync`), then are averaged once over the ranks, as DDP's own accumulation would."""
 
@@ -89,7 +106,7 @@ class DataParallel(Engine):
         compat.ddp_forget_forward(model)
 
 
-class FullyShardedV2(Engine):
+class FullyShardedV2(SingleProcess):
     """FSDP2 (`fully_shard`): every micro-batch reduce-scatters its gradient into the sharded `.grad` (the least
     memory; FSDP averages over the ranks itself), so the step's end has nothing to do. A failed attempt is undone by
     FSDP's `reset_iter_state` (it reshards and drops the failed pass's gradients); with several processes, or a
@@ -112,7 +129,7 @@ class FullyShardedV2(Engine):
         super().forget(model, optimizer)
 
 
-class DeepSpeed(Engine):
+class DeepSpeed(SingleProcess):
     """DeepSpeed ZeRO-0 to 3, with or without offload, through accelerate. Each micro-batch runs `engine.backward`
     alone, told whether it is the step's last (`set_gradient_accumulation_boundary`), as accelerate's own
     accumulation does: that backward does the boundary's work (ZeRO-0/1 reduce; with offload, each gradient's norm
@@ -181,7 +198,7 @@ def engine_for(trainer, world_size: int) -> Engine:
         return FullyShardedV2(world_size)
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         return DataParallel(trainer, world_size)
-    return Engine()
+    return SingleProcess()
 
 
 def average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20) -> None:

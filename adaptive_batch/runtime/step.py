@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.noise import MicroBatchSums
-from ..core.rows import MicroBatch, MicroBatchController, MicroBatchTooLargeError
-from ..core.tokens import TokenBudgetController
+from ..core.rows import MicroBatch, MicroBatchTooLargeError, RowController
+from ..core.tokens import TokenController
 from . import compat
 from .batch import StepBatch
 from .engines import Engine
@@ -131,8 +131,8 @@ class MicroBatchRunner:
 
     Args:
         trainer: the Trainer (its `current_gradient_accumulation_steps`, `accelerator` and TRL metrics are used).
-        controller: decides how each step is cut: by rows ([`MicroBatchController`]) or by padded tokens
-            ([`TokenBudgetController`]); its `cut` gives the micro-batches of a step, which one loop runs.
+        controller: decides how each step is cut: by rows ([`RowController`]) or by padded tokens
+            ([`TokenController`]); its `cut` gives the micro-batches of a step, which one loop runs.
         world_size: data-parallel processes.
         engine: what the engine (DDP, FSDP2, DeepSpeed, or none) does around the micro-batches.
         packed: the collator flattens every batch into one padding-free row (cut between its sequences).
@@ -143,7 +143,7 @@ class MicroBatchRunner:
     def __init__(
         self,
         trainer,
-        controller: MicroBatchController | TokenBudgetController,
+        controller: RowController | TokenController,
         world_size: int,
         engine: Engine,
         packed: bool = False,
