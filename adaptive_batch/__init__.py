@@ -8,7 +8,7 @@ trainer = Trainer(..., callbacks=[AdaptiveBatch()])
 """
 
 from .core.goodput import NoiseScaleSchedule
-from .core.rows import MicroBatchTooLargeError
+from .core.microbatch import MicroBatchTooLargeError
 from .core.schedule import ConstantSchedule, PhaseSchedule, Progress
 
 __version__ = "0.1.0"

@@ -1,7 +1,10 @@
 """The resume rules of `checkpoint.py`, as pure functions: what changed in a plan, and which micro-batch settings
 apply."""
 
-from adaptive_batch.core.checkpoint import MicroBatchSettings, PlanIdentity, learned_state_applies
+import pytest
+
+from adaptive_batch.core.checkpoint import SCHEMA_VERSION, PlanIdentity, check_schema, learned_state_applies
+from adaptive_batch.core.config import AdaptiveBatchConfig
 from adaptive_batch.core.rows import RowController
 
 IDENTITY = PlanIdentity(
@@ -25,24 +28,51 @@ def test_every_changed_field_is_named_and_the_cut_only_when_nothing_else_explain
     assert IDENTITY.differences({**stored, "fingerprint": "b"}) == [
         "the cut into steps (the schedule gives other effective batches, or the budget counts differently)"
     ]
-    assert IDENTITY.differences({"fingerprint": "a"}) == []  # an older checkpoint holds the fingerprint alone
+
+
+def settings(micro_batch_size="auto", max_micro_batch_size=None, max_tokens_per_micro_batch=None) -> dict:
+    """The micro-batch settings a checkpoint records, as `AdaptiveBatch(...)` with these would record them."""
+    return AdaptiveBatchConfig(
+        micro_batch_size=micro_batch_size,
+        max_micro_batch_size=max_micro_batch_size,
+        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+    ).micro_batch_settings()
+
+
+def test_the_micro_batch_settings_a_checkpoint_records_are_those_that_decide_the_cut():
+    assert sorted(settings()) == [
+        "max_micro_batch_size",
+        "max_tokens_per_micro_batch",
+        "micro_batch_overhead",
+        "micro_batch_size",
+        "padding_free",
+    ]
 
 
 def test_learned_state_applies_only_under_the_settings_it_was_learned_with():
-    auto = MicroBatchSettings("auto", None, None)
-    fixed = MicroBatchSettings(8, None, None)
-    stored_auto, stored_fixed = vars(auto), vars(fixed)
-    assert learned_state_applies(stored_fixed, fixed)[0]  # an out-of-memory shrink under the same settings
-    assert learned_state_applies(stored_auto, MicroBatchSettings("auto", 16, None))[0]  # capped now
-    assert not learned_state_applies(stored_fixed, MicroBatchSettings(2, None, None))[0]
-    assert not learned_state_applies(stored_fixed, MicroBatchSettings("auto", 2, None))[0]
-    assert not learned_state_applies(stored_auto, MicroBatchSettings("auto", None, 4096))[0]  # now by tokens
-    applies, message = learned_state_applies(stored_fixed, MicroBatchSettings(2, None, None))
+    stored_auto, stored_fixed = settings("auto"), settings(8)
+    assert learned_state_applies(stored_fixed, settings(8))[
+        0
+    ]  # an out-of-memory shrink under the same settings
+    assert learned_state_applies(stored_auto, settings("auto", 16))[0]  # capped now
+    assert not learned_state_applies(stored_fixed, settings(2))[0]
+    assert not learned_state_applies(stored_fixed, settings("auto", 2))[0]
+    assert not learned_state_applies(stored_auto, settings("auto", None, 4096))[0]  # now by tokens
+    applies, message = learned_state_applies(stored_fixed, settings(2))
     assert message == (
         "Micro-batches: micro_batch_size=2 as set now; the checkpoint's run had micro_batch_size=8, and what it "
         "learned under those settings is not used."
     )
-    assert learned_state_applies(None, auto)[0]  # a checkpoint from before settings were stored
+
+
+def test_a_checkpoint_of_another_layout_is_refused_by_name():
+    check_schema({"schema": SCHEMA_VERSION}, "out/checkpoint-4")
+    with pytest.raises(ValueError) as error:
+        check_schema({"plan_fingerprint": "abc"}, "out/checkpoint-4")
+    assert str(error.value) == (
+        f"out/checkpoint-4 holds AdaptiveBatch state of layout None, and this release of adaptive-batch reads layout "
+        f"{SCHEMA_VERSION}. Resume it with the release that wrote it, or start a new run."
+    )
 
 
 def test_a_cap_stated_after_the_size_was_learned_holds_from_then_on():

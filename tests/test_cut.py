@@ -183,23 +183,6 @@ def test_what_the_token_budget_learned_survives_a_checkpoint():
     assert restored.max_tokens == 200 and restored.time_points == [(60.0, 0.2)] and restored.calibrating
 
 
-def test_a_checkpoint_from_before_the_overhead_loads_as_the_fewest_micro_batches():
-    old = TokenController(100, 8, overhead=5).state_dict()
-    for key in (
-        "kind",
-        "tuning",
-        "budget_because",
-        "overhead",
-        "calibrating",
-        "steps_measured",
-        "time_points",
-    ):
-        del old[key]
-    controller = TokenController(100, 8)
-    controller.load_state_dict(old)
-    assert not controller.exploring and controller.token_overhead(longest=32) is None
-
-
 def calibrated(seconds, tokens=(40, 80)):
     """A tuned controller (budget 100) whose warm-up and calibration steps timed `tokens` by `seconds`."""
     controller = tuned()

@@ -60,20 +60,24 @@ def test_a_deepspeed_scheduler_is_refused_with_the_fix():
 def test_a_controller_under_an_engine_that_cannot_retry_grows_only_where_memory_bounds_it(
     make_trainer, monkeypatch, retries
 ):
+    # the plan table says what an out-of-memory error does; the growth it implies is tested in
+    # test_microbatch.py and test_cut.py (`oom_is_fatal`)
     from adaptive_batch import AdaptiveBatch
-    from adaptive_batch.hf import session
+    from adaptive_batch.hf import assemble
     from adaptive_batch.runtime import engines
 
     class NoRetry(engines.SingleProcess):
         pass
 
     NoRetry.retries = retries
-    monkeypatch.setattr(session, "engine_for", lambda trainer, world_size: NoRetry())
-    adaptive = AdaptiveBatch()
-    trainer = make_trainer(callbacks=[adaptive])
-    assert trainer._adaptive_batch.controller.oom_is_fatal is not retries
-    tokens = make_trainer(callbacks=[AdaptiveBatch(max_tokens_per_micro_batch=64)])
-    assert tokens._adaptive_batch.controller.oom_is_fatal is not retries
+    monkeypatch.setattr(assemble, "engine_for", lambda trainer, world_size: NoRetry())
+    for settings in ({}, {"max_tokens_per_micro_batch": 64}):
+        adaptive = AdaptiveBatch(**settings)
+        make_trainer(callbacks=[adaptive])
+        text = dict(adaptive.plan_table())["micro-batch"]
+        fatal = "an out-of-memory error cannot be retried under this engine and world size"
+        assert (fatal in text) is not retries, text
+        assert text.endswith("on out-of-memory") is retries, text
 
 
 class Boundaries:
@@ -107,13 +111,13 @@ def test_each_steps_last_micro_batch_and_only_it_is_the_boundary(make_trainer, f
     # through it): under both cuts, and after out-of-memory errors (the first in a step's last micro-batch), every
     # finished attempt ends with the one micro-batch told `last`
     from adaptive_batch import AdaptiveBatch
-    from adaptive_batch.hf import session
+    from adaptive_batch.hf import assemble
     from adaptive_batch.runtime import engines
     from adaptive_batch.testing import FakeOutOfMemory
 
     recorded = []
     monkeypatch.setattr(
-        session,
+        assemble,
         "engine_for",
         lambda trainer, world_size: recorded.append(Boundaries(engines.SingleProcess())) or recorded[-1],
     )

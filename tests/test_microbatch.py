@@ -178,16 +178,16 @@ def test_a_fixed_size_held_down_by_a_small_step_comes_back_when_steps_grow():
     rows a step, they are the 32 stated (not two of 16), and never more."""
     controller = RowController(32, auto=False, row_limit=16)
     assert controller.size == 16 and controller.larger_step_cap() == 32
-    controller.raise_row_limit(32)
+    controller.set_row_limit(32)
     assert controller.size == 32
-    controller.raise_row_limit(64)
+    controller.set_row_limit(64)
     assert controller.size == 32 and controller.larger_step_cap() == 32
     capped = RowController(32, auto=False, max_size=24, row_limit=16)
-    capped.raise_row_limit(64)
+    capped.set_row_limit(64)
     assert capped.size == 24 and capped.larger_step_cap() == 24
     shrunk = RowController(32, auto=False, row_limit=16)
     shrunk.on_out_of_memory(16)  # 16 failed: 8 from now on, a larger step too
-    shrunk.raise_row_limit(64)
+    shrunk.set_row_limit(64)
     assert shrunk.size == 8 and shrunk.larger_step_cap() == 8
 
 
@@ -196,5 +196,5 @@ def test_a_search_that_stopped_at_a_step_s_rows_goes_on_when_steps_grow():
     controller.record(8, 1.0, 800)
     controller.record(8, 1.0, 800)
     assert not controller.exploring and controller.larger_step_cap() is None
-    controller.raise_row_limit(32)
+    controller.set_row_limit(32)
     assert controller.trial == 16 and controller.larger_step_cap() is None

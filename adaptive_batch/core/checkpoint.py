@@ -1,12 +1,13 @@
 """What AdaptiveBatch keeps in a checkpoint, and the rules for resuming from one. Pure Python.
 
-A checkpoint's `trainer_state.json` holds, under `stateful_callbacks["AdaptiveBatch"]["attributes"]["checkpoint"]`,
-plain JSON:
+A checkpoint holds AdaptiveBatch's state as plain JSON, in the Trainer's own `TrainerState.stateful_callbacks`:
 
+- `schema`: the layout's version ([`SCHEMA_VERSION`]); a checkpoint of another layout is refused by name;
 - `plan`: what decides which sample goes where ([`PlanIdentity`]);
-- `settings`: the micro-batch settings the run was started with ([`MicroBatchSettings`]);
-- `micro_batch`: what the run learned (the micro-batch controller's state);
-- counters: tokens seen, the last step, the last step's micro-batches.
+- `settings`: the micro-batch settings the run was started with (`AdaptiveBatchConfig.micro_batch_settings`);
+- `micro_batch`: what the run learned (the controller's state);
+- counters: tokens seen, the last step, the last step's micro-batches; the noise scale's averages and a growing
+  schedule's changes.
 
 Rules on resume:
 
@@ -20,12 +21,19 @@ Rules on resume:
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
-TRAINER_STATE_NAME = "trainer_state.json"  # transformers' name for the file
-STATE_KEY = "AdaptiveBatch"  # the callback's class name, under which TrainerState stores its state
+SCHEMA_VERSION = 1  # the layout of the state below; raise it when a key changes meaning
+
+
+def check_schema(state: dict, path: str) -> None:
+    """Refuse a checkpoint whose AdaptiveBatch state has another layout than this release writes."""
+    schema = state.get("schema")
+    if schema != SCHEMA_VERSION:
+        raise ValueError(
+            f"{path} holds AdaptiveBatch state of layout {schema!r}, and this release of adaptive-batch reads layout "
+            f"{SCHEMA_VERSION}. Resume it with the release that wrote it, or start a new run."
+        )
 
 
 @dataclass(frozen=True)
@@ -41,18 +49,15 @@ class PlanIdentity:
     fingerprint: str  # the cut of the sample stream into steps
 
     def differences(self, stored: dict) -> list[str]:
-        """What differs from a stored identity, one phrase per field ("seed: 0 in the checkpoint, 1 now").
-
-        Fields a checkpoint does not hold (written by an older release) are not compared; the cut is named only
-        when nothing else explains a change of it.
-        """
+        """What differs from a stored identity, one phrase per field ("seed: 0 in the checkpoint, 1 now"); the cut
+        is named only when nothing else explains a change of it."""
         now = asdict(self)
         changed = [
             f"{_LABELS[name]}: {stored[name]!r} in the checkpoint, {now[name]!r} now"
             for name in now
-            if name != "fingerprint" and name in stored and stored[name] != now[name]
+            if name != "fingerprint" and stored[name] != now[name]
         ]
-        if not changed and stored.get("fingerprint") not in (None, self.fingerprint):
+        if not changed and stored["fingerprint"] != self.fingerprint:
             changed.append(
                 "the cut into steps (the schedule gives other effective batches, or the budget counts differently)"
             )
@@ -77,61 +82,42 @@ def identity_error(differences: list[str]) -> str:
     )
 
 
-@dataclass(frozen=True)
-class MicroBatchSettings:
-    """The micro-batch settings a user states (`AdaptiveBatch(...)`)."""
-
-    micro_batch_size: int | str
-    max_micro_batch_size: int | None
-    max_tokens_per_micro_batch: int | None
-    micro_batch_overhead: int | None = None  # absent from checkpoints written before it existed
-    padding_free: bool = False  # likewise
-
-    def describe(self) -> str:
-        parts = [f"micro_batch_size={self.micro_batch_size!r}"]
-        if self.max_micro_batch_size is not None:
-            parts.append(f"max_micro_batch_size={self.max_micro_batch_size}")
-        if self.max_tokens_per_micro_batch is not None:
-            parts.append(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}")
-        if self.micro_batch_overhead is not None:
-            parts.append(f"micro_batch_overhead={self.micro_batch_overhead}")
-        if self.padding_free:
-            parts.append("padding_free=True")
-        return ", ".join(parts)
+def describe_settings(settings: dict) -> str:
+    """Micro-batch settings as `name=value` (the ones left at `None` or `False` are not named)."""
+    parts = [f"micro_batch_size={settings['micro_batch_size']!r}"]
+    parts += [
+        f"{name}={value}"
+        for name, value in settings.items()
+        if name != "micro_batch_size" and value is not None and value is not False
+    ]
+    return ", ".join(parts)
 
 
-def learned_state_applies(stored: dict | None, now: MicroBatchSettings) -> tuple[bool, str]:
+def learned_state_applies(stored: dict, now: dict) -> tuple[bool, str]:
     """Whether what a checkpoint's run learned about micro-batches applies under the settings stated now, and the
     one line that says which applies.
 
     It applies when the settings are the ones the run was started with, or when both runs leave the size to
-    `"auto"` in the same mode (rows, or a token budget and overhead stated the same): then a new `max_micro_batch_size` caps the
-    learned size. Otherwise the settings stated now win and the run starts afresh with them.
+    `"auto"` in the same mode (rows, or a token budget and overhead stated the same): then a new
+    `max_micro_batch_size` caps the learned size. Otherwise the settings stated now win and the run starts afresh
+    with them.
     """
-    if stored is None:  # written before settings were stored: the checkpoint's state is all there is
-        return True, "Micro-batches: as the run had learned them before the checkpoint."
-    before = MicroBatchSettings(
-        **{
-            f.name: stored.get(f.name, None if f.default is MISSING else f.default)
-            for f in fields(MicroBatchSettings)
-        }
-    )
-    if before == now:
-        return True, f"Micro-batches: as the run had learned them before the checkpoint ({now.describe()})."
-    same_auto = (
-        before.micro_batch_size == now.micro_batch_size == "auto"
-        and before.max_tokens_per_micro_batch == now.max_tokens_per_micro_batch
-        and before.micro_batch_overhead == now.micro_batch_overhead
-        and before.padding_free == now.padding_free
+    if stored == now:
+        return (
+            True,
+            f"Micro-batches: as the run had learned them before the checkpoint ({describe_settings(now)}).",
+        )
+    same_auto = stored["micro_batch_size"] == now["micro_batch_size"] == "auto" and all(
+        stored[name] == now[name] for name in now if name not in ("micro_batch_size", "max_micro_batch_size")
     )
     if same_auto:
         return True, (
-            f"Micro-batches: as the run had learned them before the checkpoint, within {now.describe()} as set now "
-            f"(the checkpoint's run: {before.describe()})."
+            f"Micro-batches: as the run had learned them before the checkpoint, within {describe_settings(now)} as "
+            f"set now (the checkpoint's run: {describe_settings(stored)})."
         )
     return False, (
-        f"Micro-batches: {now.describe()} as set now; the checkpoint's run had {before.describe()}, and what it "
-        "learned under those settings is not used."
+        f"Micro-batches: {describe_settings(now)} as set now; the checkpoint's run had {describe_settings(stored)}, "
+        "and what it learned under those settings is not used."
     )
 
 
@@ -162,33 +148,3 @@ class StoredCheckpoint:
     global_step: int
     state: dict | None
     train_batch_size: int | None
-
-
-def read_checkpoint(path: str) -> StoredCheckpoint:
-    """Read a checkpoint folder's `trainer_state.json` (before the Trainer does, so the plan can be built first).
-
-    Raises:
-        ValueError: if the folder has no `trainer_state.json`.
-    """
-    file = os.path.join(path, TRAINER_STATE_NAME)
-    if not os.path.isdir(path):
-        raise ValueError(f"resume_from_checkpoint={path!r} is not a folder; pass a checkpoint-N folder.")
-    if not os.path.isfile(file):
-        raise ValueError(
-            f"resume_from_checkpoint={path!r} holds no {TRAINER_STATE_NAME}, so AdaptiveBatch cannot tell which "
-            "samples were trained; pass a checkpoint-N folder written by Trainer.save_model or a save strategy."
-        )
-    with open(file) as handle:
-        trainer_state = json.load(handle)
-    entry = (trainer_state.get("stateful_callbacks") or {}).get(STATE_KEY)
-    if isinstance(
-        entry, list
-    ):  # several callbacks of one class are stored as a list; one AdaptiveBatch at most
-        entry = entry[0] if entry else None
-    state = entry.get("attributes", {}).get("checkpoint") if isinstance(entry, dict) else None
-    return StoredCheckpoint(
-        path=path,
-        global_step=int(trainer_state.get("global_step", 0)),
-        state=state or None,
-        train_batch_size=trainer_state.get("train_batch_size"),
-    )

@@ -1,10 +1,15 @@
-"""What the user can ask of AdaptiveBatch, checked when it is constructed. Pure Python."""
+"""What the user can ask of AdaptiveBatch, checked when it is constructed: every setting, its default and its help,
+in one place. `AdaptiveBatch`'s signature and docstring, `adaptive-batch --help` and the checkpoint's record of the
+micro-batch settings are all read from here. Pure Python."""
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import numbers
-from dataclasses import dataclass, field
+import textwrap
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .goodput import NoiseScaleSchedule
@@ -13,86 +18,100 @@ from .noise import PRECONDITIONERS
 from .schedule import Schedule, as_schedule, describe
 
 
+def setting(default, help: str, micro_batch: bool = False):
+    """A field of [`AdaptiveBatchConfig`]: its default and help text; `micro_batch`: it decides how steps are cut,
+    so a checkpoint records it (what a run learned under other such settings is not reused)."""
+    return field(default=default, metadata={"help": help, "micro_batch": micro_batch})
+
+
 @dataclass
 class AdaptiveBatchConfig:
-    schedule: Any = field(
-        default=None,
-        metadata={
-            "help": "Effective batch (samples per optimizer step, all devices): None keeps the Trainer's "
-            "per_device_train_batch_size x gradient_accumulation_steps x world size; an int; a PhaseSchedule; or "
-            "any callable Progress -> int."
-        },
+    schedule: Any = setting(
+        None,
+        "The effective batch over training (samples per optimizer step, all GPUs): `None` keeps the Trainer's "
+        "`per_device_train_batch_size x gradient_accumulation_steps x world size`; an `int`; a `PhaseSchedule` "
+        "(e.g. a batch-size warmup 8 -> 16 -> 32, boundaries in a fraction of the budget, samples or steps); a "
+        "`NoiseScaleSchedule`, which grows it where the measured gradient noise scale says it pays; or any "
+        "callable `Progress(step, samples_seen, fraction) -> int`.",
     )
-    micro_batch_size: int | str = field(
-        default="auto",
-        metadata={
-            "help": "Samples per forward/backward on one device: 'auto' starts at per_device_train_batch_size and "
-            "doubles while tokens/s improve by growth_margin; an int keeps that size. Both shrink on OOM."
-        },
+    micro_batch_size: int | str = setting(
+        "auto",
+        "Samples per forward/backward on one GPU: `'auto'` starts at `per_device_train_batch_size` (or a size "
+        "`adaptive-batch probe` cached for this setup) and doubles while tokens/s improve by `growth_margin`; on "
+        "rows whose lengths vary (read from the dataset's `input_ids`) it cuts each step by padded tokens instead, "
+        "with a budget that starts at that size x the longest row and doubles while the cut needs more and memory "
+        "allows. An `int` keeps that size (and caps the rows of a cut by tokens). Both shrink and retry the step "
+        "on out-of-memory.",
+        micro_batch=True,
     )
-    max_micro_batch_size: int | None = field(
-        default=None, metadata={"help": "Never put more samples than this in one micro-batch."}
+    max_micro_batch_size: int | None = setting(
+        None, "Never put more samples than this in one micro-batch.", micro_batch=True
     )
-    max_tokens_per_micro_batch: int | None = field(
-        default=None,
-        metadata={
-            "help": "Cut each step by padded tokens (rows x padded length) instead, into micro-batches of at most "
-            "this many tokens (a longer row runs alone) at the least time: micro_batch_overhead x micro-batches + "
-            "padded tokens. An int micro_batch_size then caps the rows per micro-batch. Halves on OOM. None with "
-            "micro_batch_size='auto' on rows of varying length: a budget that grows while memory allows."
-        },
+    max_tokens_per_micro_batch: int | None = setting(
+        None,
+        "Cut each step by padded tokens (rows x the length they are padded to, longest rows first) into "
+        "micro-batches of at most this many tokens (a longer row runs alone) at the least modelled time, "
+        "`micro_batch_overhead` x micro-batches + padded tokens; nothing grows. Take it from `adaptive-batch "
+        "probe` at your max_length (`boundary_tokens`). An out-of-memory error halves it.",
+        micro_batch=True,
     )
-    micro_batch_overhead: int | None = field(
-        default=None,
-        metadata={
-            "help": "For cuts by tokens: the fixed time of one micro-batch, in padded tokens' worth. None measures "
-            "it over the first steps; a stated value makes the cut depend on the rows' lengths alone."
-        },
+    micro_batch_overhead: int | None = setting(
+        None,
+        "For cuts by tokens: the fixed time of one micro-batch, in padded tokens' worth. `None` measures it over "
+        "the first steps (a robust line of time against padded tokens); a stated value makes the cut depend on "
+        "the rows' lengths alone from the first step.",
+        micro_batch=True,
     )
-    padding_free: bool = field(
-        default=False,
-        metadata={
-            "help": "Run a padding collator's rows padding-free: each step flattened into one row of sequences "
-            "(position_ids restarting, no attention_mask), cut between sequences. Needs right padding and an "
-            "attention that keeps packed sequences apart (eager, sdpa, flex, flash). Same loss terms, no padding."
-        },
+    padding_free: bool = setting(
+        False,
+        "Run a padding collator's rows padding-free: each step batch flattened into one row of sequences "
+        "(`position_ids` restarting at each, no `attention_mask`, each row's first label ignored) and cut between "
+        "sequences. The loss terms are the padded batch's; no padding is computed. Needs right padding and an "
+        "attention implementation that keeps packed sequences apart (eager, sdpa, flex, flash).",
+        micro_batch=True,
     )
-    lr_scaling: str | LRRule = field(
-        default="none",
-        metadata={
-            "help": "How the learning rate follows the effective batch: 'none', 'sqrt' (Adam family), 'linear' "
-            "(SGD), a callable (effective, starting) -> multiplier, or with a NoiseScaleSchedule 'gain' (SGD) or "
-            "'sqrt_gain' (Adam family): AdaScale's gain from the noise scale at each change."
-        },
+    lr_scaling: str | LRRule = setting(
+        "none",
+        "How the learning rate follows the effective batch, relative to the starting one, on top of your "
+        "scheduler: `'none'`, `'sqrt'` (Adam family), `'linear'` (SGD), a callable `(effective, starting) -> "
+        "multiplier`, or with a `NoiseScaleSchedule` `'gain'` (SGD) or `'sqrt_gain'` (Adam family): AdaScale's "
+        "gain (B / B0)(B_noise + B0) / (B_noise + B), or its square root, B_noise measured at each change.",
     )
-    growth_margin: float = field(
-        default=0.01, metadata={"help": "Relative tokens/s gain a doubled micro-batch must bring to be kept."}
+    growth_margin: float = setting(0.01, "The tokens/s gain a doubled micro-batch must bring to be kept.")
+    memory_headroom: float = setting(
+        0.10, "The share of GPU memory `'auto'` keeps free when it predicts whether a size fits."
     )
-    memory_headroom: float = field(
-        default=0.10,
-        metadata={"help": "Share of device memory 'auto' keeps free when predicting whether a size fits."},
+    measure_noise: bool = setting(
+        True,
+        "Measure the gradient noise scale (McCandlish et al. 2018) on every step of 2 or more micro-batches (all "
+        "GPUs together), from one norm of each micro-batch's gradient read before it is added into `.grad`; "
+        "training is unchanged either way.",
     )
-    measure_noise: bool = field(
-        default=True,
-        metadata={
-            "help": "Measure the gradient noise scale from the micro-batches of every step that has 2 or more (on "
-            "all ranks together), and log it. Training is unchanged either way."
-        },
+    noise_time_constant_samples: float = setting(
+        4096,
+        "The noise scale's averages forget with exp(-samples / this): a step of b samples keeps exp(-b / tau) of "
+        "the past, so about 2 tau / b steps count.",
     )
-    noise_time_constant_samples: float = field(
-        default=4096,
-        metadata={
-            "help": "The noise scale's averages forget with exp(-samples / this): a step of b samples keeps "
-            "exp(-b / tau) of the past, so about 2 tau / b steps count."
-        },
+    noise_preconditioner: str = setting(
+        "none",
+        "`'none'`: the noise scale of the raw gradients; `'adam'`: of the gradients divided by Adam's sqrt(v_hat) "
+        "+ eps, read from the optimizer's `exp_avg_sq` (torch's Adam, AdamW; unmeasured until the first optimizer "
+        "step). Beware with a language model from scratch: embedding rows of tokens not seen yet have v = 0, are "
+        "divided by eps and can dominate the estimate.",
     )
-    noise_preconditioner: str = field(
-        default="none",
-        metadata={
-            "help": "'none': the noise scale of the raw gradients; 'adam': of the gradients divided element-wise "
-            "by Adam's sqrt(v_hat) + eps, read from the optimizer's exp_avg_sq (torch's Adam, AdamW)."
-        },
-    )
+
+    @classmethod
+    def from_settings(cls, **settings) -> AdaptiveBatchConfig:
+        """The config of `AdaptiveBatch(**settings)`; an unknown name is refused with the nearest known one."""
+        names = [f.name for f in fields(cls)]
+        for name in settings:
+            if name not in names:
+                near = difflib.get_close_matches(name, names, n=1)
+                hint = f" Did you mean {near[0]}?" if near else ""
+                raise TypeError(
+                    f"AdaptiveBatch has no setting {name!r}.{hint} Its settings: {', '.join(names)}."
+                )
+        return cls(**settings)
 
     def __post_init__(self):
         if self.schedule is not None:
@@ -168,6 +187,37 @@ class AdaptiveBatchConfig:
 
     def resolved_schedule(self, default_effective_batch_size: int) -> Schedule:
         return self.schedule if self.schedule is not None else as_schedule(default_effective_batch_size)
+
+    def micro_batch_settings(self) -> dict:
+        """The settings that decide how steps are cut, as plain JSON (what a checkpoint records)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["micro_batch"]}
+
+
+def help_text(name: str) -> str:
+    """The help of one setting."""
+    return next(f.metadata["help"] for f in fields(AdaptiveBatchConfig) if f.name == name)
+
+
+def settings_doc(indent: int = 8) -> str:
+    """Every setting as a docstring's `Args:` entries (`name: help`), wrapped and indented."""
+    lines = []
+    for f in fields(AdaptiveBatchConfig):
+        text = f"{f.name}: {f.metadata['help']} Default: {f.default!r}."
+        lines.append(
+            textwrap.fill(text, 110, initial_indent=" " * indent, subsequent_indent=" " * (indent + 4))
+        )
+    return "\n".join(lines)
+
+
+def settings_signature(self_parameter: bool = True) -> inspect.Signature:
+    """The signature `AdaptiveBatch(schedule=None, micro_batch_size='auto', ...)`, from the fields."""
+    parameters = (
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] if self_parameter else []
+    )
+    for index, f in enumerate(fields(AdaptiveBatchConfig)):
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if index == 0 else inspect.Parameter.KEYWORD_ONLY
+        parameters.append(inspect.Parameter(f.name, kind, default=f.default))
+    return inspect.Signature(parameters)
 
 
 def _positive_int(value) -> bool:

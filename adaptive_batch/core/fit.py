@@ -1,7 +1,7 @@
 """The lines the package fits: peak memory or step time against the size of a micro-batch.
 
 Peak memory and step time are both close to affine in the batch (a fixed part plus a part per sample or token),
-and the memory policy ([`microbatch.predict_peak`]), the boundary search ([`boundary.predict_boundary`]) and the
+and the memory policy ([`predict_peak`]), the boundary search ([`boundary.predict_boundary`]) and the
 throughput trial ([`boundary.next_throughput_size`]) each read a prediction off such a line ([`affine`]).
 
 The time of single micro-batches is another matter: a compile, a new shape or a busy host now and then makes one
@@ -13,6 +13,7 @@ Pure Python: no torch, no transformers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 
@@ -61,3 +62,25 @@ def _median(values: list[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def predict_peak(points: list[tuple[float, float]], tokens: float, cautious: bool = False) -> float:
+    """Least-squares affine fit of peak bytes against tokens per micro-batch, evaluated at `tokens`.
+
+    With fewer than two distinct token counts no line can be fitted. Then 0 is returned (assume it fits: an
+    out-of-memory error only costs a retry), or with `cautious` (where it cannot be retried) an upper bound: a peak
+    affine in tokens with a non-negative intercept (the weights, the optimizer state) grows at most in proportion,
+    so `tokens` needs at most the largest measured peak scaled by `tokens` over its tokens; with no point at all,
+    infinity (nothing known, nothing fits).
+    """
+    line = affine(points)
+    if line is not None:
+        intercept, slope = line
+        return intercept + slope * tokens
+    if not cautious:
+        return 0.0
+    measured = [(t, peak) for t, peak in points if t > 0]
+    if not measured:
+        return math.inf
+    most, peak = max(measured)
+    return peak * max(1.0, tokens / most)

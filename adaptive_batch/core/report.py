@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from .lr import SampleClock
 from .plan import Budget, StepPlan
 
@@ -75,48 +73,6 @@ def _uneven_text(uneven: list[tuple[int, int, int]], clock: SampleClock, plan, s
     if len(uneven) > shown:
         parts.append(f"{len(uneven) - shown} more")
     return "; ".join(parts)
-
-
-def micro_batch_text(
-    size: int,
-    auto: bool,
-    exploring: bool,
-    growth_margin: float,
-    max_micro_batch_size: int | None,
-    max_tokens: int | None,
-    max_rows_per_rank: int,
-    tuning_tokens: bool = False,
-) -> str:
-    """How each step is cut into micro-batches, for the plan table."""
-    if max_tokens is not None:
-        text = f"cut by a token budget of {max_tokens:,} padded tokens (rows x padded length)"
-        if tuning_tokens:
-            text = (
-                f"auto, rows of varying length: cut by padded tokens (rows x padded length), at the least time; "
-                f"the budget starts at {max_tokens:,} and doubles while the cut needs more and memory allows"
-            )
-        if size < max_rows_per_rank:
-            text += f", at most {size} rows"
-        return text + "; the budget halves and the step retries on out-of-memory"
-    if auto and exploring:
-        text = f"auto: starts at {size}, doubles while tokens/s gain > {growth_margin:.0%}"
-    else:
-        text = f"{size}" + ("" if auto else " (fixed)")
-    if max_micro_batch_size:
-        text += f", at most {max_micro_batch_size}"
-    return text + "; shrinks and retries the step on out-of-memory"
-
-
-def accumulation_text(plan: StepPlan, user_accumulation: int, fixed_size: int | None, by_tokens: bool) -> str:
-    """Micro-batches per step: known before training for a fixed size, decided while training otherwise."""
-    if by_tokens:
-        return f"as many as the rows' lengths need (the user's: {user_accumulation})"
-    if fixed_size is None:
-        return f"samples per rank per step / micro-batch (the user's: {user_accumulation})"
-    counts = sorted(
-        {math.ceil(effective // plan.world_size / fixed_size) for _, _, effective in plan.phases()}
-    )
-    return " -> ".join(map(str, counts)) + f" micro-batches of at most {fixed_size}"
 
 
 def format_rows(title: str, rows: list[tuple[str, str]]) -> str:

@@ -8,12 +8,8 @@ and is timed, while the rest of the step uses the best size known so far, so fin
 not one step per size. An out-of-memory error caps the size for good and halves it; the
 step is then run again from its first micro-batch.
 
-Cutting by tokens instead (rows of varying length) is [`tokenbudget.TokenController`]. Both controllers give
-the step runner, per step, an iterable of [`MicroBatch`]es to run ([`RowCut`] here), and both are told what each
-timed one measured and when one ran out of memory.
-
-All decisions depend only on the measurements fed in and the rows left in the step, so ranks that are fed the same
-(all-reduced) measurements make the same decisions and run the same number of micro-batches.
+Its unit is rows: the samples of a step, or the sequences of a padding-free one. Cutting by padded tokens instead
+(rows of varying length) is [`tokens.TokenController`]; both follow [`microbatch.CutController`].
 
 Pure Python: no torch, no transformers.
 """
@@ -21,17 +17,9 @@ Pure Python: no torch, no transformers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from .fit import affine
-
-
-class MicroBatchTooLargeError(RuntimeError):
-    """One sample per micro-batch still runs out of memory. `tried` holds the sizes that ran out, in order."""
-
-    def __init__(self, message: str, tried: list[int]):
-        super().__init__(message)
-        self.tried = tried
+from .fit import predict_peak
+from .microbatch import MicroBatch, MicroBatchTooLargeError
 
 
 def even_chunk(remaining: int, size: int) -> int:
@@ -48,21 +36,8 @@ ROWS_REACHED = "it reached max_micro_batch_size or the rows of a step"
 FIXED = "fixed by micro_batch_size"
 
 
-@dataclass(frozen=True)
-class MicroBatch:
-    """One micro-batch of a step on this rank: `rows` rows from `start` of the step batch's order (0 rows: a row that
-    adds nothing, for a rank with fewer), `size` the size it stands for in the controller's decisions, `timed`
-    whether its time and memory are measured, `last` whether it ends the step's attempt (on every rank alike)."""
-
-    start: int
-    rows: int
-    size: int
-    timed: bool
-    last: bool = False
-
-
 class RowController:
-    """Chooses the size of every micro-batch.
+    """Chooses the rows of every micro-batch (a [`microbatch.CutController`] whose unit is rows).
 
     Args:
         start: the first size to run (the user's per-device batch, or a probed one).
@@ -91,6 +66,7 @@ class RowController:
         oom_is_fatal: bool = False,
     ):
         limit = min(x for x in (max_size, row_limit) if x is not None) if (max_size or row_limit) else None
+        self.auto = auto
         self.start = max(1, start)  # a fixed size held down by a step's rows comes back when steps grow
         self.size = max(1, min(start, limit) if limit else start)
         self.max_size = max_size
@@ -106,11 +82,19 @@ class RowController:
         self.memory_points: list[tuple[float, float]] = []  # (tokens in the micro-batch, peak bytes)
         self.oom_sizes: list[int] = []
 
+    kind = "rows"
+    unit = "rows"
+    max_tokens = None  # no token budget: the cut counts rows
+
     # -- what to run -------------------------------------------------------------------------------------------
 
     @property
     def exploring(self) -> bool:
         return self.trial is not None
+
+    @property
+    def first_micro_batch_size(self) -> int:
+        return self.size
 
     def cut(self, batch, max_rows: int, agree=None, row_cap: int | None = None) -> RowCut:
         """The micro-batches of a step whose batch holds `batch.rows` rows on this rank and `max_rows` on the rank
@@ -200,9 +184,10 @@ class RowController:
             return True
         return predict_peak(self.memory_points, tokens, cautious=self.oom_is_fatal) <= self.memory_limit
 
-    def raise_row_limit(self, row_limit: int) -> None:
-        """A step now holds up to `row_limit` rows on a rank (the effective batch grew): a search that stopped at the
-        old limit goes on doubling; a fixed size that the old limit held down grows back towards the one stated."""
+    def set_row_limit(self, row_limit: int) -> None:
+        """A step now holds up to `row_limit` rows on a rank (a new plan). Where the effective batch grew, a search
+        that stopped at the old limit goes on doubling, and a fixed size that the old limit held down grows back
+        towards the one stated."""
         old, self.row_limit = self.row_limit, row_limit
         if self.trial is not None or old is None or row_limit <= old:
             return
@@ -217,7 +202,7 @@ class RowController:
         else:
             self.trial, self.trial_left, self.settled_because = bigger, self.repeats, None
 
-    def larger_step_cap(self) -> int | None:
+    def larger_step_cap(self, last_micro_batch_size: int = 0, usual_micro_batches: int = 1) -> int | None:
         """The most rows a micro-batch of a step larger than today's may hold, as far as known (`None`: as many as
         memory allows, the search going on): the size stated, or the one a search stopped at for memory or speed."""
         if (
@@ -237,11 +222,32 @@ class RowController:
         if self.trial is not None and self.trial > max_size:
             self._settle(f"max_micro_batch_size={max_size}")
 
+    def check_longest_row(self, tokens: int | None) -> None:
+        """Rows of any length run: a micro-batch of one row is as small as a cut by rows goes."""
+
+    # -- the plan table ----------------------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        if self.auto and self.exploring:
+            text = f"auto: starts at {self.size}, doubles while tokens/s gain > {self.growth_margin:.0%}"
+        else:
+            text = f"{self.size}" + ("" if self.auto else " (fixed)")
+        if self.max_size:
+            text += f", at most {self.max_size}"
+        return text + "; " + out_of_memory_text(self.oom_is_fatal, "shrinks and retries the step")
+
+    def accumulation_text(self, per_rank_sizes: list[int], user_accumulation: int) -> str:
+        if self.auto:
+            return f"samples per rank per step / micro-batch (the user's: {user_accumulation})"
+        counts = sorted({math.ceil(rows / self.size) for rows in per_rank_sizes})
+        return " -> ".join(map(str, counts)) + f" micro-batches of at most {self.size}"
+
     # -- checkpoint --------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """Plain JSON: what a resumed run needs to cut steps exactly as the uninterrupted run would."""
         return {
+            "kind": self.kind,
             "size": self.size,
             "trial": self.trial,
             "trial_left": self.trial_left,
@@ -292,23 +298,11 @@ class RowCut:
         """The step ran to its end (nothing to conclude: rows are decided micro-batch by micro-batch)."""
 
 
-def predict_peak(points: list[tuple[float, float]], tokens: float, cautious: bool = False) -> float:
-    """Least-squares affine fit of peak bytes against tokens per micro-batch, evaluated at `tokens`.
-
-    With fewer than two distinct token counts no line can be fitted. Then 0 is returned (assume it fits: an
-    out-of-memory error only costs a retry), or with `cautious` (where it cannot be retried) an upper bound: a peak
-    affine in tokens with a non-negative intercept (the weights, the optimizer state) grows at most in proportion,
-    so `tokens` needs at most the largest measured peak scaled by `tokens` over its tokens; with no point at all,
-    infinity (nothing known, nothing fits).
-    """
-    line = affine(points)
-    if line is not None:
-        intercept, slope = line
-        return intercept + slope * tokens
-    if not cautious:
-        return 0.0
-    measured = [(t, peak) for t, peak in points if t > 0]
-    if not measured:
-        return math.inf
-    most, peak = max(measured)
-    return peak * max(1.0, tokens / most)
+def out_of_memory_text(fatal: bool, retry: str) -> str:
+    """What an out-of-memory error does, for the plan table."""
+    if fatal:
+        return (
+            "an out-of-memory error cannot be retried under this engine and world size, so sizes grow only where "
+            "measured peaks bound them below the limit"
+        )
+    return f"{retry} on out-of-memory"

@@ -1,7 +1,7 @@
 """The micro-batch policy for rows of varying length: each step cut by padded tokens, at the least measured time.
 
 Each step's rows are cut by their lengths ([`cut.py`]) into micro-batches of at most `max_tokens` padded tokens
-(a longer row alone) and at most `size` rows, at the least modelled time: `overhead` x micro-batches + padded
+(a longer row alone) and at most `rows_cap` rows, at the least modelled time: `overhead` x micro-batches + padded
 tokens. The overhead (the fixed time of one micro-batch, in tokens' worth) is stated, or measured: the micro-batches
 of `CALIBRATION_STEPS` steps after a warm-up step are timed and a line of seconds against padded tokens is fitted
 (its intercept over its slope), robustly ([`fit.robust_affine`]): a micro-batch slowed by a compile or a busy host
@@ -31,8 +31,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from .fit import robust_affine
-from .rows import MicroBatch, MicroBatchTooLargeError, predict_peak
+from .fit import predict_peak, robust_affine
+from .microbatch import MicroBatch, MicroBatchTooLargeError
+from .rows import out_of_memory_text
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -41,11 +42,14 @@ LINE_MARGIN = 0.15  # how much slower than the fitted line micro-batches beyond 
 
 
 class TokenController:
-    """Cuts every step by padded tokens. See the module docstring.
+    """Cuts every step by padded tokens (a [`microbatch.CutController`] whose unit is padded tokens). See the module
+    docstring.
 
     Args:
         max_tokens: the budget of padded tokens per micro-batch (the first one, with `tune`).
-        max_rows: the most rows a micro-batch holds.
+        max_rows: the most rows a micro-batch may hold as stated (`max_micro_batch_size`, or an `int`
+            `micro_batch_size`); `None`: as many as a step holds on a rank.
+        row_limit: the most rows a step holds on a rank (from the plan).
         tune: grow the budget while the cut needs more and memory allows.
         overhead: the fixed time of one micro-batch in padded tokens' worth; `None`: measured.
         memory_limit: bytes a micro-batch's peak may reach (`None`: not known, as on the CPU).
@@ -56,15 +60,16 @@ class TokenController:
     def __init__(
         self,
         max_tokens: int,
-        max_rows: int,
+        max_rows: int | None = None,
+        row_limit: int | None = None,
         tune: bool = False,
         overhead: int | None = None,
         memory_limit: float | None = None,
         oom_is_fatal: bool = False,
     ):
         self.max_tokens = max_tokens
-        self.size = max_rows
-        self.row_limit = max_rows
+        self.max_rows = max_rows
+        self.row_limit = row_limit
         self.tuning = tune
         self.overhead = overhead
         self.calibrating = overhead is None
@@ -82,10 +87,35 @@ class TokenController:
         self.settled_because = None if self.exploring else "cut by max_tokens_per_micro_batch"
         self.warned_long_row = False
 
+    kind = "tokens"
+    unit = "padded tokens"
+
     @property
     def exploring(self) -> bool:
         """Still measuring: the overhead of a micro-batch, or the budget."""
         return self.calibrating or self.tuning
+
+    @property
+    def rows_cap(self) -> int | None:
+        """The most rows a micro-batch holds: a step's rows on a rank, capped by the stated `max_rows`."""
+        caps = [cap for cap in (self.max_rows, self.row_limit) if cap is not None]
+        return min(caps) if caps else None
+
+    @property
+    def first_micro_batch_size(self) -> None:
+        return None  # decided by each step's lengths when it is cut
+
+    def set_row_limit(self, rows: int) -> None:
+        self.row_limit = rows
+
+    def larger_step_cap(self, last_micro_batch_size: int, usual_micro_batches: int) -> int | None:
+        """The largest micro-batch of the last step where steps are cut in several (the budget binds there), else
+        `None` (a larger step may still run whole)."""
+        return max(1, last_micro_batch_size) if usual_micro_batches > 1 else None
+
+    def check_longest_row(self, tokens: int | None) -> None:
+        if tokens is not None and tokens > self.max_tokens:
+            self.warn_long_row(tokens)
 
     def cut(
         self, batch, max_rows: int, agree: Callable[[list[float]], list[float]], row_cap: int | None = None
@@ -94,13 +124,10 @@ class TokenController:
         all ranks by their maximum (the identity on one); at most `row_cap` rows each (for this step only)."""
         return TokenCut(self, batch, agree, row_cap)
 
-    def token_overhead(self, longest: int) -> int | None:
+    def token_overhead(self, longest: int) -> int:
         """The overhead a cut uses now: stated or measured; while measuring, or where the measurements gave no
-        rising line, one longest row's worth (`longest` padded tokens); `None` (the fewest micro-batches) only for a
-        checkpoint written before the overhead was measured, as its run cut."""
-        if self.overhead is not None:
-            return self.overhead
-        return longest if self.calibrating or self.no_line else None
+        rising line, one longest row's worth (`longest` padded tokens)."""
+        return self.overhead if self.overhead is not None else longest
 
     # -- what happened -----------------------------------------------------------------------------------------
 
@@ -155,10 +182,8 @@ class TokenController:
         if not self.exploring:
             if self.overhead is not None:
                 overhead = f"overhead {self.overhead:,} tokens"
-            elif self.no_line:
-                overhead = "overhead one longest row (the time of a micro-batch did not rise with its tokens)"
             else:
-                overhead = "fewest micro-batches"
+                overhead = "overhead one longest row (the time of a micro-batch did not rise with its tokens)"
             self.settled_because = f"token budget {self.max_tokens:,} ({self.budget_because}), {overhead}"
 
     def on_out_of_memory(self, rows: int, padded_tokens: int) -> None:
@@ -200,7 +225,23 @@ class TokenController:
     def limit_to(self, max_size: int | None) -> None:
         """Apply a `max_micro_batch_size` stated after the budget was learned (a resumed run)."""
         if max_size is not None:
-            self.size = min(self.size, max_size)
+            self.max_rows = max_size if self.max_rows is None else min(self.max_rows, max_size)
+
+    # -- the plan table ----------------------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        text = f"cut by a token budget of {self.max_tokens:,} padded tokens (rows x padded length)"
+        if self.tuning:
+            text = (
+                f"auto, rows of varying length: cut by padded tokens (rows x padded length), at the least time; "
+                f"the budget starts at {self.max_tokens:,} and doubles while the cut needs more and memory allows"
+            )
+        if self.max_rows is not None and (self.row_limit is None or self.max_rows < self.row_limit):
+            text += f", at most {self.max_rows} rows"
+        return text + "; " + out_of_memory_text(self.oom_is_fatal, "the budget halves and the step retries")
+
+    def accumulation_text(self, per_rank_sizes: list[int], user_accumulation: int) -> str:
+        return f"as many as the rows' lengths need (the user's: {user_accumulation})"
 
     def _fit(self, points: list[tuple[float, float]]) -> None:
         self.overhead = fitted_overhead(points)
@@ -215,9 +256,8 @@ class TokenController:
     def state_dict(self) -> dict:
         """Plain JSON: what a resumed run needs to cut steps exactly as the uninterrupted run would."""
         return {
-            "kind": "tokens",
+            "kind": self.kind,
             "max_tokens": self.max_tokens,
-            "size": self.size,
             "tuning": self.tuning,
             "budget_because": self.budget_because,
             "overhead": self.overhead,
@@ -233,21 +273,18 @@ class TokenController:
 
     def load_state_dict(self, state: dict) -> None:
         self.max_tokens = int(state["max_tokens"])
-        self.size = int(state["size"])
-        # absent from checkpoints written before the overhead was measured: their cut was the fewest micro-batches
-        self.tuning = bool(state.get("tuning", False))
-        self.budget_because = state.get("budget_because", "stated")
-        overhead = state.get("overhead")
-        self.overhead = None if overhead is None else int(overhead)
-        self.calibrating = bool(state.get("calibrating", False))
-        self.no_line = bool(state.get("no_line", False))
-        self.line_missed = state.get("line_missed")
-        self.steps_measured = int(state.get("steps_measured", 0))
-        self.time_points = [(float(t), float(s)) for t, s in state.get("time_points", [])]
+        self.tuning = bool(state["tuning"])
+        self.budget_because = state["budget_because"]
+        self.overhead = None if state["overhead"] is None else int(state["overhead"])
+        self.calibrating = bool(state["calibrating"])
+        self.no_line = bool(state["no_line"])
+        self.line_missed = state["line_missed"]
+        self.steps_measured = int(state["steps_measured"])
+        self.time_points = [(float(t), float(s)) for t, s in state["time_points"]]
         self.step_start = len(self.time_points)  # written at a step's end
-        self.memory_points = [(float(t), float(p)) for t, p in state.get("memory_points", [])]
-        self.oom_sizes = [int(size) for size in state.get("oom_sizes", [])]
-        self.settled_because = state.get("settled_because")
+        self.memory_points = [(float(t), float(p)) for t, p in state["memory_points"]]
+        self.oom_sizes = [int(size) for size in state["oom_sizes"]]
+        self.settled_because = state["settled_because"]
 
 
 class TokenCut:
@@ -262,9 +299,9 @@ class TokenCut:
         row_cap: int | None = None,
     ):
         self.controller = controller
-        budget, cap = controller.max_tokens, controller.size
+        budget, cap = controller.max_tokens, controller.rows_cap
         if row_cap is not None:
-            cap = min(cap, row_cap)
+            cap = row_cap if cap is None else min(cap, row_cap)
         longest = batch.longest_row()
         overhead = controller.token_overhead(longest)
         self.sizes = batch.token_chunks(budget, cap, overhead)

@@ -9,9 +9,11 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import IntervalStrategy
 
-from ..core.config import AdaptiveBatchConfig
+from ..core.config import AdaptiveBatchConfig, settings_doc, settings_signature
 from ..core.plan import StepPlan
-from .install import find_trainer_on_stack, install
+from ..runtime import compat
+from . import status
+from .install import install
 from .session import Session
 
 logger = logging.getLogger("adaptive_batch")
@@ -43,42 +45,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     the plan holds; each step is cut into micro-batches that go through the Trainer's own `training_step`.
 
     Args:
-        schedule: the effective batch over training: `None` (the user's), an `int`, a
-            [`PhaseSchedule`] (e.g. a batch-size warmup 8 -> 16 -> 32) or a callable `Progress -> int`.
-        micro_batch_size: `"auto"` or a fixed `int`. Either shrinks and retries the step on out-of-memory. On rows
-            of one length, `"auto"` starts at `per_device_train_batch_size` and doubles while tokens/s improve by
-            `growth_margin`. On rows whose lengths vary (read from the dataset's `input_ids`), it cuts each step by
-            padded tokens instead, with a budget that starts at `per_device_train_batch_size` x the longest row
-            and doubles while the cut needs more and the measured memory allows.
-        max_micro_batch_size: never put more samples than this in one micro-batch.
-        max_tokens_per_micro_batch: cut each step by padded tokens with this budget (rows x the length they are
-            padded to, longest rows first, a longer row alone): micro-batches of at most this many tokens at the
-            least modelled time, `micro_batch_overhead` x micro-batches + padded tokens. An `int`
-            `micro_batch_size` caps the rows of a micro-batch; an out-of-memory error halves the budget.
-        micro_batch_overhead: for cuts by tokens, the fixed time of one micro-batch in padded tokens' worth: `None`
-            measures it over the first steps (a line of time against padded tokens); a stated value makes the cut
-            depend on the rows' lengths alone.
-        padding_free: run a padding collator's rows padding-free (opt-in): each step batch is flattened into one
-            row of sequences (`position_ids` restarting at each, no `attention_mask`, each row's first label
-            ignored) and cut between sequences, as for `DataCollatorWithFlattening`. The loss terms are the padded
-            batch's; no padding is computed. Needs right padding and an attention implementation that keeps packed
-            sequences apart (eager, sdpa, flex, flash).
-        lr_scaling: `"none"`, `"sqrt"` (Adam family), `"linear"` (SGD) or a callable
-            `(effective, starting) -> multiplier`: how the learning rate follows the effective batch, relative to
-            the starting one, on top of the user's scheduler. With a `NoiseScaleSchedule` also `"gain"` (SGD) and
-            `"sqrt_gain"` (Adam family): AdaScale's gain (B / B0)(B_noise + B0) / (B_noise + B), or its square
-            root, B_noise measured at each change (see `lr.py`).
-        growth_margin: the tokens/s gain a doubled micro-batch must bring to be kept (default 1%).
-        memory_headroom: the share of GPU memory `"auto"` keeps free when predicting whether a size fits.
-        measure_noise: measure the gradient noise scale (McCandlish et al. 2018) from every step that has 2 or more
-            micro-batches over all ranks, at the cost of one norm of each micro-batch's gradient (read by tensor
-            hooks before it is added into `.grad`) and no extra collective; training is unchanged either way.
-            tr(Sigma) and |G|^2 come from each step's micro-batch and step gradient norms (unbiased for unequal
-            micro-batches), are averaged separately and divided ([`noise.NoiseScale`]).
-        noise_time_constant_samples: the noise scale's averages forget with exp(-samples / this), about 2 x this /
-            effective batch steps (default 4096 samples).
-        noise_preconditioner: `"none"` (raw gradients) or `"adam"` (each element divided by Adam's
-            sqrt(v_hat) + eps, read from the optimizer's `exp_avg_sq`; unmeasured until the first optimizer step).
+    {settings}
 
     One instance may serve several Trainers in turn (a sweep, a notebook cell run twice): each Trainer gets its
     own plan and state, and the callback follows the Trainer that is training.
@@ -106,36 +73,10 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     token and converts to samples by the step's samples / label tokens.
     """
 
-    def __init__(
-        self,
-        schedule=None,
-        micro_batch_size: int | str = "auto",
-        max_micro_batch_size: int | None = None,
-        max_tokens_per_micro_batch: int | None = None,
-        micro_batch_overhead: int | None = None,
-        padding_free: bool = False,
-        lr_scaling="none",
-        growth_margin: float = 0.01,
-        memory_headroom: float = 0.10,
-        measure_noise: bool = True,
-        noise_time_constant_samples: float = 4096,
-        noise_preconditioner: str = "none",
-    ):
-        self.config = AdaptiveBatchConfig(
-            schedule=schedule,
-            micro_batch_size=micro_batch_size,
-            max_micro_batch_size=max_micro_batch_size,
-            max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-            micro_batch_overhead=micro_batch_overhead,
-            padding_free=padding_free,
-            lr_scaling=lr_scaling,
-            growth_margin=growth_margin,
-            memory_headroom=memory_headroom,
-            measure_noise=measure_noise,
-            noise_time_constant_samples=noise_time_constant_samples,
-            noise_preconditioner=noise_preconditioner,
-        )
-        self.session: Session | None = None
+    def __init__(self, schedule=None, **settings):
+        self.config = AdaptiveBatchConfig.from_settings(schedule=schedule, **settings)
+        self.session: Session | None = None  # the session of the Trainer attached last
+        self.training_session: Session | None = None  # the session whose Trainer is inside train()
         self._epoch_end_handled_at: int | None = None
 
     @_attach_method
@@ -156,7 +97,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             )
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
-        self.session = install(trainer, self.config)
+        self.session = install(trainer, self)
         return self
 
     # -- reading the plan and the run from Python ------------------------------------------------------------------
@@ -172,18 +113,21 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     def plan_table(self) -> list[tuple[str, str]]:
         """The plan as (label, value) rows, as logged when training starts: effective batch, micro-batch, steps,
         samples, epochs, learning rate rule, phases."""
-        return self._session("plan_table()").plan_rows()
+        return status.plan_rows(self._session("plan_table()"))
 
     def current(self) -> dict:
         """Where the run stands after its last optimizer step (before training: what step 0 will run): `step`,
-        `effective_batch_size`, `micro_batch_size` (the last step's largest), `accumulation_steps`, `samples_seen`,
+        `effective_batch_size`, `micro_batch_size` (the last step's largest; before training the first
+        micro-batch's rows where a cut by rows knows them, else `None`), `accumulation_steps`, `samples_seen`,
         `tokens_seen`, `lr_scale`, the noise keys once measured (`noise_scale`, `grad_norm_sq`, `grad_variance`),
+        `noise_steps` (steps the noise scale was measured on), `cut_by` (`"rows"` or `"tokens"`),
+        `max_tokens_per_micro_batch` (the token budget of a cut by tokens, else `None`),
         `micro_batch_settled_because` (`None` while the micro-batch search goes on) and `batch_changes` (those a
         `NoiseScaleSchedule` made: step, size, samples seen, reason)."""
-        return self._session("current()").current()
+        return status.current(self._session("current()"))
 
     def _session(self, what: str) -> Session:
-        session = Session.active or self.session
+        session = self.training_session or self.session
         if session is None or session.plan is None:
             raise RuntimeError(
                 f"AdaptiveBatch.{what} is known once the Trainer is built with AdaptiveBatch in its callbacks (or "
@@ -194,7 +138,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     # -- callback events -------------------------------------------------------------------------------------------
 
     def on_init_end(self, args, state, control, **kwargs):
-        trainer = find_trainer_on_stack(self)
+        trainer = compat.trainer_being_built(self)
         if trainer is None:
             raise RuntimeError(
                 "AdaptiveBatch could not find the Trainer being built. Call AdaptiveBatch.attach(trainer) after "
@@ -203,18 +147,18 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         self.attach(trainer)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if Session.active is None:
+        if self.training_session is None:
             raise RuntimeError(
                 "AdaptiveBatch was added after the Trainer was built (trainer.add_callback), so it cannot plan the "
                 "steps. Use AdaptiveBatch.attach(trainer) instead, before train()."
             )
-        self.session = Session.active
+        self.session = self.training_session
         state.num_train_epochs = self.session.plan.num_epochs
         self._epoch_end_handled_at = None
 
     def on_step_end(self, args, state, control, **kwargs):
         """Make `state.epoch` and epoch-strategy evaluation, saving and logging follow data epochs."""
-        plan, step = Session.active.plan, state.global_step - 1
+        plan, step = self.training_session.plan, state.global_step - 1
         state.epoch = plan.epoch_after(step)
         if not plan.ends_epoch(step):
             return
@@ -234,6 +178,10 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     # -- checkpoint ------------------------------------------------------------------------------------------------
 
     def state(self) -> dict:
-        session = Session.active or self.session
+        session = self.training_session or self.session
         checkpoint = session.state_dict() if session is not None else {}
         return {"args": {}, "attributes": {"checkpoint": checkpoint}}
+
+
+AdaptiveBatch.__init__.__signature__ = settings_signature()
+AdaptiveBatch.__doc__ = AdaptiveBatch.__doc__.replace("    {settings}", settings_doc(indent=8))

@@ -3,10 +3,10 @@ fix."""
 
 from __future__ import annotations
 
-from torch.utils.data import IterableDataset
 from transformers import Trainer
 
 from ..runtime import compat
+from ..runtime.stream import is_stream
 
 
 def check_trainer(trainer: Trainer) -> None:
@@ -48,7 +48,7 @@ def check_trainer(trainer: Trainer) -> None:
             f"train_sampling_strategy={args.train_sampling_strategy!r}: AdaptiveBatch orders samples itself and "
             "groups each step's samples by length before cutting micro-batches. Use 'random' (or 'sequential')."
         )
-    for method in ("get_train_dataloader", "_get_train_sampler"):
+    for method in compat.REPLACED_DATA_METHODS:
         owner = next(
             c for c in type(trainer).__mro__ if method in vars(c) and not vars(c).get("_adaptive_batch_mixin")
         )
@@ -58,7 +58,7 @@ def check_trainer(trainer: Trainer) -> None:
                 "version would be skipped. Move that logic into the dataset or data collator, or remove AdaptiveBatch."
             )
     dataset = trainer.train_dataset
-    if dataset is not None and (isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")):
+    if dataset is not None and is_stream(dataset):
         if args.max_steps <= 0:
             raise ValueError(
                 f"The training dataset ({type(dataset).__name__}) is a stream, with no length to count epochs in, "

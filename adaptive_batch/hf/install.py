@@ -1,6 +1,6 @@
 """Wiring into `transformers.Trainer` (and subclasses such as TRL's SFTTrainer).
 
-The Trainer instance gets a subclass of its own class with a few methods overridden (`AdaptiveTrainerMixin`):
+The Trainer instance gets a class of its own with `AdaptiveTrainerMixin` in front of its class:
 
 - `train`: reads the checkpoint to resume (if any) and plans the steps, then runs the Trainer's own loop with
   gradient accumulation 1;
@@ -10,7 +10,8 @@ The Trainer instance gets a subclass of its own class with a few methods overrid
   the sample clock and the LR rule;
 - `training_step`: cuts the step batch into micro-batches, each through the user's class's `training_step`;
 - `log`: adds the `adaptive_batch/*` metrics to every training log;
-- `_load_callback_state`: keeps AdaptiveBatch's live callback (its state was read when `train` started).
+- it keeps AdaptiveBatch's live callback when a checkpoint's callback states are restored (its state was read
+  when `train` started).
 
 Everything else (evaluation, checkpoints, callbacks, mixed precision, DDP wrapping) is the Trainer's own.
 """
@@ -20,22 +21,23 @@ from __future__ import annotations
 import logging
 
 from torch.utils.data import DataLoader
-from transformers import Trainer
 
-from ..core.checkpoint import STATE_KEY, read_checkpoint
-from ..core.config import AdaptiveBatchConfig
+from ..runtime import compat
 from ..runtime.engines import prepare as prepare_engine
+from ..runtime.lr_scheduler import follow_sample_clock
 from .checks import check_trainer
+from .resume import STATE_KEY, read_checkpoint
 from .session import Session
 
 logger = logging.getLogger("adaptive_batch")
 
 
-class AdaptiveTrainerMixin:
+class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
     """Placed in front of the user's Trainer class; see the module docstring."""
 
     _adaptive_batch: Session
     _adaptive_batch_mixin = True  # the methods here replace the Trainer's; `check_trainer` looks past them
+    callback_state_key = STATE_KEY
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
@@ -57,8 +59,10 @@ class AdaptiveTrainerMixin:
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         session = self._adaptive_batch
-        super().create_scheduler(num_training_steps=session.clock.nominal_steps, optimizer=optimizer)
-        self.lr_scheduler = session.wrap_scheduler(self.lr_scheduler, optimizer or self.optimizer)
+        super().create_scheduler(num_training_steps=session.run.clock.nominal_steps, optimizer=optimizer)
+        self.lr_scheduler = follow_sample_clock(
+            self.lr_scheduler, optimizer or self.optimizer, session.run.clock, session.batch_changes
+        )
         return self.lr_scheduler
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -68,20 +72,10 @@ class AdaptiveTrainerMixin:
         self._adaptive_batch.add_metrics(logs)
         return super().log(logs, *args, **kwargs)
 
-    def _load_callback_state(self):
-        stored = self.state.stateful_callbacks.pop(STATE_KEY, None)
-        try:  # other callbacks restore as usual; ours keeps its live objects instead of being re-created
-            return super()._load_callback_state()
-        finally:
-            # the next save updates this entry in place, so it must exist, also in a plain Trainer's checkpoint
-            self.state.stateful_callbacks[STATE_KEY] = stored if stored is not None else {}
 
-
-_CLASSES: dict[type, type] = {}
-
-
-def install(trainer: Trainer, config: AdaptiveBatchConfig) -> Session:
-    """Check the Trainer's setup, then swap its class for one with `AdaptiveTrainerMixin` in front."""
+def install(trainer, callback) -> Session:
+    """Check the Trainer's setup, then put `AdaptiveTrainerMixin` in front of its class; the session is planned at
+    once where the Trainer has a training dataset, so that bad schedules and sizes fail before any compute."""
     if isinstance(trainer, AdaptiveTrainerMixin):
         raise ValueError(
             "This Trainer already has an AdaptiveBatch attached; pass AdaptiveBatch() once, either in "
@@ -90,14 +84,11 @@ def install(trainer: Trainer, config: AdaptiveBatchConfig) -> Session:
     check_trainer(trainer)
     prepare_engine(trainer)
     _configure_logger(trainer.args)
-    session = Session(trainer, config)
-    cls = type(trainer)
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"AdaptiveBatch{cls.__name__}", (AdaptiveTrainerMixin, cls), {})
-    trainer.__class__ = _CLASSES[cls]
+    session = Session(trainer, callback)
+    compat.put_in_front(trainer, AdaptiveTrainerMixin, prefix="AdaptiveBatch")
     trainer._adaptive_batch = session
     if trainer.train_dataset is not None:
-        session.prepare()  # bad schedules and sizes fail here, before any compute
+        session.prepare()
     return session
 
 
@@ -117,21 +108,3 @@ def _configure_logger(args) -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
-
-
-def find_trainer_on_stack(callback) -> Trainer | None:
-    """The Trainer whose `__init__` is running and holds `callback` (callbacks get no Trainer reference)."""
-    import inspect
-
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, Trainer) and callback in getattr(
-                getattr(candidate, "callback_handler", None), "callbacks", ()
-            ):
-                return candidate
-            frame = frame.f_back
-        return None
-    finally:
-        del frame

@@ -20,9 +20,8 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from ..runtime.compat import TorchDispatchMode, tree_flatten
 from ..runtime.memory import Stopwatch, is_out_of_memory, memory_limit, release_memory, synchronize
 from .boundary import Trial
 

@@ -8,11 +8,91 @@ and why AdaptiveBatch touches it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 
 import torch
 
+# private modules of torch the probe's trials use: a dispatch mode that sees every operator, and pytree flattening
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported for probe/trials.py)
+from torch.utils._pytree import tree_flatten  # noqa: F401  (re-exported for probe/trials.py)
+
 # -- transformers.Trainer ----------------------------------------------------------------------------------------
+
+# The Trainer methods AdaptiveBatch replaces with its step sampler; a user's class that overrides one is refused.
+REPLACED_DATA_METHODS = ("get_train_dataloader", "_get_train_sampler")
+
+# Keys of a model config that do not change memory (the probe's cache compares the rest): `_name_or_path` is the
+# folder or hub name `from_pretrained` records.
+CONFIG_BOOKKEEPING_KEYS = (
+    "_name_or_path",
+    "transformers_version",
+    "architectures",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+)
+
+
+def trainer_being_built(callback):
+    """The Trainer whose `__init__` is calling `callback.on_init_end`, or `None`.
+
+    transformers passes callbacks no Trainer (`CallbackHandler.call_event` gives them the model, the optimizer and
+    the dataloaders), so it is read from the frame of `Trainer.__init__` itself: the nearest caller running exactly
+    that code object (`__init__` -> `CallbackHandler.on_init_end` -> `call_event` -> the callback), whose `self` is
+    the Trainer and holds `callback`. Any other frame is passed over; a release that builds callbacks otherwise
+    gives `None`, and the caller says to use `AdaptiveBatch.attach(trainer)`.
+    """
+    from transformers import Trainer
+
+    init = inspect.unwrap(Trainer.__init__).__code__
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):  # the handler's two calls, a subclass's on_init_end, decorators
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            if frame.f_code is init:
+                trainer = frame.f_locals.get("self")
+                handler = getattr(trainer, "callback_handler", None)
+                return trainer if callback in getattr(handler, "callbacks", ()) else None
+        return None
+    finally:
+        del frame
+
+
+def put_in_front(trainer, mixin: type, prefix: str) -> None:
+    """Give this Trainer instance a class of its own, `prefix` + its class's name, with `mixin` in front of its class,
+    so that the mixin's methods replace the Trainer's for this instance only (other Trainers of the class are
+    untouched)."""
+    cls = type(trainer)
+    trainer.__class__ = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+
+
+class KeepsLiveCallbackState:
+    """`Trainer._load_callback_state` re-creates every stateful callback from a checkpoint's `stateful_callbacks`
+    when it resumes. AdaptiveBatch's callback keeps its live objects instead (its state was read when `train`
+    started): its entry is taken out while the others are restored, then put back."""
+
+    callback_state_key: str
+
+    def _load_callback_state(self):
+        key = self.callback_state_key
+        stored = self.state.stateful_callbacks.pop(key, None)
+        try:
+            return super()._load_callback_state()
+        finally:
+            # the next save updates this entry in place, so it must exist, also in a plain Trainer's checkpoint
+            self.state.stateful_callbacks[key] = stored if stored is not None else {}
+
+
+def saved_callback_state(trainer_state: dict, name: str) -> dict | None:
+    """The `attributes` a callback's `ExportableState.state()` saved in a checkpoint's `trainer_state.json`
+    (`TrainerState.stateful_callbacks[name]`, a list where several callbacks of one class were saved: the first)."""
+    entry = (trainer_state.get("stateful_callbacks") or {}).get(name)
+    if isinstance(entry, list):
+        entry = entry[0] if entry else None
+    return entry.get("attributes") if isinstance(entry, dict) else None
 
 
 def set_loss_divisor(trainer, divisor: float) -> None:
@@ -169,6 +249,19 @@ def ddp_forget_forward(model: torch.nn.Module) -> None:
     next forward. Every completed `no_sync` forward sets it to False."""
     if hasattr(model, "require_forward_param_sync"):
         model.require_forward_param_sync = False
+
+
+# -- torch ---------------------------------------------------------------------------------------------------------
+
+
+def lambda_lr_state(scheduler, leave_out: tuple[str, ...]) -> dict:
+    """A `LambdaLR` subclass's state as plain data: its `__dict__` without `leave_out` and without the flags torch's
+    `LRScheduler` keeps about its own `get_lr` calls (`_get_lr_called_within_step`)."""
+    return {
+        key: value
+        for key, value in scheduler.__dict__.items()
+        if key not in leave_out and not key.startswith("_get_lr_called")
+    }
 
 
 # -- torch FSDP2 ---------------------------------------------------------------------------------------------------

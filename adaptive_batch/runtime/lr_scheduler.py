@@ -8,6 +8,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from ..core.lr import SampleClock
+from . import compat
 
 
 class SampleClockLR(LambdaLR):
@@ -22,11 +23,7 @@ class SampleClockLR(LambdaLR):
         super().__init__(optimizer, [_clocked(fn, clock) for fn in base_lambdas])
 
     def state_dict(self) -> dict:
-        return {
-            key: value
-            for key, value in self.__dict__.items()
-            if key not in ("optimizer", "lr_lambdas", "clock") and not key.startswith("_get_lr_called")
-        }
+        return compat.lambda_lr_state(self, leave_out=("optimizer", "lr_lambdas", "clock"))
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.__dict__.update({key: value for key, value in state_dict.items() if key != "lr_lambdas"})

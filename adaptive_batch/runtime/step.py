@@ -33,9 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..core.microbatch import CutController, MicroBatch, MicroBatchTooLargeError
 from ..core.noise import MicroBatchSums
-from ..core.rows import MicroBatch, MicroBatchTooLargeError, RowController
-from ..core.tokens import TokenController
 from . import compat
 from .batch import StepBatch
 from .engines import Engine
@@ -131,8 +130,8 @@ class MicroBatchRunner:
 
     Args:
         trainer: the Trainer (its `current_gradient_accumulation_steps`, `accelerator` and TRL metrics are used).
-        controller: decides how each step is cut: by rows ([`RowController`]) or by padded tokens
-            ([`TokenController`]); its `cut` gives the micro-batches of a step, which one loop runs.
+        controller: decides how each step is cut ([`core.microbatch.CutController`]); its `cut` gives the
+            micro-batches of a step, which one loop runs.
         world_size: data-parallel processes.
         engine: what the engine (DDP, FSDP2, DeepSpeed, or none) does around the micro-batches.
         packed: the collator flattens every batch into one padding-free row (cut between its sequences).
@@ -143,7 +142,7 @@ class MicroBatchRunner:
     def __init__(
         self,
         trainer,
-        controller: RowController | TokenController,
+        controller: CutController,
         world_size: int,
         engine: Engine,
         packed: bool = False,

@@ -1,0 +1,59 @@
+"""What the choice of a controller reads of a Trainer ([`core.controllers.RunFacts`]), each read on first use: the
+dataset's lengths, the collator, the probe's cache, the device's memory and the engine."""
+
+from __future__ import annotations
+
+import logging
+from functools import cached_property
+
+from ..core.config import AdaptiveBatchConfig
+from ..probe.cache import cached_start, describe_setup
+from ..runtime import compat, lengths
+from ..runtime.engines import Engine
+from ..runtime.memory import memory_limit
+
+logger = logging.getLogger("adaptive_batch")
+
+
+class TrainerFacts:
+    """[`core.controllers.RunFacts`] of one Trainer, for one plan."""
+
+    def __init__(
+        self, trainer, config: AdaptiveBatchConfig, engine: Engine, per_device_train_batch_size: int
+    ):
+        self.trainer, self.config = trainer, config
+        self.per_device_train_batch_size = per_device_train_batch_size
+        self.oom_is_fatal = not engine.retries
+
+    @cached_property
+    def lengths_vary(self) -> bool:
+        return lengths.varies(self.trainer.train_dataset)
+
+    @cached_property
+    def padding_free(self) -> bool:
+        return compat.padding_free(self.trainer) or self.config.padding_free
+
+    @cached_property
+    def longest_row(self) -> int:
+        """The longest row, at most TRL's `max_length` (it truncates to it)."""
+        longest = lengths.longest(self.trainer.train_dataset)
+        max_length = getattr(self.trainer.args, "max_length", None)
+        return min(longest, max_length) if max_length else longest
+
+    @cached_property
+    def memory_limit(self) -> float | None:
+        return memory_limit(self.trainer.args.device, self.config.memory_headroom)
+
+    @cached_property
+    def start(self) -> int:
+        """Where "auto" starts: a cached `adaptive-batch probe` result for this setup, else the per-device size.
+        When the cache holds another setup, one line says which field differs."""
+        trainer, args = self.trainer, self.trainer.args
+        seq_len = getattr(args, "max_length", None) or lengths.longest(trainer.train_dataset)
+        if seq_len is None or not hasattr(trainer.model, "config"):
+            return self.per_device_train_batch_size
+        setup = describe_setup(trainer.model, args.optim, bool(args.gradient_checkpointing))
+        start = cached_start(setup, seq_len)
+        if start.message is not None:
+            logger.info("%s", start.message)
+        return start.size if start.size is not None else self.per_device_train_batch_size

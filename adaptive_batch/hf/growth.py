@@ -1,0 +1,183 @@
+"""Growing the effective batch during training by goodput: the driver of a [`core.goodput.NoiseScaleSchedule`].
+
+After each step it times the step before (for [`core.goodput.StepTimeModel`]), now and then cuts a step of one
+micro-batch in two so that one process measures the noise scale, and asks the schedule whether a larger effective
+batch pays. A change takes effect from the first step the data loader has not drawn yet: the session plans the rest
+of the run again ([`session.Session.replan`]).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..core.goodput import NoiseScaleSchedule, StepTimeModel
+from ..core.schedule import Progress
+from ..runtime.engines import Engine
+
+logger = logging.getLogger("adaptive_batch")
+
+
+def growth_for(schedule) -> Growth | None:
+    """The driver of a schedule that grows by goodput; `None` for any other schedule."""
+    return Growth(schedule) if isinstance(schedule, NoiseScaleSchedule) else None
+
+
+class Growth:
+    """The growth of one run's effective batch (see the module docstring)."""
+
+    def __init__(self, schedule: NoiseScaleSchedule):
+        self.schedule = schedule
+        self.step_time = StepTimeModel()
+        self._timing: tuple[float, tuple[int, int] | None] | None = (
+            None  # (start of the last step, what it ran)
+        )
+        self._usual_micro_batches = (
+            1  # a step's micro-batches on a rank, outside the steps cut in two to measure
+        )
+
+    # -- before training -------------------------------------------------------------------------------------------
+
+    def check(self, session, engine: Engine, stored: dict | None) -> None:
+        """The schedule's requirements; its changes: none for a new run, the checkpoint's (`stored`) to resume."""
+        schedule, config, world_size = self.schedule, session.config, session.world_size
+        if not config.measure_noise:
+            raise ValueError(
+                "schedule=NoiseScaleSchedule(...) decides by the gradient noise scale, but measure_noise=False turns "
+                "its measurement off. Leave measure_noise=True (the default), or use a PhaseSchedule."
+            )
+        if not engine.measures_noise:
+            raise ValueError(
+                f"schedule=NoiseScaleSchedule(...) decides by the gradient noise scale, which is not measured under "
+                f"{engine.name}. Use a PhaseSchedule, or train under DDP."
+            )
+        if schedule.start % world_size:
+            raise ValueError(
+                f"NoiseScaleSchedule start={schedule.start} is not divisible by world_size={world_size}: every rank "
+                f"must take the same share. Use {schedule.start // world_size * world_size or world_size} or a "
+                "multiple of the world size."
+            )
+        if session.is_stream and session.trainer.args.dataloader_num_workers > 0:
+            raise ValueError(
+                f"NoiseScaleSchedule with a training stream and dataloader_num_workers="
+                f"{session.trainer.args.dataloader_num_workers}: the stream is read in a worker process, which a new "
+                "plan cannot reach after a change. Use dataloader_num_workers=0, or a map-style dataset."
+            )
+        schedule.reset()
+        if stored:
+            schedule.load_state_dict(stored)
+
+    def check_sizes(self, run, world_size: int) -> None:
+        """Every size the schedule may grow to fits the dataset and gives a valid learning rate, before any compute."""
+        largest = self.schedule.sizes(world_size)[-1]
+        if largest > run.dataset_size:
+            raise ValueError(
+                f"NoiseScaleSchedule may grow the effective batch to {largest}, more than the dataset's "
+                f"{run.dataset_size} {run.settings.unit}: one optimizer step cannot hold more than one epoch. Use "
+                f"max_size <= {run.dataset_size}."
+            )
+        for size in self.schedule.sizes(world_size):
+            run.clock.multiplier(size)
+
+    # -- during training -------------------------------------------------------------------------------------------
+
+    def before_step(self, step: int, last_step: int) -> None:
+        """Time the last step, from its start to this one's (its optimizer step, logging and data loading included)."""
+        now = time.perf_counter()
+        if self._timing is not None and self._timing[1] is not None and step == last_step + 1:
+            rows, micro_batches = self._timing[1]
+            self.step_time.record(rows, micro_batches, now - self._timing[0])
+        self._timing = (now, None)
+
+    def split(self, session, step: int) -> bool:
+        """Whether to cut this step in two so that one process measures the noise scale
+        (`NoiseScaleSchedule.cut_every`)."""
+        schedule = self.schedule
+        if session.world_size != 1:
+            return False
+        every = schedule.measure_every  # (checked first: the step time model is fitted only on such steps)
+        if not every or step % every != every - 1:
+            return False
+        return bool(
+            schedule.cut_every(
+                schedule(Progress(self._first_undrawn(session, step), 0, 0.0)),
+                session.world_size,
+                self.step_time,
+                self._usual_micro_batches,
+                self._micro_batch_cap(session),
+            )
+        )
+
+    def after_step(self, session, step: int, timed: bool, split: bool) -> None:
+        """Record what the step ran (`timed`: nothing was measured or retried in it), then grow where it pays."""
+        last = session.runner.last
+        self._timing = (
+            self._timing[0],
+            (session.plan.max_rows(step), last.accumulation_steps) if timed else None,
+        )
+        if not split:
+            self._usual_micro_batches = last.accumulation_steps
+        self._maybe_grow(session, step)
+
+    def _first_undrawn(self, session, step: int) -> int:
+        """The first step whose samples the data loader has not drawn yet, and not before the last change: where a
+        change made now would take effect."""
+        first = (session.sampler.issued if session.sampler is not None else step) + 1
+        if self.schedule.changes:  # (a change may already wait in steps the loader has not drawn)
+            first = max(first, self.schedule.changes[-1].step + 1)
+        return first
+
+    def _maybe_grow(self, session, step: int) -> None:
+        """Ask the schedule, after `step`, whether a larger effective batch pays; if so, plan again from the first
+        step the data loader has not drawn yet."""
+        schedule, plan = self.schedule, session.plan
+        first = self._first_undrawn(session, step)
+        # the size decided last: steps drawn before it took effect still run the one before
+        current, samples = schedule(Progress(first, 0, 0.0)), plan.samples_before_step[step + 1]
+        noise = session.noise.lower_bound(schedule.confidence_z)
+        proposal = schedule.propose(
+            current,
+            samples,
+            session.world_size,
+            noise,
+            self.step_time,
+            self._usual_micro_batches,
+            self._micro_batch_cap(session),
+        )
+        size, reason = proposal if proposal is not None else (0, "")
+        if session.runner.distributed:
+            # timings differ between ranks: the largest proposal holds for all, from the latest undrawn step
+            size, first = (int(x) for x in session.runner.agree([size, first]))
+            if size and not reason:
+                reason = "another rank's step times"
+        if not size or first >= plan.num_steps:
+            return
+        change = schedule.change(first, size, samples, reason, session.noise.value)
+        new = session.run.steps(schedule)
+        if new.sizes[:first] != plan.sizes[:first] or new.starts[:first] != plan.starts[:first]:
+            raise RuntimeError("A new plan changed steps already drawn; this is a bug in AdaptiveBatch.")
+        session.replan(new)
+        if session.trainer.args.should_log:
+            logger.info(
+                "AdaptiveBatch: effective batch %d -> %d from step %d (after %s samples): %s; %d steps in all now.",
+                current,
+                size,
+                first,
+                f"{samples:,}",
+                change.reason,
+                new.num_steps,
+            )
+
+    def _micro_batch_cap(self, session) -> int | None:
+        """The most rows a micro-batch may hold at a larger step, as far as known (see `NoiseScaleSchedule.propose`)."""
+        return session.controller.larger_step_cap(
+            session.runner.last.micro_batch_size, self._usual_micro_batches
+        )
+
+    # -- checkpoint ------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"schedule": self.schedule.state_dict(), "step_time": self.step_time.state_dict()}
+
+    def load_step_time(self, state: dict) -> None:
+        self.step_time.load_state_dict(state)

@@ -1,0 +1,151 @@
+"""Resuming: reading a checkpoint before the Trainer does, taking over from a plain Trainer's checkpoint, and
+restoring what a run learned, by the rules of [`core.checkpoint`]."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from ..core.checkpoint import (
+    Adoption,
+    StoredCheckpoint,
+    check_schema,
+    identity_error,
+    learned_state_applies,
+)
+from ..core.plain_trainer import PlainBatching
+from ..core.plan import DoneSteps
+from ..runtime import compat
+from ..runtime.stream import is_stream
+
+logger = logging.getLogger("adaptive_batch")
+
+TRAINER_STATE_NAME = "trainer_state.json"  # transformers' name for the file
+STATE_KEY = "AdaptiveBatch"  # the callback's class name, under which TrainerState stores its state
+
+
+def read_checkpoint(path: str) -> StoredCheckpoint:
+    """Read a checkpoint folder's `trainer_state.json` (before the Trainer does, so the plan can be built first).
+
+    Raises:
+        ValueError: if the folder has no `trainer_state.json`, or holds AdaptiveBatch state of another layout.
+    """
+    file = os.path.join(path, TRAINER_STATE_NAME)
+    if not os.path.isdir(path):
+        raise ValueError(f"resume_from_checkpoint={path!r} is not a folder; pass a checkpoint-N folder.")
+    if not os.path.isfile(file):
+        raise ValueError(
+            f"resume_from_checkpoint={path!r} holds no {TRAINER_STATE_NAME}, so AdaptiveBatch cannot tell which "
+            "samples were trained; pass a checkpoint-N folder written by Trainer.save_model or a save strategy."
+        )
+    with open(file) as handle:
+        trainer_state = json.load(handle)
+    attributes = compat.saved_callback_state(trainer_state, STATE_KEY)
+    state = (attributes or {}).get("checkpoint") or None
+    if state is not None:
+        check_schema(state, path)
+    return StoredCheckpoint(
+        path=path,
+        global_step=int(trainer_state.get("global_step", 0)),
+        state=state,
+        train_batch_size=trainer_state.get("train_batch_size"),
+    )
+
+
+def adoption(session, checkpoint: StoredCheckpoint | None) -> Adoption | None:
+    """How the plan takes over from a plain Trainer's checkpoint: the one resumed now, or the one a resumed
+    AdaptiveBatch checkpoint took over from."""
+    if checkpoint is None:
+        return None
+    if checkpoint.state is not None:
+        stored = checkpoint.state["adoption"]
+        return Adoption.from_dict(stored) if stored else None
+    if checkpoint.global_step == 0:
+        return None
+    if is_stream(session.trainer.train_dataset):
+        raise ValueError(
+            f"{checkpoint.path} was written by the plain Trainer, whose reading of a training stream "
+            "AdaptiveBatch cannot replay exactly. Start a new run with AdaptiveBatch, or resume without it."
+        )
+    return Adoption(
+        global_step=checkpoint.global_step,
+        # what the plain Trainer recorded; the rest is taken from the arguments of this run
+        per_device_train_batch_size=checkpoint.train_batch_size or session.per_device_train_batch_size,
+        gradient_accumulation_steps=session.gradient_accumulation_steps,
+        world_size=session.world_size,
+        drop_last=bool(session.trainer.args.dataloader_drop_last),
+    )
+
+
+def done_steps(adopted: Adoption | None, dataset_size: int | None) -> DoneSteps | None:
+    """The plain Trainer's steps of an adopted checkpoint, as the plan's already-trained prefix."""
+    if adopted is None:
+        return None
+    plain = PlainBatching(
+        dataset_size,
+        adopted.per_device_train_batch_size,
+        adopted.gradient_accumulation_steps,
+        adopted.world_size,
+        adopted.drop_last,
+    )
+    return plain.done_steps(adopted.global_step)
+
+
+def check_identity(session, checkpoint: StoredCheckpoint | None) -> None:
+    """Refuse, before any compute, a checkpoint written under another step plan."""
+    if checkpoint is None or checkpoint.state is None:
+        return
+    differences = session.identity.differences(checkpoint.state["plan"])
+    if differences:
+        raise ValueError(identity_error(differences))
+
+
+def restore(session, checkpoint: StoredCheckpoint) -> None:
+    """Counters and what the run learned, from the checkpoint."""
+    state = checkpoint.state
+    if state is None:  # written by the plain Trainer: its steps are the plan's done steps
+        session.tokens_seen, session.last_step = 0, checkpoint.global_step - 1
+        logger.warning("%s", adoption_message(session.plan, checkpoint))
+        return
+    session.tokens_seen = int(state["tokens_seen"])
+    session.last_step = int(state["last_step"])
+    session.runner.last.micro_batch_size = int(state["last_micro_batch_size"])
+    session.runner.last.accumulation_steps = int(state["last_accumulation_steps"])
+    if session.noise is not None and state["noise"]:
+        session.noise.load_state_dict(state["noise"])
+    if (
+        session.growth is not None and state["step_time"]
+    ):  # (the schedule's changes were read before planning)
+        session.growth.load_step_time(state["step_time"])
+    controller, config = session.controller, session.config
+    applies, message = learned_state_applies(state["settings"], config.micro_batch_settings())
+    learned = state["micro_batch"]
+    if applies and learned is not None and learned["kind"] != controller.kind:
+        # the same settings, another dataset: "auto" cut the checkpoint's run by the other unit
+        applies, message = (
+            False,
+            f"Micro-batches: cut by {controller.kind} now; the checkpoint's run cut by {learned['kind']}, and what "
+            "it learned is not used.",
+        )
+    if applies and learned is not None:
+        controller.load_state_dict(learned)
+        controller.limit_to(config.max_micro_batch_size)
+    logger.info("%s", message)
+
+
+def adoption_message(plan, checkpoint: StoredCheckpoint) -> str:
+    steps = checkpoint.global_step
+    position = plan.starts[steps] if steps < plan.num_steps else plan.budget
+    samples = plan.samples_before_step[steps]
+    text = (
+        f"{checkpoint.path} was written without AdaptiveBatch: its {steps} steps of the plain Trainer "
+        f"({samples:,} samples at an effective batch of {plan.scheduled[0]}, {position / plan.dataset_size:.3g} "
+        "epochs) count as done, and training goes on from there in AdaptiveBatch's own sample order"
+    )
+    if position % plan.dataset_size == 0:
+        return text + " (it ended on an epoch boundary, so every later epoch sees every sample once)."
+    return text + (
+        ", which cannot replay the plain Trainer's: the rest of this epoch may repeat some of its samples and "
+        "miss others; later epochs see every sample once."
+    )
