@@ -102,8 +102,9 @@ def run_config(model, dataset, seq_len, per_device, accumulation, steps, adaptiv
 
     clock = StepClock()
     callbacks = [clock.callback]
-    if adaptive is not None:
-        callbacks.append(AdaptiveBatch(**adaptive))
+    callback = AdaptiveBatch(**adaptive) if adaptive is not None else None
+    if callback is not None:
+        callbacks.append(callback)
     trainer = qlora_trainer(
         model,
         dataset,
@@ -138,18 +139,16 @@ def run_config(model, dataset, seq_len, per_device, accumulation, steps, adaptiv
         "accumulation_steps_per_step": [log.get("adaptive_batch/accumulation_steps") for log in logs],
         "effective_batch_size_per_step": [log.get("adaptive_batch/effective_batch_size") for log in logs],
     }
-    if adaptive is not None:
-        controller = trainer._adaptive_batch.controller
-        result["controller"] = controller.state_dict()
-        settled = [i for i, m in enumerate(result["micro_batch_size_per_step"]) if m == controller.size]
+    if callback is not None:
+        now = callback.current()
+        result["current"] = now
+        settled_size = now["micro_batch_size"]
+        settled = [i for i, m in enumerate(result["micro_batch_size_per_step"]) if m == settled_size]
         # steady state: the steps after the last one that still explored
         sizes = result["micro_batch_size_per_step"]
+        done = now["micro_batch_settled_because"] is not None
         first_steady = next(
-            (
-                i
-                for i in range(len(logs))
-                if not controller.exploring and all(m == controller.size for m in sizes[i:])
-            ),
+            (i for i in range(len(logs)) if done and all(m == settled_size for m in sizes[i:])),
             None,
         )
         steady = seconds[max(first_steady, 1) :] if first_steady is not None else []

@@ -114,7 +114,8 @@ def run_arm(name, model, dataset, steps, tiny, workdir):
 
     callbacks = [clock.callback, Tokens()]
     if adaptive is not None:
-        callbacks.append(AdaptiveBatch(**adaptive))
+        callback = AdaptiveBatch(**adaptive)
+        callbacks.append(callback)
     trainer = qlora_trainer(
         model,
         dataset,
@@ -150,15 +151,13 @@ def run_arm(name, model, dataset, steps, tiny, workdir):
         "micro_batch_size_per_step": [log.get("adaptive_batch/micro_batch_size") for log in logs],
     }
     if adaptive is not None:
-        controller = trainer._adaptive_batch.controller
-        result["controller"] = controller.state_dict()
-        result["settled_because"] = controller.settled_because
+        now = callback.current()
+        result["current"] = now
+        result["settled_because"] = now["micro_batch_settled_because"]
         # steady: the steps after the last one that measured (a timed micro-batch synchronises the device)
-        if hasattr(controller, "steps_measured"):  # cut by tokens
-            measured = controller.steps_measured
-        else:  # rows: the steps after the search settled on its size
-            sizes = result["micro_batch_size_per_step"]
-            measured = next((i for i in range(len(sizes)) if all(m == sizes[-1] for m in sizes[i:])), 1)
+        measured = now["micro_batch_settled_at_step"]
+        if measured is None:  # still measuring at the end
+            measured = len(seconds)
         steady = slice(max(measured, 1), None)
         result["first_steady_step"] = max(measured, 1)
         result["real_tokens_per_second_steady"] = (

@@ -85,12 +85,13 @@ def build_model(vocab: int, seq_len: int, tiny: bool, seed: int):
 
 
 class EvalClock:
-    """A callback: the held-out loss every `every` samples, and the training time without the evaluations."""
+    """A callback: the held-out loss every `every` samples (as `adaptive`'s plan counts them), and the training time
+    without the evaluations."""
 
-    def __init__(self, held_out: torch.Tensor, every: int, batch: int = 128):
+    def __init__(self, held_out: torch.Tensor, every: int, adaptive, batch: int = 128):
         from transformers import TrainerCallback
 
-        self.held_out, self.every, self.batch = held_out, every, batch
+        self.held_out, self.every, self.adaptive, self.batch = held_out, every, adaptive, batch
         self.points: list[dict] = []
         self.eval_seconds = 0.0
         self.start = None
@@ -103,10 +104,7 @@ class EvalClock:
                 clock.start = clock.now()
 
             def on_step_end(self, args, state, control, **kwargs):
-                from adaptive_batch.hf.session import Session
-
-                session = Session.active
-                samples = session.plan.samples_before_step[state.global_step]
+                samples = clock.adaptive.plan.samples_before_step[state.global_step]
                 if samples // clock.every > clock.done or state.global_step == state.max_steps:
                     clock.evaluate(samples, state.global_step)
 
@@ -170,8 +168,8 @@ def run(arm: str, lr: float, seed: int, data, options) -> dict:
         model = model.cuda()
     rule: dict = {}
     schedule = schedule_for(arm, rule)
-    clock = EvalClock(held_out, options.eval_every)
     callback = AdaptiveBatch(schedule=schedule, lr_scaling=rule["rule"])
+    clock = EvalClock(held_out, options.eval_every, callback)
     args = TrainingArguments(
         output_dir=os.path.join(options.workdir, f"{arm}-{lr:g}-{seed}"),
         per_device_train_batch_size=16,

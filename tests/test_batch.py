@@ -59,13 +59,14 @@ def test_dummy_row_has_every_label_ignored(collated):
 
 
 def test_padding_free_batches_are_cut_by_their_sequences_not_their_rows(rows):
-    from adaptive_batch.runtime.packed import PackedStepBatch, is_packed
+    from adaptive_batch.runtime.batch import is_packed
+    from adaptive_batch.runtime.packed import PackedStepBatch
 
     flattened = DataCollatorWithFlattening()(
         [{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in rows[:3]]
     )
     assert is_packed(flattened) and PackedStepBatch(flattened).rows == 3
-    with pytest.raises(ValueError, match="padding-free .* PackedStepBatch"):
+    with pytest.raises(ValueError, match="padding-free: cut it with PackedStepBatch"):
         StepBatch(flattened)
 
 

@@ -2,7 +2,11 @@ import json
 
 import pytest
 
-from adaptive_batch.cli.main import devices_text, main
+from adaptive_batch.cli.main import main
+from adaptive_batch.cli.probe import devices_text
+from adaptive_batch.core import config
+from adaptive_batch.core.planning import RunSettings, plan_run
+from adaptive_batch.core.schedule import PhaseSchedule
 
 
 def run(capsys, *argv):
@@ -167,6 +171,68 @@ def test_help_explains_every_option_and_shows_its_default(capsys, monkeypatch, c
     for option, default in defaults.items():
         assert entries[option].endswith(f"(default: {default})"), entries[option]
     assert "(default: None)" not in " ".join(entries.values())
+
+
+def test_options_that_are_adaptive_batch_settings_show_the_config_s_help(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    entries = option_entries(capsys.readouterr().out)
+
+    def words(text):  # --help wraps lines (and may break after a hyphen): compare without the whitespace
+        return "".join(text.split())
+
+    assert words(entries["--lr-scaling"]) == words(f"{config.help_text('lr_scaling')} (default: none)")
+    assert words(entries["--schedule"]).startswith(words(config.help_text("schedule")))
+
+
+@pytest.mark.parametrize(
+    "argv, schedule, settings",
+    [
+        (
+            ["--dataset-size", "1000", "--gpus", "2", "--epochs", "2", "--drop-last"],
+            PhaseSchedule([16, 32, 64], [0.25, 0.5]),
+            RunSettings(1000, num_train_epochs=2.0, world_size=2, drop_last=True),
+        ),
+        (
+            ["--dataset-size", "1000", "--gpus", "2", "--max-steps", "50"],
+            PhaseSchedule([16, 32, 64], [0.25, 0.5]),
+            RunSettings(1000, max_steps=50, world_size=2),
+        ),
+    ],
+)
+def test_plan_prints_what_plan_run_plans_for_the_trainer(capsys, argv, schedule, settings):
+    """The command and the Trainer path plan through the same function, so they agree to the step."""
+    code, out, err = run(
+        capsys,
+        "plan",
+        *argv,
+        "--schedule",
+        "16,32,64",
+        "--boundaries",
+        "0.25,0.5",
+        "--lr-scaling",
+        "sqrt",
+        "--json",
+    )
+    assert code == 0, err
+    result = json.loads(out)
+    expected = plan_run(schedule, settings, "sqrt")
+    assert result["optimizer_steps"] == expected.plan.num_steps
+    assert result["budget_samples"] == expected.budget.samples
+    assert result["budget_origin"] == expected.budget.origin
+    assert result["samples"] == expected.plan.num_samples
+    assert result["starting_effective_batch_size"] == expected.starting_effective_batch_size
+    assert result["lr_schedule_steps"] == expected.clock.nominal_steps
+    assert [(p["first_step"], p["last_step"], p["effective_batch_size"]) for p in result["phases"]] == list(
+        expected.plan.phases()
+    )
+    assert [p["lr_multiplier"] for p in result["phases"]] == [
+        expected.clock.multiplier(effective) for _, _, effective in expected.plan.phases()
+    ]
+    assert [(s["step"], s["samples"], s["lr_multiplier"]) for s in result["uneven_steps"]] == [
+        (step, samples, expected.clock.scale(step)) for step, samples, _ in expected.plan.uneven_steps()
+    ]
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ overhead of a micro-batch fitted from timings, the budget grown while the cut ne
 import json
 import random
 
-from adaptive_batch.core.cut import cheapest_chunks, chunk_tokens, fewest_chunks
+from adaptive_batch.core.cut import cheapest_chunks, fewest_chunks
 from adaptive_batch.core.tokens import CALIBRATION_STEPS, TokenController, fitted_overhead
 
 
@@ -18,6 +18,12 @@ def set_partitions(items: list[int]):
         yield [[first], *partition]
         for i in range(len(partition)):
             yield [*partition[:i], [first, *partition[i]], *partition[i + 1 :]]
+
+
+def chunk_tokens(lengths: list[int], sizes: list[int]) -> list[int]:
+    """Padded tokens of each micro-batch when `lengths` (longest first) are cut into runs of `sizes`."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [size * max(lengths[start : start + size]) for start, size in zip(starts, sizes)]
 
 
 def brute_force(lengths, budget, row_cap, overhead):

@@ -6,6 +6,7 @@ import pytest
 
 from adaptive_batch.core.plan import Budget, build_plan
 from adaptive_batch.core.schedule import PhaseSchedule, as_schedule
+from adaptive_batch.runtime.sampler import StepBatchSampler
 
 
 def test_constant_batch_with_a_short_last_step_per_epoch():
@@ -24,7 +25,7 @@ def test_drop_last_drops_each_epochs_short_step_but_counts_its_positions():
     assert list(plan.starts) == [0, 8, 20, 28]
     assert plan.num_samples == 32
     assert plan.epoch_after(1) == 1.0 and plan.ends_epoch(1)
-    assert plan.fraction_before(2) == 0.5
+    assert plan.starts[2] / plan.budget == 0.5  # where the LR clock puts step 2
 
 
 def test_growing_batch_shortens_the_run_in_steps_not_in_data():
@@ -47,7 +48,7 @@ def test_max_steps_budget_is_counted_in_samples_of_the_starting_batch():
 def test_a_remainder_smaller_than_the_world_joins_the_step_before():
     plan = build_plan(as_schedule(4), dataset_size=9, budget=Budget.from_epochs(1, 9), world_size=2)
     assert list(plan.sizes) == [4, 5]
-    assert [plan.rows_on_rank(1, r) for r in (0, 1)] == [3, 2]
+    assert [len(StepBatchSampler(plan, seed=0, rank=r).indices(1)) for r in (0, 1)] == [3, 2]
     assert plan.max_rows(1) == 3
 
 

@@ -1,16 +1,16 @@
 """Pictures of a run: effective batch, micro-batch, noise scale, learning rate and loss against samples seen.
 
 ```python
-from adaptive_batch.plot import plot_run
+from adaptive_batch.cli.plot import plot_run
 
 plot_run("out")  # writes out/adaptive_batch.png from the newest trainer_state.json under out/
 ```
 
 The numbers come from the Trainer's own log history (`TrainerState.log_history`, saved in `trainer_state.json` at
 every checkpoint and by `trainer.save_state()`), where `AdaptiveBatch` adds its `adaptive_batch/*` keys to every
-training log. Reading them into series ([`find_trainer_state`], [`read_series`]) needs nothing but the standard
-library; drawing them ([`plot_run`]) needs matplotlib (`pip install "adaptive-batch[plot]"`), through its Agg
-canvas only: no window opens and the caller's pyplot backend is left alone.
+training log. Reading them into series ([`find_trainer_state`], [`read_series`], or both in [`read_run`]) needs
+nothing but the standard library; drawing them ([`plot_run`]) needs matplotlib (`pip install "adaptive-batch[plot]"`),
+through its Agg canvas only: no window opens and the caller's pyplot backend is left alone.
 """
 
 from __future__ import annotations
@@ -193,9 +193,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     Returns:
         The PNG's path.
     """
+    return write_png(read_run(run_dir), out if out is not None else default_png(run_dir))
+
+
+def read_run(run_dir: str | Path) -> RunSeries:
+    """The series of the run in `run_dir` ([`find_trainer_state`]); their `source` is the `trainer_state.json`
+    read."""
     state_file = find_trainer_state(run_dir)
-    series = read_series(load_log_history(state_file), source=str(state_file))
-    return write_png(series, out if out is not None else default_png(run_dir))
+    return read_series(load_log_history(state_file), source=str(state_file))
 
 
 def default_png(run_dir: str | Path) -> Path:

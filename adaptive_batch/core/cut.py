@@ -23,16 +23,6 @@ Pure Python: no torch, no transformers.
 from __future__ import annotations
 
 
-def chunk_tokens(lengths: list[int], sizes: list[int], packed: bool = False) -> list[int]:
-    """Tokens of each micro-batch when `lengths` (in order) are cut into runs of `sizes`."""
-    tokens, start = [], 0
-    for size in sizes:
-        run = lengths[start : start + size]
-        tokens.append(sum(run) if packed else size * max(run))
-        start += size
-    return tokens
-
-
 def fewest_chunks(lengths: list[int], budget: int, row_cap: int | None, packed: bool = False) -> list[int]:
     """Cut `lengths` in order into as few chunks of at most `budget` tokens as they allow (a longer row alone), at
     most `row_cap` rows each, then with the least budget that keeps that count (a lower peak, no more chunks)."""

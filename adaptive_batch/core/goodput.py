@@ -36,13 +36,6 @@ from .schedule import Progress, check_effective_batch_size
 RECENT = 16  # step times kept per (rows, micro-batches): the median discards steps that also logged or saved
 
 
-def statistical_efficiency(batch: float, noise_scale: float) -> float:
-    """Progress per sample at `batch` relative to a very small batch: B_noise / (B_noise + B) (1 at B -> 0)."""
-    if math.isinf(noise_scale):
-        return 1.0
-    return noise_scale / (noise_scale + batch) if noise_scale + batch > 0 else 0.0
-
-
 def goodput_gain(
     batch: int, seconds: float, candidate: int, candidate_seconds: float, noise_scale: float
 ) -> float:
@@ -278,8 +271,8 @@ class NoiseScaleSchedule:
         """Every how many steps one process cuts a step of one micro-batch in two to measure the noise scale at
         `current` (the arguments are those of `propose`): `measure_every`, or 0 (none) where no noise scale could
         make a change pay: at `max_size`, or where the next size's modelled speed alone (as with an infinite noise
-        scale) does not beat the current one's by the margin. (Spacing the cuts by their measured cost was tried
-        and lost more than it saved: see benchmarks/README.md.)"""
+        scale) does not beat the current one's by the margin. (Spacing the cuts by their measured cost loses
+        more than it saves: benchmarks/README.md.)"""
         if not self.measure_every or self.next_size(current, world_size) is None:
             return 0
         modelled = self._modelled(current, world_size, step_time, micro_batches, micro_batch_cap)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .plan import StepPlan
 
@@ -94,11 +95,12 @@ def lr_scale(rule: LRRule, effective_batch_size: int, starting_effective_batch_s
     return float(scale)
 
 
+@dataclass
 class SampleClock:
     """Maps optimizer steps of a [`StepPlan`] to positions on the base LR schedule and LR multipliers.
 
-    Args:
-        plan: the step plan.
+    Attributes:
+        plan: the step plan (a growing schedule replaces it).
         rule: a resolved LR rule.
         starting_effective_batch_size: `B0`, the effective batch the rule is relative to.
         nominal_steps: the length the base schedule is built for: the budget in steps of `B0`.
@@ -107,21 +109,12 @@ class SampleClock:
     schedule decided the size of `step` on.
     """
 
-    def __init__(
-        self,
-        plan: StepPlan,
-        rule: LRRule,
-        starting_effective_batch_size: int,
-        nominal_steps: int,
-        gain_power: float | None = None,
-        noise_scale_at: Callable[[int], float] | None = None,
-    ):
-        self.plan = plan
-        self.rule = rule
-        self.starting_effective_batch_size = starting_effective_batch_size
-        self.nominal_steps = nominal_steps
-        self.gain_power = gain_power
-        self.noise_scale_at = noise_scale_at
+    plan: StepPlan
+    rule: LRRule
+    starting_effective_batch_size: int
+    nominal_steps: int
+    gain_power: float | None = None
+    noise_scale_at: Callable[[int], float] | None = None
 
     def virtual_step(self, step: int) -> float:
         """Position of `step` on a schedule of `nominal_steps` steps, by the fraction of the budget consumed.

@@ -115,15 +115,6 @@ class StepPlan:
         """Data epochs completed after `step`, as `TrainerState.epoch` reads it: 1.0, 2.0, ... at epoch ends."""
         return self.end_position(step) / self.dataset_size
 
-    def fraction_before(self, step: int) -> float:
-        """Position in the budget just before `step` (1.0 once every step has run)."""
-        return 1.0 if step >= self.num_steps else self.starts[step] / self.budget
-
-    def rows_on_rank(self, step: int, rank: int) -> int:
-        """Samples of `step` on `rank`: ranks take strided shares, so they differ by at most one."""
-        size = self.sizes[step]
-        return size // self.world_size + (1 if rank < size % self.world_size else 0)
-
     def max_rows(self, step: int) -> int:
         return math.ceil(self.sizes[step] / self.world_size)
 

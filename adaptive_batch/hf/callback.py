@@ -122,7 +122,8 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         `tokens_seen`, `lr_scale`, the noise keys once measured (`noise_scale`, `grad_norm_sq`, `grad_variance`),
         `noise_steps` (steps the noise scale was measured on), `cut_by` (`"rows"` or `"tokens"`),
         `max_tokens_per_micro_batch` (the token budget of a cut by tokens, else `None`),
-        `micro_batch_settled_because` (`None` while the micro-batch search goes on) and `batch_changes` (those a
+        `micro_batch_settled_because` (`None` while the micro-batch search goes on),
+        `micro_batch_settled_at_step` (the first step run after it, `None` before) and `batch_changes` (those a
         `NoiseScaleSchedule` made: step, size, samples seen, reason)."""
         return status.current(self._session("current()"))
 

@@ -110,6 +110,7 @@ def restore(session, checkpoint: StoredCheckpoint) -> None:
         return
     session.tokens_seen = int(state["tokens_seen"])
     session.last_step = int(state["last_step"])
+    session.settled_at_step = state["settled_at_step"]
     session.runner.last.micro_batch_size = int(state["last_micro_batch_size"])
     session.runner.last.accumulation_steps = int(state["last_accumulation_steps"])
     if session.noise is not None and state["noise"]:

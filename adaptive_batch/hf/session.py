@@ -49,6 +49,7 @@ class Session:
         self.growth: Growth | None = None
         self.noise = assemble.noise_averages(self.config)
         self.tokens_seen, self.last_step = 0, -1
+        self.settled_at_step: int | None = None  # the first step run after the controller stopped measuring
 
     @property
     def plan(self) -> StepPlan | None:
@@ -136,7 +137,7 @@ class Session:
         accumulation 1 as the callback's training session, then put the argument back."""
         args = self.trainer.args
         if checkpoint is None:
-            self.tokens_seen, self.last_step = 0, -1
+            self.tokens_seen, self.last_step, self.settled_at_step = 0, -1, None
         elif args.ignore_data_skip:
             raise ValueError(
                 "ignore_data_skip=True makes a resumed run read its batches from the first step again, while "
@@ -202,6 +203,8 @@ class Session:
         )
         self.tokens_seen += self.runner.last.real_tokens
         self.last_step = step
+        if self.settled_at_step is None and not self.controller.exploring:
+            self.settled_at_step = step if not exploring else step + 1
         self._average_noise(step)
         if growth is not None:
             timed = not exploring and not self.controller.exploring and not self.runner.last.retries
@@ -241,6 +244,7 @@ class Session:
             "settings": self.config.micro_batch_settings(),
             "tokens_seen": self.tokens_seen,
             "last_step": self.last_step,
+            "settled_at_step": self.settled_at_step,
             "micro_batch": self.controller.state_dict() if self.controller else None,
             "last_micro_batch_size": self.runner.last.micro_batch_size if self.runner else 0,
             "last_accumulation_steps": self.runner.last.accumulation_steps if self.runner else 0,

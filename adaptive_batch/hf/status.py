@@ -52,6 +52,7 @@ def current(session) -> dict:
     values["cut_by"] = controller.kind
     values["max_tokens_per_micro_batch"] = controller.max_tokens
     values["micro_batch_settled_because"] = controller.settled_because
+    values["micro_batch_settled_at_step"] = session.settled_at_step
     values["noise_steps"] = session.noise.steps if session.noise is not None else 0
     values["batch_changes"] = [
         {"step": c.step, "size": c.size, "samples_seen": c.samples_seen, "reason": c.reason}

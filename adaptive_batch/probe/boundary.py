@@ -67,10 +67,6 @@ class Search:
     predicted: int | None
     limit: float | None
 
-    @property
-    def sizes_tried(self) -> list[int]:
-        return [trial.size for trial in self.trials]
-
 
 def find_boundary(
     run: Callable[[int], Trial],

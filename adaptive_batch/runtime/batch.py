@@ -19,7 +19,19 @@ from ..core.cut import cheapest_chunks, fewest_chunks
 
 IGNORE_INDEX = -100
 LABEL_KEYS = ("labels", "shift_labels")
-PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
+PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")  # what padding-free collators add
+
+
+def is_packed(batch: Mapping[str, Any]) -> bool:
+    """Whether a collated batch is padding-free: it carries the sequences' boundaries (`cu_seq_lens_q`, ...), or it
+    is one row whose `position_ids` start again. Such a batch is cut between its sequences
+    ([`packed.PackedStepBatch`]), not by rows."""
+    if any(key in batch for key in PACKED_KEYS):
+        return True
+    position_ids = batch.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return False
+    return bool((position_ids[0, 1:] - position_ids[0, :-1] != 1).any())
 
 
 class StepBatch:
@@ -174,13 +186,10 @@ def _sequence_length(batch: Mapping[str, Any]) -> int | None:
 
 
 def _check_splittable(batch: Mapping[str, Any], rows: int) -> None:
-    packed = [key for key in PACKED_KEYS if key in batch]
-    position_ids = batch.get("position_ids")
-    if not packed and rows == 1 and "attention_mask" not in batch and isinstance(position_ids, torch.Tensor):
-        if position_ids.dim() == 2 and bool((position_ids[0, 1:] == 0).any()):
-            packed = ["position_ids"]
-    if packed:  # `packed.step_batch` gives such a batch to `PackedStepBatch`
-        raise ValueError(f"The step batch is padding-free (marked by {packed}): cut it with PackedStepBatch.")
+    if is_packed(batch):  # (the step runner gives such a batch to `PackedStepBatch`)
+        raise ValueError(
+            "The step batch is padding-free: cut it with PackedStepBatch, between its sequences."
+        )
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] != rows:
             raise ValueError(

@@ -29,17 +29,8 @@ import torch
 from ..core.cut import fewest_chunks
 from .batch import IGNORE_INDEX, LABEL_KEYS, labels_ignored
 
+# the per-sequence fields a micro-batch of sequences gets rebuilt
 SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-
-
-def is_packed(batch: Mapping[str, Any]) -> bool:
-    """Whether a collated batch is padding-free: one row whose `position_ids` start again (or `cu_seq_lens_q`)."""
-    if "cu_seq_lens_q" in batch or "cu_seqlens" in batch:
-        return True
-    position_ids = batch.get("position_ids")
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
-        return False
-    return bool((position_ids[0, 1:] - position_ids[0, :-1] != 1).any())
 
 
 class PackedStepBatch:

@@ -36,11 +36,11 @@ import torch.distributed as dist
 from ..core.microbatch import CutController, MicroBatch, MicroBatchTooLargeError
 from ..core.noise import MicroBatchSums
 from . import compat
-from .batch import StepBatch
+from .batch import StepBatch, is_packed
 from .engines import Engine
 from .memory import Stopwatch, is_out_of_memory, release_memory
 from .noise_hooks import GradientNoiseMeter
-from .packed import PackedStepBatch, check_packed_inputs, flatten_padded, is_packed
+from .packed import PackedStepBatch, check_packed_inputs, flatten_padded
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,203 @@
+"""`adaptive-batch probe`: load the model as the run would, find the largest micro-batch that fits and the fastest
+one, cache the result for `AdaptiveBatch(micro_batch_size="auto")` and print the trials as a table."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+
+from .arguments import positive_int
+
+HELP = "find the largest micro-batch that fits, and the fastest one"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="a folder written by save_pretrained")
+    parser.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sample")
+    parser.add_argument(
+        "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weights / compute dtype"
+    )
+    parser.add_argument("--load-in-4bit", action="store_true", help="NF4 with double quantisation (QLoRA)")
+    parser.add_argument("--lora-r", type=positive_int, help="LoRA rank (no LoRA without it)")
+    parser.add_argument("--lora-alpha", type=positive_int, help="LoRA alpha (default: 2 x r)")
+    parser.add_argument("--lora-target", default="q_proj,v_proj", help="comma-separated module names")
+    parser.add_argument(
+        "--no-gradient-checkpointing",
+        action="store_true",
+        help="probe without gradient checkpointing (the run must then train without it too)",
+    )
+    parser.add_argument("--optim", help="a TrainingArguments.optim name (default: the Trainer's default)")
+    parser.add_argument(
+        "--effective-batch",
+        type=positive_int,
+        help="also print per-device x accumulation for this many samples per step",
+    )
+    parser.add_argument("--gpus", type=positive_int, default=1, help="GPUs sharing the effective batch")
+    parser.add_argument("--headroom", type=float, default=0.05, help="share of GPU memory to keep free")
+    parser.add_argument("--max", action="store_true", help="recommend the largest size that fits")
+    parser.add_argument("--max-size", type=positive_int, default=4096, help="largest size to try")
+    parser.add_argument("--cpu", action="store_true", help="probe on the CPU (needs --memory-budget)")
+    parser.add_argument(
+        "--memory-budget",
+        type=float,
+        help="GiB a training step may use (required with --cpu; on a GPU, a cap)",
+    )
+    parser.add_argument("--no-cache", action="store_true", help="do not write the result to the cache")
+
+
+def run(options: argparse.Namespace) -> dict:
+    """Load the model as the run would, probe it, cache the result and return the report as plain data."""
+    import torch
+
+    from ..probe import cache as probe_cache
+    from ..probe import load, search
+
+    _check_memory_budget(options.memory_budget)
+    device = _device(options)
+    if not 0 <= options.headroom < 1:
+        raise ValueError(f"--headroom {options.headroom} must be in [0, 1), e.g. 0.05.")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[options.dtype]
+    targets = [t.strip() for t in options.lora_target.split(",") if t.strip()]
+    gradient_checkpointing = not options.no_gradient_checkpointing
+    model = load.load_model(
+        options.model_dir,
+        dtype,
+        options.load_in_4bit,
+        options.lora_r,
+        options.lora_alpha,
+        targets,
+        gradient_checkpointing,
+        options.seq_len,
+        device,
+    )
+    optim = options.optim or probe_cache.default_optim()
+    setup = probe_cache.describe_setup(model, optim, gradient_checkpointing)
+    with _progress() as on_trial:
+        report = search.probe(
+            model,
+            options.seq_len,
+            optim=optim,
+            device=device,
+            headroom=options.headroom,
+            memory_budget=options.memory_budget * 2**30 if options.memory_budget is not None else None,
+            max_size=options.max_size,
+            largest=options.max,
+            effective_batch_size=options.effective_batch,
+            gpus=options.gpus,
+            autocast_dtype=dtype if dtype != torch.float32 else None,
+            setup=setup,
+            on_trial=on_trial,
+        )
+    result = report.to_dict()
+    if not options.no_cache:
+        result["cache_file"] = str(probe_cache.save_report(report))
+    return result
+
+
+def _check_memory_budget(memory_budget: float | None) -> None:
+    """Refuse a budget no step can run under, before any model is loaded."""
+    if memory_budget is not None and not (math.isfinite(memory_budget) and memory_budget > 0):
+        raise ValueError(
+            f"--memory-budget {memory_budget:g} is not a positive, finite number of GiB (the memory a training step "
+            "may use); pass one such as --memory-budget 8."
+        )
+
+
+def _device(options: argparse.Namespace):
+    """The device to probe on: the CPU against a stated budget, else the current CUDA device."""
+    import torch
+
+    if options.cpu:
+        if options.memory_budget is None:
+            raise ValueError("--cpu needs --memory-budget GIB: on the CPU the limit is a stated budget.")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "no CUDA device; pass --cpu --memory-budget GIB to probe on the CPU against a budget."
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def show(result: dict) -> None:
+    """The trials as a table, then the boundary, the recommendation and the split of an effective batch."""
+    lines = [f"{'size':>6} {'fits':>5} {'peak GiB':>9} {'allocated':>9} {'tokens/s':>10}"]
+    for trial in result["trials"]:
+        fits = "OOM" if trial["out_of_memory"] else "yes" if trial["fits"] else "over"
+        speed = f"{trial['tokens_per_second']:,.0f}" if trial["tokens_per_second"] else "-"
+        speed = "~" + speed if trial.get("forward_only") else speed
+        more = ">" if trial["stopped"] else ""  # stopped at the limit: the peak it reached by then
+        lines.append(
+            f"{trial['size']:>6} {fits:>5} {more + format_gib(trial['peak_bytes']):>9} "
+            f"{more + format_gib(trial['peak_allocated_bytes']):>9} {speed:>10}"
+        )
+    if any(trial.get("forward_only") for trial in result["trials"]):
+        lines.append("~ its forward pass timed, scaled to a whole step by the boundary's step/forward ratio")
+    print("\n".join(lines))
+    print(
+        f"boundary: {result['boundary']} samples ({result['boundary_tokens']:,} tokens) per micro-batch, "
+        f"limit {format_gib(result['limit_bytes'])} GiB"
+    )
+    print(f"recommended: {result['recommended']} ({result['recommended_by']})")
+    print(
+        "variable-length data: AdaptiveBatch() cuts steps by padded tokens itself; at most "
+        f"{result['boundary_tokens']:,} fit in one micro-batch "
+        f"(AdaptiveBatch(max_tokens_per_micro_batch={result['boundary_tokens']}) states that budget)"
+    )
+    if result["effective_batch_size"]:
+        print(
+            f"for an effective batch of {result['effective_batch_size']} on "
+            f"{devices_text(result.get('device'), result['gpus'])}: "
+            f"per_device_train_batch_size={result['per_device_train_batch_size']}, "
+            f"gradient_accumulation_steps={result['gradient_accumulation_steps']}"
+        )
+        if result.get("split_reason"):
+            print(f"  {result['split_reason']}")
+    print(
+        f"time: {result['seconds']:.1f} s: warm-up {result['warm_up_seconds']:.1f} s, trials "
+        f"{result['trial_seconds']:.1f} s, the rest {result['overhead_seconds']:.1f} s"
+    )
+    if result.get("cache_file"):
+        print(f"cached in {result['cache_file']}", file=sys.stderr)
+
+
+def devices_text(device: str | None, gpus: int) -> str:
+    """What the effective batch is shared across, in words: "the CPU", "1 GPU", "2 GPUs"."""
+    if device == "cpu":
+        return "the CPU" if gpus == 1 else f"{gpus} CPU processes"
+    return f"{gpus} GPU" if gpus == 1 else f"{gpus} GPUs"
+
+
+def format_gib(value: float | None) -> str:
+    """Bytes as GiB with two decimals below 10 GiB, one above; "-" for no reading."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    return f"{value / 2**30:.2f}" if value < 10 * 2**30 else f"{value / 2**30:.1f}"
+
+
+@contextlib.contextmanager
+def _progress():
+    """A progress line per trial on stderr (rich where installed); yields the per-trial callback."""
+    try:
+        from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    except ImportError:
+
+        def report(trial):
+            print(f"trial {trial.size}: {_outcome(trial)}", file=sys.stderr)
+
+        yield report
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("probing", total=None)
+
+        def report(trial):
+            progress.update(task, description=f"probing: last trial {trial.size} ({_outcome(trial)})")
+
+        yield report
+
+
+def _outcome(trial) -> str:
+    return "out of memory" if trial.out_of_memory else "stopped over the limit" if trial.stopped else "ran"
