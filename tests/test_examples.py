@@ -1,4 +1,5 @@
-"""Every example runs as is, at its smallest setting, so that none rots."""
+"""Every example runs as is, at its smallest setting, so that none rots. Each is a process of its own (two under
+accelerate launch), 7 to 10 s on two CPU cores: slow."""
 
 import os
 import re
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     QUIET_CPU_RUN,
     REGRESSION_DIM,
     REGRESSION_NOISE_STD,
@@ -15,13 +15,16 @@ from conftest import (
     REGRESSION_WEIGHT,
     LinearRegression,
     RegressionRows,
+    adaptive_of,
     assert_same_parameters,
     logged,
+    saved_state,
 )
 
 from adaptive_batch import AdaptiveBatch, NoiseScaleSchedule
-from adaptive_batch.core.goodput import StepTimeModel, goodput_gain, statistical_efficiency
+from adaptive_batch.core.goodput import StepTimeModel, goodput_gain
 from adaptive_batch.core.lr import gain
+from adaptive_batch.core.noise import NoiseScale
 from adaptive_batch.core.schedule import Progress
 
 # -- the step time model -------------------------------------------------------------------------------------------
@@ -84,7 +87,6 @@ def test_goodput_gain_is_speed_times_statistical_efficiency():
     # efficiency (64 + 32) / (64 + 64) = 3/4, so the goodput is unchanged
     assert goodput_gain(32, 1.0, 64, 1.5, 64) == pytest.approx(1.0, rel=1e-12)
     assert goodput_gain(32, 1.0, 64, 1.5, math.inf) == pytest.approx(4 / 3, rel=1e-12)
-    assert statistical_efficiency(32, 96) == 0.75
 
 
 def two_sizes(start_seconds: float, next_seconds: float, rows: int = 32) -> StepTimeModel:
@@ -250,8 +252,7 @@ def test_the_batch_grows_as_the_noise_scale_rises_and_the_accounting_stays_exact
     trainer = growing_trainer(tmp_path, schedule, learning_rate=0.05)
     seen = RowsSeen(trainer.model)
     trainer.train()
-    session = trainer._adaptive_batch
-    plan = session.plan
+    plan = adaptive_of(trainer).plan
     assert [c.size for c in schedule.changes][:2] == [64, 128]
     sizes = logged(trainer, "adaptive_batch/effective_batch_size")
     assert sizes == list(plan.sizes) and sizes[0] == 32
@@ -333,7 +334,7 @@ def test_without_a_wait_between_changes_each_grows_from_the_last_one(tmp_path, m
     changes = schedule.changes
     assert [c.size for c in changes] == [32, 64, 128, 256]
     assert all(a.step < b.step for a, b in zip(changes, changes[1:]))
-    plan = trainer._adaptive_batch.plan
+    plan = adaptive_of(trainer).plan
     for change in changes:
         assert plan.scheduled[change.step] == change.size
 
@@ -374,7 +375,7 @@ def test_a_resumed_run_continues_with_the_changes_made_before_its_checkpoint(tmp
     checkpoint = str(tmp_path / "whole" / "growing" / "checkpoint-60")
     resumed, resumed_schedule = run("resumed", resume=checkpoint)
     assert resumed_schedule.changes == whole_schedule.changes
-    assert list(resumed._adaptive_batch.plan.sizes) == list(whole._adaptive_batch.plan.sizes)
+    assert list(adaptive_of(resumed).plan.sizes) == list(adaptive_of(whole).plan.sizes)
     # (the resumed run's log history holds the checkpoint's 60 steps, then its own)
     for key in ("adaptive_batch/effective_batch_size", "adaptive_batch/noise_scale", "learning_rate", "loss"):
         assert logged(resumed, key) == logged(whole, key)
@@ -391,7 +392,8 @@ def test_measuring_on_one_process_cuts_every_fourth_step_in_two(tmp_path, monkey
     trainer = growing_trainer(tmp_path, schedule, learning_rate=0.0, rows=16 * 12)
     trainer.train()
     assert logged(trainer, "adaptive_batch/accumulation_steps") == [1, 1, 1, 2] * 3
-    noise = trainer._adaptive_batch.noise
+    noise = NoiseScale(320)  # the run's averages, as its checkpoint holds them
+    noise.load_state_dict(saved_state(trainer)["noise"])
     assert (
         noise.steps == 3 and noise.samples_seen == 16 * 12
     )  # forgetting by the 64 samples between measurements
@@ -438,7 +440,7 @@ def test_no_step_is_cut_in_two_where_no_noise_scale_could_make_a_change_pay(
     trainer = growing_trainer(tmp_path, schedule, learning_rate=0.0, rows=16 * 12)
     trainer.train()
     assert logged(trainer, "adaptive_batch/accumulation_steps") == [1] * 12
-    assert trainer._adaptive_batch.noise.steps == 0
+    assert adaptive_of(trainer).current()["noise_steps"] == 0
 
 
 def test_a_noise_scale_schedule_needs_the_measurement_and_a_dataset_large_enough(tmp_path):

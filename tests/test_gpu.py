@@ -78,14 +78,15 @@ def test_a_real_cuda_out_of_memory_is_survived_exactly(tmp_path, deterministic):
         trainer.train()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    controller = trainer._adaptive_batch.controller
-    assert controller.oom_sizes[0] == 64 and controller.size < 64
+    now = trainer.callback_handler.callbacks[-1].current()
+    size = now["micro_batch_size"]
+    assert now["micro_batch_settled_because"] == "64 ran out of memory" and size < 64
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert [log["adaptive_batch/effective_batch_size"] for log in logs] == [64, 64, 64]
-    assert logs[0]["adaptive_batch/micro_batch_size"] == controller.size
+    assert logs[0]["adaptive_batch/micro_batch_size"] == size
     # the failed attempts left nothing behind: the same as a run that used the final size from the start
-    reference = make_trainer(tmp_path, micro_batch_size=controller.size)
+    reference = make_trainer(tmp_path, micro_batch_size=size)
     reference.train()
     for (name, a), (_, b) in zip(trainer.model.named_parameters(), reference.model.named_parameters()):
         assert torch.equal(a, b), name
-    print(f"sizes tried: {controller.oom_sizes} ran out of memory, settled at {controller.size}")
+    print(f"64 ran out of memory, settled at {size}")

@@ -3,7 +3,7 @@ gets one clear error. The model raises the real `torch.OutOfMemoryError` above a
 
 import pytest
 import torch
-from conftest import assert_same_parameters, logged
+from helpers import adaptive_of, assert_same_parameters, logged
 
 from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
 from adaptive_batch.testing import FakeOutOfMemory
@@ -55,9 +55,9 @@ def test_growth_stops_below_the_size_that_ran_out(make_trainer, fixed_rows):
     )
     watcher = FakeOutOfMemory(trainer.model, max_rows=5)
     trainer.train()
-    controller = trainer._adaptive_batch.controller
+    now = adaptive_of(trainer).current()
     assert watcher.raised == [8]
-    assert 8 in controller.oom_sizes and controller.size <= 4 and not controller.exploring
+    assert now["micro_batch_settled_because"] == "8 ran out of memory" and now["micro_batch_size"] <= 4
     assert max(watcher.sizes[watcher.sizes.index(8) + 1 :]) <= 4
 
 

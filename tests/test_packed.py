@@ -4,7 +4,7 @@ whole step at once, and the setups that would let packed sequences attend to eac
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     ORDER_ONLY,
     ORDER_TOLERANCE,
     QUIET_CPU_RUN,
@@ -16,7 +16,8 @@ from conftest import (
 from transformers import DataCollatorWithFlattening
 
 from adaptive_batch import AdaptiveBatch
-from adaptive_batch.runtime.packed import PackedStepBatch, check_packed_inputs, is_packed
+from adaptive_batch.runtime.batch import is_packed
+from adaptive_batch.runtime.packed import PackedStepBatch, check_packed_inputs
 from adaptive_batch.testing import tiny_llama
 
 FLATTEN = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
@@ -169,8 +170,8 @@ def test_flattened_steps_cut_between_sequences_train_as_whole_steps(make_trainer
 
 
 def test_trl_packing_with_the_one_line_trains_as_whole_packed_steps(tokenizer, texts, tmp_path):
-    from conftest import RecordingMixin
     from datasets import Dataset
+    from helpers import RecordingMixin
     from trl import SFTConfig, SFTTrainer
 
     class RecordingSFT(RecordingMixin, SFTTrainer):

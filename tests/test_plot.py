@@ -9,7 +9,7 @@ import shutil
 import sys
 
 import pytest
-from conftest import QUIET_CPU_RUN
+from helpers import QUIET_CPU_RUN
 
 from adaptive_batch import AdaptiveBatch, PhaseSchedule
 from adaptive_batch.cli.main import main

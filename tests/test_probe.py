@@ -160,8 +160,9 @@ def test_adaptive_batch_starts_at_the_probed_size_or_says_why_not(
     model.config.use_cache = False
     dataset = Dataset.from_list(fixed_rows[:64])  # rows of the probed length
     with caplog.at_level("INFO", logger="adaptive_batch"):
-        trainer = make_trainer(
-            [AdaptiveBatch()],
+        adaptive = AdaptiveBatch()
+        make_trainer(
+            [adaptive],
             model=model,
             dataset=dataset,
             per_device_train_batch_size=2,
@@ -169,10 +170,10 @@ def test_adaptive_batch_starts_at_the_probed_size_or_says_why_not(
             dtype=dtype,  # float64: a setup the probe did not see
         )
     if dtype is None:
-        assert trainer._adaptive_batch.controller.size == min(recommended, 64)
+        assert adaptive.current()["micro_batch_size"] == min(recommended, 64)
         assert f"Starting the micro-batch at {recommended}:" in caplog.text
     else:
-        assert trainer._adaptive_batch.controller.size == 2  # the per-device size
+        assert adaptive.current()["micro_batch_size"] == 2  # the per-device size
         lines = [
             r.getMessage() for r in caplog.records if "dtype (torch.float32 in the cache" in r.getMessage()
         ]

@@ -6,8 +6,8 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 trl = pytest.importorskip("trl")
-from conftest import assert_same_parameters, logged, step_logs  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from helpers import assert_same_parameters, logged, step_logs  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, EarlyStoppingCallback  # noqa: E402
 
@@ -73,7 +73,6 @@ def qlora_trainer(base_model_dir, tokenizer, texts, output_dir, callbacks, num_t
     )
 
 
-@pytest.mark.slow
 def test_classic_qlora_sft_script_with_the_one_line(base_model_dir, tokenizer, long_texts, tmp_path):
     def run(callbacks, name):
         trainer = qlora_trainer(
@@ -110,7 +109,6 @@ def test_classic_qlora_sft_script_with_the_one_line(base_model_dir, tokenizer, l
     assert_same_parameters(trainer.model, plain.model)
 
 
-@pytest.mark.slow
 def test_the_one_line_with_automatic_micro_batches(base_model_dir, tokenizer, texts, tmp_path):
     trainer = qlora_trainer(
         base_model_dir, tokenizer, texts, tmp_path / "auto", callbacks=[AdaptiveBatch()], num_train_epochs=1
@@ -121,7 +119,6 @@ def test_the_one_line_with_automatic_micro_batches(base_model_dir, tokenizer, te
     assert step_logs(trainer)[-1]["num_tokens"] == step_logs(trainer)[-1]["adaptive_batch/tokens_seen"]
 
 
-@pytest.mark.slow
 def test_sft_out_of_memory_retry_counts_tokens_once(base_model_dir, tokenizer, texts, tmp_path):
     def run(fake_rows, micro_batch_size=8):
         trainer = qlora_trainer(

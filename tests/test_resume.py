@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_same_parameters, logged, step_logs
+from helpers import assert_same_parameters, logged, step_logs
 
 from adaptive_batch import AdaptiveBatch, PhaseSchedule
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_parameters, logged
+from helpers import adaptive_of, assert_same_parameters, logged
 
 from adaptive_batch import AdaptiveBatch, NoiseScaleSchedule
 from adaptive_batch.runtime.stream import StreamEndedError
@@ -98,7 +98,7 @@ def test_a_growing_batch_reads_the_stream_once(make_trainer, rows, tmp_path, mon
         callback=AdaptiveBatch(schedule=schedule, micro_batch_size=4, lr_scaling="sqrt"),
     )
     assert schedule.changes, "the batch never grew"
-    plan = trainer._adaptive_batch.plan
+    plan = adaptive_of(trainer).plan
     assert plan.num_samples == 20 * 8 and trainer.state.global_step == plan.num_steps < 20
     assert sorted(seen) == sorted(tuple(row["input_ids"]) for row in rows[:160])
 

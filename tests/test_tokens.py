@@ -8,18 +8,19 @@ import random
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     ORDER_ONLY,
     MeanLossModel,
     Recording,
+    adaptive_of,
     assert_close_parameters,
     assert_same_parameters,
     parameters,
+    saved_state,
     step_logs,
 )
 
 from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
-from adaptive_batch.core.rows import RowController
 from adaptive_batch.core.tokens import CALIBRATION_STEPS, TokenController
 from adaptive_batch.runtime.batch import IGNORE_INDEX, StepBatch
 from adaptive_batch.testing import FakeOutOfMemory
@@ -221,7 +222,7 @@ def test_the_gradient_of_a_step_cut_by_tokens_is_the_whole_batch_gradient(
 
     step_loss = trainer.training_step(model, batch, num_items)
     sizes = StepBatch(batch).token_chunks(BUDGET)
-    assert len(set(sizes)) > 1 and trainer._adaptive_batch.runner.last.accumulation_steps == len(sizes)
+    assert len(set(sizes)) > 1 and adaptive_of(trainer).current()["accumulation_steps"] == len(sizes)
     if not mean_loss:
         assert torch.isclose(step_loss, loss.detach(), rtol=1e-5)
     assert_close_parameters({n: p.grad for n, p in model.named_parameters()}, expected, rtol=1e-5)
@@ -296,7 +297,7 @@ def test_out_of_memory_halves_the_budget_and_the_result_is_unchanged(make_traine
     watcher = FakeOutOfMemory(trainer.model, max_rows=None, max_tokens=fits)
     trainer.train()
 
-    halved = trainer._adaptive_batch.controller.max_tokens
+    halved = adaptive_of(trainer).current()["max_tokens_per_micro_batch"]
     assert watcher.raised == [sizes[failing]]
     assert watcher.tokens[: failing + 1] == tokens[: failing + 1]
     assert halved == tokens[failing] // 2 <= 64
@@ -331,10 +332,10 @@ def test_the_halved_budget_survives_a_resume(make_trainer, varied, tmp_path):
         return trainer
 
     full = run(tmp_path / "full", fake_oom=True)
-    halved = full._adaptive_batch.controller.max_tokens
+    halved = adaptive_of(full).current()["max_tokens_per_micro_batch"]
     assert halved < 70
     resumed = run(tmp_path / "resumed", fake_oom=False, resume=str(tmp_path / "full" / "checkpoint-6"))
-    assert resumed._adaptive_batch.controller.max_tokens == halved
+    assert adaptive_of(resumed).current()["max_tokens_per_micro_batch"] == halved
     assert_same_parameters(full.model, resumed.model)
 
 
@@ -363,11 +364,14 @@ def test_auto_on_rows_of_varying_length_cuts_by_tokens_at_the_least_measured_tim
     table = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("AdaptiveBatch plan"))
     assert "auto, rows of varying length: cut by padded tokens" in table
     assert "the budget starts at 256" in table  # the per-device 8 rows x the longest row, 32 tokens
-    controller = trainer._adaptive_batch.controller
-    assert not controller.exploring  # the overhead measured (or none fitted: one longest row), budget set
-    assert len(controller.time_points) >= 2  # the micro-batches of the calibration steps, timed
+    now = adaptive_of(trainer).current()
+    # the overhead measured (or none fitted: one longest row), the budget set
+    assert now["cut_by"] == "tokens" and now["micro_batch_settled_because"] is not None
+    assert (
+        len(saved_state(trainer)["micro_batch"]["time_points"]) >= 2
+    )  # the calibration steps' micro-batches
     settled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AdaptiveBatch settled")]
-    assert settled == [f"AdaptiveBatch settled: {controller.settled_because}."]
+    assert settled == [f"AdaptiveBatch settled: {now['micro_batch_settled_because']}."]
     per_step = [[rows for step, rows, *_ in trainer.micro_batches if step == k] for k in range(12)]
     assert [sum(rows) for rows in per_step] == [8] * 12  # every sample once, the effective batch exact
     assert_close_parameters(parameters(trainer.model), parameters(train(make_trainer, varied).model))
@@ -376,7 +380,7 @@ def test_auto_on_rows_of_varying_length_cuts_by_tokens_at_the_least_measured_tim
 def test_auto_on_rows_of_one_length_measures_rows(make_trainer, fixed_rows):
     trainer = make_trainer([AdaptiveBatch()], dataset=fixed_rows[:16], max_steps=1)
     trainer.train()
-    assert isinstance(trainer._adaptive_batch.controller, RowController)
+    assert adaptive_of(trainer).current()["cut_by"] == "rows"
 
 
 def test_auto_by_tokens_resumes_bitwise_once_its_measurements_are_done(make_trainer, varied, tmp_path):
@@ -429,4 +433,4 @@ def test_a_checkpoint_cut_by_rows_is_not_taken_as_a_token_budget(
     assert (
         "cut by tokens now; the checkpoint's run cut by rows, and what it learned is not used" in caplog.text
     )
-    assert isinstance(resumed._adaptive_batch.controller, TokenController)
+    assert adaptive_of(resumed).current()["cut_by"] == "tokens"

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import logged, step_logs
+from helpers import adaptive_of, logged, step_logs
 from transformers import EarlyStoppingCallback
 from transformers.optimization import get_scheduler
 
@@ -38,7 +38,7 @@ def test_learning_rate_is_the_base_schedule_at_the_sample_fraction_times_the_rul
         lr_scheduler_kwargs=specific,
     )
     trainer.train()
-    plan = trainer._adaptive_batch.plan
+    plan = adaptive_of(trainer).plan
     nominal = math.ceil(120 / 4)
     reference = get_scheduler(
         scheduler_type,
@@ -154,7 +154,7 @@ def test_epochs_end_with_one_evaluation_and_one_checkpoint_each(make_trainer, ro
     trainer.train()
     evals = [log for log in trainer.state.log_history if "eval_loss" in log]
     assert [log["epoch"] for log in evals] == [1.0, 2.0, 3.0]
-    plan = trainer._adaptive_batch.plan
+    plan = adaptive_of(trainer).plan
     epoch_ends = [k + 1 for k in range(plan.num_steps) if plan.ends_epoch(k)]
     assert [log["step"] for log in evals] == epoch_ends
     saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*"))
