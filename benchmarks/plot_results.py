@@ -33,7 +33,7 @@ from matplotlib.ticker import MaxNLocator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from adaptive_batch.cli.plot import draw, read_series  # noqa: E402
+from adaptive_batch.cli.figure import draw, read_series  # noqa: E402
 
 DPI = 100
 GIB = 2**30
@@ -292,7 +292,7 @@ def ragged_figure(forward: dict, reverse: dict | None) -> Figure:
 
 
 def noise_run_figure(report: dict, arm: str, seed: int, source: str) -> Figure:
-    """`adaptive_batch.cli.plot`'s picture of one run from its logged steps (every 20th) and evaluations, with the
+    """`adaptive_batch.cli.figure`'s picture of one run from its logged steps (every 20th) and evaluations, with the
     effective batch of every step drawn again from the schedule's changes and the target loss marked."""
     run = noise_run(report, arm, seed)
     evaluations = [{"step": point["step"], "eval_loss": point["eval_loss"]} for point in run["points"]]

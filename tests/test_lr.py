@@ -3,8 +3,8 @@ import math
 import pytest
 
 from adaptive_batch.core.lr import SampleClock, lr_scale, nominal_steps, resolve_rule
-from adaptive_batch.core.plan import Budget, build_plan
 from adaptive_batch.core.schedule import PhaseSchedule, as_schedule
+from adaptive_batch.core.steps import Budget, build_plan
 
 
 @pytest.mark.parametrize("rule, expected", [("none", 1.0), ("sqrt", 2.0), ("linear", 4.0)])

@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from adaptive_batch.core.plan import Budget, build_plan
 from adaptive_batch.core.schedule import PhaseSchedule, as_schedule
+from adaptive_batch.core.steps import Budget, build_plan
 from adaptive_batch.runtime.sampler import StepBatchSampler
 
 

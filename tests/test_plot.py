@@ -1,4 +1,4 @@
-"""`adaptive-batch plot` and `adaptive_batch.cli.plot`: the series read back from a real run's saved log history, the
+"""`adaptive-batch plot` and `adaptive_batch.cli.figure`: the series read back from a real run's saved log history, the
 PNG, the command line and the errors."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import pytest
 from helpers import QUIET_CPU_RUN
 
 from adaptive_batch import AdaptiveBatch, PhaseSchedule
-from adaptive_batch.cli.main import main
-from adaptive_batch.cli.plot import (
+from adaptive_batch.cli.figure import (
     DPI,
     FIGURE_INCHES,
     PNG_NAME,
@@ -23,6 +22,7 @@ from adaptive_batch.cli.plot import (
     plot_run,
     read_series,
 )
+from adaptive_batch.cli.main import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_SHAPE = (round(FIGURE_INCHES[1] * DPI), round(FIGURE_INCHES[0] * DPI), 4)  # rows, columns, RGBA

@@ -2,8 +2,8 @@ from collections import Counter
 
 import pytest
 
-from adaptive_batch.core.plan import Budget, build_plan
 from adaptive_batch.core.schedule import PhaseSchedule
+from adaptive_batch.core.steps import Budget, build_plan
 from adaptive_batch.runtime.sampler import StepBatchSampler
 
 

@@ -13,7 +13,7 @@ draws a run's effective batch, micro-batch, noise scale, learning rate and loss 
 from the log history the Trainer saved (needs matplotlib: `pip install "adaptive-batch[plot]"`).
 `--json` prints one JSON object on stdout (logs go to stderr); a failure is one line on stderr and exit code 1.
 
-Each command is a module ([`probe`], [`plan`], [`plot_command`]) with its `HELP`, `add_arguments(parser)`,
+Each command is a module ([`probe`], [`plan`], [`plot`]) with its `HELP`, `add_arguments(parser)`,
 `run(options) -> dict` (the result as plain data) and `show(result)` (the result for a human).
 """
 
@@ -24,10 +24,10 @@ import json
 import sys
 
 from .. import __version__
-from . import plan, plot_command, probe
+from . import plan, plot, probe
 from .arguments import HelpFormatter
 
-COMMANDS = {"probe": probe, "plan": plan, "plot": plot_command}
+COMMANDS = {"probe": probe, "plan": plan, "plot": plot}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .plan import StepPlan
+from .steps import StepPlan
 
 LRRule = Callable[[int, int], float]
 GAIN_POWERS = {"gain": 1.0, "sqrt_gain": 0.5}  # the power of AdaScale's gain each gain rule multiplies by

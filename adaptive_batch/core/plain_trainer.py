@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .plan import DoneSteps
+from .steps import DoneSteps
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .lr import LRRule, SampleClock, gain_power, nominal_steps, resolve_rule
-from .plan import Budget, DoneSteps, StepPlan, build_plan
 from .schedule import Progress, Schedule, check_effective_batch_size
+from .steps import Budget, DoneSteps, StepPlan, build_plan
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .lr import SampleClock
-from .plan import Budget, StepPlan
+from .steps import Budget, StepPlan
 
 
 def plan_rows(

@@ -10,7 +10,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import IntervalStrategy
 
 from ..core.config import AdaptiveBatchConfig, settings_doc, settings_signature
-from ..core.plan import StepPlan
+from ..core.steps import StepPlan
 from ..runtime import compat
 from . import status
 from .install import install

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from ..core.plan import StepPlan
+from ..core.steps import StepPlan
 from ..runtime import compat
 from ..runtime.sampler import StepBatchSampler
 from ..runtime.stream import StepStream, is_stream

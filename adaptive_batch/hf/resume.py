@@ -15,7 +15,7 @@ from ..core.checkpoint import (
     learned_state_applies,
 )
 from ..core.plain_trainer import PlainBatching
-from ..core.plan import DoneSteps
+from ..core.steps import DoneSteps
 from ..runtime import compat
 from ..runtime.stream import is_stream
 

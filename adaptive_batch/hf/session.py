@@ -24,7 +24,7 @@ from .checks import check_trainer
 from .growth import Growth, growth_for
 
 if TYPE_CHECKING:
-    from ..core.plan import StepPlan
+    from ..core.steps import StepPlan
 
 logger = logging.getLogger("adaptive_batch")
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from ..core.fit import affine
-from ..core.plan import nearest_multiples
+from ..core.steps import nearest_multiples
 
 
 @dataclass(frozen=True)

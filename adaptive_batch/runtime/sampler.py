@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
-from ..core.plan import StepPlan
+from ..core.steps import StepPlan
 
 
 class StepBatchSampler(Sampler[list[int]]):

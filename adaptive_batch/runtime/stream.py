@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..core.plan import StepPlan
+from ..core.steps import StepPlan
 
 
 def is_stream(dataset) -> bool:
