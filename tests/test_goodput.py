@@ -22,7 +22,7 @@ from helpers import (
 )
 
 from adaptive_batch import AdaptiveBatch, NoiseScaleSchedule
-from adaptive_batch.core.goodput import StepTimeModel, goodput_gain
+from adaptive_batch.core.goodput import StepCosts, StepTimeModel, goodput_gain
 from adaptive_batch.core.lr import gain
 from adaptive_batch.core.noise import NoiseScale
 from adaptive_batch.core.schedule import Progress
@@ -105,23 +105,23 @@ def test_it_grows_only_where_the_goodput_gain_beats_the_margin():
     schedule = NoiseScaleSchedule(32, max_size=256, margin=0.05, min_samples_between_changes=0)
     times = two_sizes(1.0, 1.5)  # 4/3 the speed at 64
     # noise scale 64: gain 1.0 (see above), stays; 1,000: 4/3 x 1032 / 1064 = 1.293, grows
-    assert schedule.propose(32, 3200, 1, 64.0, times, 1, None) is None
-    size, reason = schedule.propose(32, 3200, 1, 1000.0, times, 1, None)
+    assert schedule.propose(32, 3200, 64.0, StepCosts(times)) is None
+    size, reason = schedule.propose(32, 3200, 1000.0, StepCosts(times))
     assert size == 64 and reason.startswith("goodput x1.293 at 64")
     # at the threshold: 4/3 (B + 32) / (B + 64) = 1.05 at B = 86.6
-    assert schedule.propose(32, 3200, 1, 86.0, times, 1, None) is None
-    assert schedule.propose(32, 3200, 1, 88.0, times, 1, None)[0] == 64
-    assert schedule.propose(32, 3200, 1, None, times, 1, None) is None  # noise not measured yet
-    assert schedule.propose(32, 3200, 1, 1000.0, StepTimeModel(), 1, None) is None  # nothing timed yet
+    assert schedule.propose(32, 3200, 86.0, StepCosts(times)) is None
+    assert schedule.propose(32, 3200, 88.0, StepCosts(times))[0] == 64
+    assert schedule.propose(32, 3200, None, StepCosts(times)) is None  # noise not measured yet
+    assert schedule.propose(32, 3200, 1000.0, StepCosts(StepTimeModel())) is None  # nothing timed yet
 
 
 def test_a_capped_micro_batch_predicts_the_larger_step_in_more_micro_batches():
     schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=0)
     times = two_sizes(1.0, 1.1)  # a = 0.9 s per micro-batch, b = 0.1 / 32 s per row: launch-bound
-    grown = schedule.propose(32, 0, 1, 1e6, times, 1, None)
+    grown = schedule.propose(32, 0, 1e6, StepCosts(times))
     assert grown is not None and "1.1 s at 64" in grown[1]
     # micro-batches of at most 32 rows: 64 rows take two, 0.9 x 2 + 0.2 = 2.0 s: 64 / 2.0 vs 32 / 1.0, no gain
-    assert schedule.propose(32, 0, 1, 1e6, times, 1, 32) is None
+    assert schedule.propose(32, 0, 1e6, StepCosts(times, micro_batch_cap=32)) is None
 
 
 def test_a_change_waits_until_steps_at_the_current_size_are_timed():
@@ -131,21 +131,21 @@ def test_a_change_waits_until_steps_at_the_current_size_are_timed():
     times = StepTimeModel()
     timed(times, 16, 1, 1.0)
     timed(times, 32, 1, 1.0)
-    assert schedule.propose(16, 0, 1, 100.0, times, 1, None)[0] == 32
+    assert schedule.propose(16, 0, 100.0, StepCosts(times))[0] == 32
     assert times.predict(128, 1) == pytest.approx(1.0)  # 64 -> 128 looks free from here
-    assert schedule.propose(64, 0, 1, 100.0, times, 1, None) is None  # 64 not timed yet
+    assert schedule.propose(64, 0, 100.0, StepCosts(times)) is None  # 64 not timed yet
     timed(times, 64, 1, 2.0)  # twice the time for twice the rows of 32
     assert times.measured(64, 1) and not times.measured(128, 1)
-    assert schedule.propose(64, 0, 1, 100.0, times, 1, None) is None
+    assert schedule.propose(64, 0, 100.0, StepCosts(times)) is None
 
 
 def test_changes_wait_for_the_stated_samples_and_stop_at_the_maximum():
     schedule = NoiseScaleSchedule(32, max_size=100, min_samples_between_changes=640)
     times = two_sizes(1.0, 1.0)
-    assert schedule.propose(32, 639, 1, 1e6, times, 1, None) is None
-    assert schedule.propose(32, 640, 1, 1e6, times, 1, None)[0] == 64
+    assert schedule.propose(32, 639, 1e6, StepCosts(times)) is None
+    assert schedule.propose(32, 640, 1e6, StepCosts(times))[0] == 64
     schedule.change(20, 64, 640, "test")
-    assert schedule.propose(64, 1279, 1, 1e6, times, 1, None) is None
+    assert schedule.propose(64, 1279, 1e6, StepCosts(times)) is None
     assert schedule.next_size(64, 1) == 100 and schedule.next_size(100, 1) is None
     assert schedule.sizes(world_size=1) == [32, 64, 100]
     assert schedule.sizes(world_size=8) == [32, 64, 96]  # multiples of the world
@@ -413,12 +413,12 @@ class LaunchBound:
 
 def test_steps_are_cut_in_two_while_a_change_could_pay():
     schedule = NoiseScaleSchedule(16, max_size=32)
-    assert schedule.cut_every(16, 1, LaunchBound(), 1, None) == 4
-    assert schedule.cut_every(16, 1, StepTimeModel(), 1, None) == 4  # nothing timed yet
-    assert schedule.cut_every(32, 1, LaunchBound(), 1, None) == 0  # at max_size
+    assert schedule.cut_every(16, StepCosts(LaunchBound())) == 4
+    assert schedule.cut_every(16, StepCosts(StepTimeModel())) == 4  # nothing timed yet
+    assert schedule.cut_every(32, StepCosts(LaunchBound())) == 0  # at max_size
     # a micro-batch of 16 at most: a step of 32 is two, 2 s for x2 the samples of 1 s, not faster per sample
-    assert schedule.cut_every(16, 1, LaunchBound(), 1, 16) == 0
-    assert NoiseScaleSchedule(16, 32, measure_every=0).cut_every(16, 1, LaunchBound(), 1, None) == 0
+    assert schedule.cut_every(16, StepCosts(LaunchBound(), micro_batch_cap=16)) == 0
+    assert NoiseScaleSchedule(16, 32, measure_every=0).cut_every(16, StepCosts(LaunchBound())) == 0
 
 
 @pytest.mark.parametrize(
@@ -436,7 +436,7 @@ def test_no_step_is_cut_in_two_where_no_noise_scale_could_make_a_change_pay(
 ):
     monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(seconds_per_row))
     schedule = NoiseScaleSchedule(16, max_size=max_size)
-    assert schedule.cut_every(16, 1, StepTimeModel(), 1, None) == 0
+    assert schedule.cut_every(16, StepCosts(StepTimeModel())) == 0
     trainer = growing_trainer(tmp_path, schedule, learning_rate=0.0, rows=16 * 12)
     trainer.train()
     assert logged(trainer, "adaptive_batch/accumulation_steps") == [1] * 12

@@ -105,6 +105,25 @@ class StepTimeModel:
 
 
 @dataclass(frozen=True)
+class StepCosts:
+    """What prices an optimizer step at another effective batch.
+
+    Attributes:
+        step_time: the step times measured so far.
+        world_size: data-parallel processes (a step's rows on a rank are its samples / this).
+        micro_batches: the micro-batches a step at the current size runs on a rank.
+        micro_batch_cap: the most rows a micro-batch may hold (a fixed `micro_batch_size`, a size that ran out of
+            memory less one, `max_micro_batch_size`); `None`: a larger step runs as few micro-batches as the
+            current one (the micro-batch controller grows with the rows, if memory allows).
+    """
+
+    step_time: StepTimeModel
+    world_size: int = 1
+    micro_batches: int = 1
+    micro_batch_cap: int | None = None
+
+
+@dataclass(frozen=True)
 class Change:
     """The effective batch became `size` from optimizer step `step` on, decided after `samples_seen` samples, when
     the noise scale's estimate was `noise_scale` samples (what the gain LR rules read; `inf` if not measured)."""
@@ -223,31 +242,20 @@ class NoiseScaleSchedule:
     # -- deciding ------------------------------------------------------------------------------------------------
 
     def propose(
-        self,
-        current: int,
-        samples_seen: int,
-        world_size: int,
-        noise_scale: float | None,
-        step_time: StepTimeModel,
-        micro_batches: int,
-        micro_batch_cap: int | None,
+        self, current: int, samples_seen: int, noise_scale: float | None, costs: StepCosts
     ) -> tuple[int, str] | None:
         """The size to change to from `current`, after `samples_seen` samples, and why; `None` to stay.
 
         Args:
             noise_scale: the noise scale's lower confidence bound, in samples (`None`: not measured yet).
-            step_time: the step times measured so far.
-            micro_batches: the micro-batches a step at the current size runs on a rank.
-            micro_batch_cap: the most rows a micro-batch may hold (a fixed `micro_batch_size`, a size that ran out of
-                memory less one, `max_micro_batch_size`); `None`: the larger step runs as few micro-batches as
-                the current one (the micro-batch controller grows with the rows, if memory allows).
+            costs: what prices a step at the next size.
         """
         since = samples_seen - (self.changes[-1].samples_seen if self.changes else 0)
         if since < self.min_samples_between_changes or noise_scale is None:
             return None
-        if not step_time.measured(current // world_size, micro_batches):
+        if not costs.step_time.measured(current // costs.world_size, costs.micro_batches):
             return None  # the current size's steps timed, not extrapolated from smaller ones
-        modelled = self._modelled(current, world_size, step_time, micro_batches, micro_batch_cap)
+        modelled = self._modelled(current, costs)
         if modelled is None:
             return None
         candidate, seconds, seconds_next = modelled
@@ -260,47 +268,32 @@ class NoiseScaleSchedule:
         )
         return candidate, reason
 
-    def cut_every(
-        self,
-        current: int,
-        world_size: int,
-        step_time: StepTimeModel,
-        micro_batches: int,
-        micro_batch_cap: int | None,
-    ) -> int:
+    def cut_every(self, current: int, costs: StepCosts) -> int:
         """Every how many steps one process cuts a step of one micro-batch in two to measure the noise scale at
-        `current` (the arguments are those of `propose`): `measure_every`, or 0 (none) where no noise scale could
+        `current`: `measure_every`, or 0 (none) where no noise scale could
         make a change pay: at `max_size`, or where the next size's modelled speed alone (as with an infinite noise
         scale) does not beat the current one's by the margin. (Spacing the cuts by their measured cost loses
         more than it saves: benchmarks/README.md.)"""
-        if not self.measure_every or self.next_size(current, world_size) is None:
+        if not self.measure_every or self.next_size(current, costs.world_size) is None:
             return 0
-        modelled = self._modelled(current, world_size, step_time, micro_batches, micro_batch_cap)
+        modelled = self._modelled(current, costs)
         if modelled is not None:
             candidate, seconds, seconds_next = modelled
             if goodput_gain(current, seconds, candidate, seconds_next, math.inf) <= 1 + self.margin:
                 return 0
         return self.measure_every
 
-    def _modelled(
-        self,
-        current: int,
-        world_size: int,
-        step_time: StepTimeModel,
-        micro_batches: int,
-        micro_batch_cap: int | None,
-    ) -> tuple[int, float, float] | None:
+    def _modelled(self, current: int, costs: StepCosts) -> tuple[int, float, float] | None:
         """(the next size, the modelled seconds of a step at `current` and at it), or `None` (at the maximum, or
         not yet modelled)."""
-        candidate = self.next_size(current, world_size)
+        candidate = self.next_size(current, costs.world_size)
         if candidate is None:
             return None
-        rows, rows_next = current // world_size, candidate // world_size
-        micro_next = (
-            micro_batches if micro_batch_cap is None else max(micro_batches, -(-rows_next // micro_batch_cap))
-        )
-        seconds = step_time.predict(rows, micro_batches)
-        seconds_next = step_time.predict(rows_next, micro_next)
+        rows, rows_next = current // costs.world_size, candidate // costs.world_size
+        micro_batches, cap = costs.micro_batches, costs.micro_batch_cap
+        micro_next = micro_batches if cap is None else max(micro_batches, -(-rows_next // cap))
+        seconds = costs.step_time.predict(rows, micro_batches)
+        seconds_next = costs.step_time.predict(rows_next, micro_next)
         if seconds is None or seconds_next is None:
             return None
         return candidate, seconds, seconds_next

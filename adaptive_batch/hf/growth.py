@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..core.goodput import NoiseScaleSchedule, StepTimeModel
+from ..core.goodput import NoiseScaleSchedule, StepCosts, StepTimeModel
 from ..core.schedule import Progress
 from ..runtime.engines import Engine
 
@@ -98,15 +98,8 @@ class Growth:
         every = schedule.measure_every  # (checked first: the step time model is fitted only on such steps)
         if not every or step % every != every - 1:
             return False
-        return bool(
-            schedule.cut_every(
-                schedule(Progress(self._first_undrawn(session, step), 0, 0.0)),
-                session.world_size,
-                self.step_time,
-                self._usual_micro_batches,
-                self._micro_batch_cap(session),
-            )
-        )
+        current = schedule(Progress(self._first_undrawn(session, step), 0, 0.0))
+        return bool(schedule.cut_every(current, self._costs(session)))
 
     def after_step(self, session, step: int, timed: bool, split: bool) -> None:
         """Record what the step ran (`timed`: nothing was measured or retried in it), then grow where it pays."""
@@ -135,15 +128,7 @@ class Growth:
         # the size decided last: steps drawn before it took effect still run the one before
         current, samples = schedule(Progress(first, 0, 0.0)), plan.samples_before_step[step + 1]
         noise = session.noise.lower_bound(schedule.confidence_z)
-        proposal = schedule.propose(
-            current,
-            samples,
-            session.world_size,
-            noise,
-            self.step_time,
-            self._usual_micro_batches,
-            self._micro_batch_cap(session),
-        )
+        proposal = schedule.propose(current, samples, noise, self._costs(session))
         size, reason = proposal if proposal is not None else (0, "")
         if session.runner.distributed:
             # timings differ between ranks: the largest proposal holds for all, from the latest undrawn step
@@ -168,11 +153,13 @@ class Growth:
                 new.num_steps,
             )
 
-    def _micro_batch_cap(self, session) -> int | None:
-        """The most rows a micro-batch may hold at a larger step, as far as known (see `NoiseScaleSchedule.propose`)."""
-        return session.controller.larger_step_cap(
+    def _costs(self, session) -> StepCosts:
+        """What prices a larger step: the step times, and the most rows a micro-batch may hold there, as far as
+        the controller knows."""
+        cap = session.controller.larger_step_cap(
             session.runner.last.micro_batch_size, self._usual_micro_batches
         )
+        return StepCosts(self.step_time, session.world_size, self._usual_micro_batches, cap)
 
     # -- checkpoint ------------------------------------------------------------------------------------------------
 
