@@ -283,9 +283,8 @@ class NoiseScale:
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
-        self.skipped = int(state.get("skipped", 0))
-        # (not in checkpoints before it was kept: the next step forgets by its own samples)
-        seen = state.get("samples_seen")
+        self.skipped = int(state["skipped"])
+        seen = state["samples_seen"]  # None before the first step measured
         self.samples_seen = None if seen is None else float(seen)
         self.moments = _Moments(**{k: float(v) for k, v in state["moments"].items()})
 
