@@ -46,7 +46,8 @@ def test_plan_json_counts_steps_samples_and_the_lr_of_each_phase(capsys):
     assert [p["per_device_samples"] for p in result["phases"]] == [8, 16, 32]
     # 512 samples at 16 (the phase ends at 500, inside step 31), 488 at 32 (15 steps and 8), 1000 at 64 (15 and 40)
     assert result["optimizer_steps"] == 32 + 16 + 16
-    assert result["lr_schedule_steps"] == 125
+    # the base LR schedule's length is the plain Trainer's steps at 16: 63 an epoch (62 of 16 and one of 8)
+    assert result["lr_schedule_steps"] == 2 * 63
     # each epoch ends with a short step (8 of 32, 40 of 64); the rule applies to the samples it holds
     assert result["uneven_steps"] == [
         {"step": 47, "samples": 8, "scheduled": 32, "lr_multiplier": pytest.approx(0.5**0.5)},

@@ -91,7 +91,15 @@ def run(options: argparse.Namespace) -> dict:
         dataset_size, tokens_per_epoch = dataset_facts(options.dataset, options.tokenizer)
     schedule = _schedule(options)
     epochs = options.epochs if options.epochs is not None else RunSettings.num_train_epochs  # the Trainer's 3
-    settings = RunSettings(dataset_size, epochs, options.max_steps, options.gpus, options.drop_last)
+    settings = RunSettings(
+        dataset_size,
+        epochs,
+        options.max_steps,
+        options.gpus,
+        options.drop_last,
+        per_device_train_batch_size=options.per_device,
+        gradient_accumulation_steps=options.accumulation,
+    )
     planned = plan_run(schedule, settings, options.lr_scaling)
     budget, plan, clock = planned.budget, planned.plan, planned.clock
     tokens = round(tokens_per_epoch * budget.samples / dataset_size) if tokens_per_epoch is not None else None

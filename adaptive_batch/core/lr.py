@@ -5,11 +5,13 @@ The learning rate at step `k` is
     base_lr * base_schedule(virtual_step(k)) * rule(samples_in_step(k) / starting_effective_batch)
 
 where `base_schedule` is the user's scheduler (warmup, decay, ...) built for `nominal_steps` steps of the starting
-effective batch, and `virtual_step(k)` is where step `k` sits on that schedule when progress is counted in samples:
-`nominal_steps * fraction_of_budget_consumed_before(k)`. With a constant batch it is just `k`; when the batch grows,
-warmup and decay keep their shape in data instead of stretching over the (now fewer) steps. The rule applies to
-the samples the step actually holds: an epoch's short last step of 8 samples in a phase of 16 gets the multiplier
-for 8.
+effective batch, and `virtual_step(k)` is where step `k` sits on that schedule when progress is counted in data:
+the steps of the starting batch that the plain Trainer would have taken to reach the samples consumed before `k`
+(each epoch's steps, its short last one counted as one, as the plain Trainer counts it, then the samples into the
+current epoch over the starting batch). With a constant batch it is exactly `k`, as in the plain Trainer; when the
+batch grows, warmup and decay keep their shape in data instead of stretching over the (now fewer) steps. The rule
+applies to the samples the step actually holds: an epoch's short last step of 8 samples in a phase of 16 gets the
+multiplier for 8.
 
 Rules (Goyal et al. 2017 for linear/SGD; Malladi et al. 2022 for the square root with Adam-family optimizers):
 - `"none"`: the learning rate does not follow the batch;
@@ -103,7 +105,10 @@ class SampleClock:
         plan: the step plan (a growing schedule replaces it).
         rule: a resolved LR rule.
         starting_effective_batch_size: `B0`, the effective batch the rule is relative to.
-        nominal_steps: the length the base schedule is built for: the budget in steps of `B0`.
+        nominal_steps: the length the base schedule is built for: the budget in steps of `B0`, as the plain Trainer
+            counts them.
+        steps_per_epoch: the plain Trainer's steps in one epoch at `B0` (its short last step among them); `None`
+            for a stream, which has no epochs.
 
     Gain rules (`gain_power`, see the module docstring) also take `noise_scale_at(step)`: the noise scale the
     schedule decided the size of `step` on.
@@ -113,17 +118,24 @@ class SampleClock:
     rule: LRRule
     starting_effective_batch_size: int
     nominal_steps: int
+    steps_per_epoch: int | None = None
     gain_power: float | None = None
     noise_scale_at: Callable[[int], float] | None = None
 
     def virtual_step(self, step: int) -> float:
-        """Position of `step` on a schedule of `nominal_steps` steps, by the fraction of the budget consumed.
+        """Position of `step` on the base schedule: the steps of `B0` the data consumed before it takes (see the
+        module docstring). Whole numbers stay exact, so it is exactly `step` whenever the batch is constant.
 
-        Computed as one integer product and one division, so it is exactly `step` whenever the batch is constant.
+        Example: 60 samples an epoch at B0 = 8 are 8 steps (the last of 4); the step starting 16 samples into the
+        second epoch sits at 8 + 16 / 8 = 10.
         """
         if step >= self.plan.num_steps:
             return float(self.nominal_steps)
-        return self.plan.starts[step] * self.nominal_steps / self.plan.budget
+        position, starting = self.plan.starts[step], self.starting_effective_batch_size
+        if self.steps_per_epoch is None:  # a stream: one pass, no epoch ends
+            return position / starting
+        epochs, offset = divmod(position, self.plan.dataset_size)
+        return epochs * self.steps_per_epoch + min(offset / starting, self.steps_per_epoch)
 
     def scale(self, step: int) -> float:
         """The LR multiplier at `step`, for the samples it holds; after the last step, the last step's."""
@@ -144,8 +156,3 @@ class SampleClock:
         """Evaluate the rule at every step size of the plan, so that a bad rule fails before any compute."""
         for samples in sorted(set(self.plan.sizes[self.plan.done_steps :])):
             self.multiplier(samples)
-
-
-def nominal_steps(budget_samples: int, starting_effective_batch_size: int) -> int:
-    """Steps the budget takes at the starting effective batch (the length the base LR schedule is built for)."""
-    return max(1, math.ceil(budget_samples / starting_effective_batch_size))

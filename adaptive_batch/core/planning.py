@@ -3,6 +3,11 @@
 One function, [`plan_run`], used by the Trainer wiring when `train()` starts and by `adaptive-batch plan`, so the
 command prints exactly what the run will do.
 
+The budget means what it means to the plain Trainer: `max_steps` (or `num_train_epochs`) are the plain Trainer's
+steps at the starting effective batch, an epoch's short last step counted as one, and the budget is the samples
+those steps take. So at a constant effective batch the run has the plain Trainer's steps, epochs and learning rate
+exactly; a growing batch takes the same samples in fewer steps.
+
 Pure Python: no torch, no transformers.
 """
 
@@ -11,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .lr import LRRule, SampleClock, gain_power, nominal_steps, resolve_rule
+from .lr import LRRule, SampleClock, gain_power, resolve_rule
+from .plain_trainer import PlainBatching
 from .schedule import Progress, Schedule, check_effective_batch_size
 from .steps import Budget, DoneSteps, StepPlan, build_plan
 
@@ -27,6 +33,9 @@ class RunSettings:
         world_size: data-parallel processes.
         drop_last: `dataloader_drop_last`: an epoch's short last step is dropped.
         unit: what one dataset row is, for messages ("packed rows" under TRL's packing).
+        per_device_train_batch_size, gradient_accumulation_steps: the user's, which decide how the plain Trainer
+            cuts an epoch into steps where their product (x world size) is the starting effective batch; a schedule
+            that starts elsewhere counts steps of it at accumulation 1.
     """
 
     dataset_size: int | None
@@ -35,6 +44,17 @@ class RunSettings:
     world_size: int = 1
     drop_last: bool = False
     unit: str = "samples"
+    per_device_train_batch_size: int | None = None
+    gradient_accumulation_steps: int = 1
+
+    def plain_trainer(self, starting_effective_batch_size: int) -> PlainBatching | None:
+        """The plain Trainer at the starting effective batch (`None` for a stream: it has no epochs)."""
+        if self.dataset_size is None:
+            return None
+        per_device, accumulation = self.per_device_train_batch_size, self.gradient_accumulation_steps
+        if per_device is None or per_device * accumulation * self.world_size != starting_effective_batch_size:
+            per_device, accumulation = max(1, starting_effective_batch_size // self.world_size), 1
+        return PlainBatching(self.dataset_size, per_device, accumulation, self.world_size, self.drop_last)
 
 
 @dataclass
@@ -92,18 +112,12 @@ def plan_run(
     Example:
         ```python
         run = plan_run(PhaseSchedule([8, 16], [0.5]), RunSettings(dataset_size=1000, num_train_epochs=1), "sqrt")
-        run.plan.num_steps  # 94: 63 steps of 8 (the last of 4), then 31 of 16 and one of 4
+        run.plan.num_steps  # 94: 63 steps of 8 to half the samples, then 31 of 16
         ```
     """
     starting = check_effective_batch_size(schedule(Progress(0, 0, 0.0)), where="The schedule at step 0")
-    if settings.max_steps > 0:
-        budget = Budget.from_max_steps(settings.max_steps, starting)
-    elif settings.dataset_size is None:
-        raise ValueError(
-            f"A stream has no epochs to count: plan it by max_steps > 0, not {settings.max_steps}."
-        )
-    else:
-        budget = Budget.from_epochs(settings.num_train_epochs, settings.dataset_size)
+    plain = settings.plain_trainer(starting)
+    budget, nominal = _budget(settings, starting, plain)
     dataset_size = budget.samples if settings.dataset_size is None else settings.dataset_size
     plan = build_plan(
         schedule, dataset_size, budget, settings.world_size, settings.drop_last, done=done, unit=settings.unit
@@ -112,9 +126,33 @@ def plan_run(
         plan,
         resolve_rule(lr_scaling),
         starting,
-        nominal_steps(budget.samples, starting),
+        nominal,
+        steps_per_epoch=plain.steps_per_epoch if plain is not None else None,
         gain_power=gain_power(lr_scaling),
         noise_scale_at=noise_scale_at,
     )
     clock.check()
     return RunPlan(settings, budget, dataset_size, plan, clock, done)
+
+
+def _budget(settings: RunSettings, starting: int, plain: PlainBatching | None) -> tuple[Budget, int]:
+    """The budget in samples and the plain Trainer's steps at `starting` that take it (the base LR schedule's
+    length)."""
+    if plain is None:  # a stream: max_steps steps of the starting batch, read once
+        if settings.max_steps <= 0:
+            raise ValueError(
+                f"A stream has no epochs to count: plan it by max_steps > 0, not {settings.max_steps}."
+            )
+        return Budget.from_max_steps(settings.max_steps, starting), settings.max_steps
+    if settings.max_steps > 0:
+        steps = settings.max_steps
+        origin = (
+            f"max_steps={steps:,} steps of the plain Trainer at the starting effective batch {starting:,} (an "
+            "epoch's short last step counts as one; a growing batch takes the same samples in fewer steps; "
+            "num_train_epochs is ignored, as in the Trainer)"
+        )
+    else:
+        Budget.from_epochs(settings.num_train_epochs, plain.dataset_size)  # (refuses a budget of no epochs)
+        steps = plain.total_steps(settings.num_train_epochs)
+        origin = f"num_train_epochs={settings.num_train_epochs:g} x {plain.dataset_size:,} samples"
+    return Budget(plain.position_after(steps), origin), steps

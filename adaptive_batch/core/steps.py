@@ -112,8 +112,13 @@ class StepPlan:
         return self.end_position(step) % self.dataset_size == 0
 
     def epoch_after(self, step: int) -> float:
-        """Data epochs completed after `step`, as `TrainerState.epoch` reads it: 1.0, 2.0, ... at epoch ends."""
-        return self.end_position(step) / self.dataset_size
+        """Data epochs completed after `step`, as `TrainerState.epoch` reads it: 1.0, 2.0, ... at epoch ends.
+
+        Whole epochs plus the fraction of the current one, added as the plain Trainer adds them, so that the same
+        position gives the same float.
+        """
+        epochs, offset = divmod(self.end_position(step), self.dataset_size)
+        return epochs + offset / self.dataset_size
 
     def max_rows(self, step: int) -> int:
         return math.ceil(self.sizes[step] / self.world_size)

@@ -50,8 +50,9 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     One instance may serve several Trainers in turn (a sweep, a notebook cell run twice): each Trainer gets its
     own plan and state, and the callback follows the Trainer that is training.
 
-    The training budget is counted in samples: `num_train_epochs x dataset size`, or `max_steps x starting
-    effective batch`; a growing batch shortens the run in steps. `state.epoch` follows data epochs (1.0, 2.0, ...
+    The training budget is counted in samples: those the plain Trainer takes in its `max_steps` (or
+    `num_train_epochs`) steps at the starting effective batch, so at a constant batch the steps, epochs and learning
+    rate are the plain Trainer's; a growing batch shortens the run in steps. `state.epoch` follows data epochs (1.0, 2.0, ...
     at their ends) and epoch-strategy evaluation and saving happen once at each data epoch's end.
 
     Logged with every training log (so TensorBoard, W&B and `state.log_history` get them):

@@ -106,7 +106,9 @@ def restore(session, checkpoint: StoredCheckpoint) -> None:
     state = checkpoint.state
     if state is None:  # written by the plain Trainer: its steps are the plan's done steps
         session.tokens_seen, session.last_step = 0, checkpoint.global_step - 1
-        logger.warning("%s", adoption_message(session.plan, checkpoint))
+        args = session.trainer.args
+        same_order = not session.identity.shuffle or bool(args.accelerator_config.use_seedable_sampler)
+        logger.warning("%s", adoption_message(session.plan, checkpoint, same_order))
         return
     session.tokens_seen = int(state["tokens_seen"])
     session.last_step = int(state["last_step"])
@@ -135,7 +137,9 @@ def restore(session, checkpoint: StoredCheckpoint) -> None:
     logger.info("%s", message)
 
 
-def adoption_message(plan, checkpoint: StoredCheckpoint) -> str:
+def adoption_message(plan, checkpoint: StoredCheckpoint, same_order: bool) -> str:
+    """What taking over a plain Trainer's checkpoint means for the samples (`same_order`: the plain Trainer drew
+    the epochs' permutations as AdaptiveBatch does, with accelerate's seedable sampler, its default)."""
     steps = checkpoint.global_step
     position = plan.starts[steps] if steps < plan.num_steps else plan.budget
     samples = plan.samples_before_step[steps]
@@ -146,7 +150,12 @@ def adoption_message(plan, checkpoint: StoredCheckpoint) -> str:
     )
     if position % plan.dataset_size == 0:
         return text + " (it ended on an epoch boundary, so every later epoch sees every sample once)."
+    if same_order:
+        return text + (
+            ", which is the plain Trainer's own (each epoch's permutation drawn as its seedable sampler draws it), "
+            "so the rest of this epoch takes exactly the samples its steps had not."
+        )
     return text + (
-        ", which cannot replay the plain Trainer's: the rest of this epoch may repeat some of its samples and "
-        "miss others; later epochs see every sample once."
+        ", which cannot replay the plain Trainer's (accelerator_config use_seedable_sampler=False): the rest of "
+        "this epoch may repeat some of its samples and miss others; later epochs see every sample once."
     )

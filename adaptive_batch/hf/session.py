@@ -91,6 +91,8 @@ class Session:
             self.world_size,
             args.dataloader_drop_last,
             unit,
+            self.per_device_train_batch_size,
+            self.gradient_accumulation_steps,
         )
         self.run = plan_run(
             schedule,

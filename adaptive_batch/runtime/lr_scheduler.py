@@ -14,8 +14,9 @@ from . import compat
 class SampleClockLR(LambdaLR):
     """A `LambdaLR` giving, at step `k`, `base_lr * base_lambda(clock.virtual_step(k)) * clock.scale(k)`.
 
-    Its state dict holds only the step count and learning rates (plain data, loadable with `weights_only=True`):
-    the lambdas are rebuilt from the plan, which a resumed run rebuilds identically.
+    Its state dict holds only the step count and learning rates (plain data, loadable with `weights_only=True`), in
+    `LambdaLR`'s own layout: the lambdas are rebuilt from the plan, which a resumed run rebuilds identically, and a
+    plain Trainer resuming without AdaptiveBatch loads it into its own scheduler.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, base_lambdas: list[Callable], clock: SampleClock):
@@ -23,7 +24,11 @@ class SampleClockLR(LambdaLR):
         super().__init__(optimizer, [_clocked(fn, clock) for fn in base_lambdas])
 
     def state_dict(self) -> dict:
-        return compat.lambda_lr_state(self, leave_out=("optimizer", "lr_lambdas", "clock"))
+        state = compat.lambda_lr_state(self, leave_out=("optimizer", "lr_lambdas", "clock"))
+        # as LambdaLR writes it for lambdas that are plain functions, so that a plain Trainer (a LambdaLR of its own
+        # lambdas) can load it and go on from this step
+        state["lr_lambdas"] = [None] * len(self.lr_lambdas)
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.__dict__.update({key: value for key, value in state_dict.items() if key != "lr_lambdas"})

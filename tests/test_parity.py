@@ -1,0 +1,117 @@
+"""Parity with the plain Trainer: what the user did not ask to change stays as the plain Trainer has it (its steps,
+epochs, checkpoints, learning rate and samples), and a checkpoint moves between the two."""
+
+import pytest
+from helpers import ORDER_ONLY, Recording, assert_close_parameters, parameters, step_logs
+
+from adaptive_batch import AdaptiveBatch, PhaseSchedule
+
+RUN = dict(num_rows=60, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-2)
+
+
+def samples_per_step(trainer) -> list[list[tuple[int, ...]]]:
+    """The rows (their tokens) each optimizer step trained on, sorted: what a step took, whatever its cut."""
+    steps: dict[int, list] = {}
+    for step, _, _, _, content in trainer.micro_batches:
+        steps.setdefault(step, []).extend(content)
+    return [sorted(steps[k]) for k in sorted(steps)]
+
+
+def saved_steps(path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in path.glob("checkpoint-*"))
+
+
+@pytest.mark.parametrize(
+    "budget",
+    [
+        dict(max_steps=10),  # 60 rows at 8: 7 steps of 8 and one of 4 an epoch, then 2 steps into the second
+        dict(num_train_epochs=1.5),  # 1.5 x 8 steps an epoch = 12, as the plain Trainer rounds it
+        dict(num_train_epochs=2, lr_scheduler_type="cosine", warmup_steps=3),
+    ],
+)
+def test_a_constant_batch_runs_the_plain_trainers_steps_epochs_checkpoints_lr_and_samples(
+    make_trainer, tmp_path, budget
+):
+    def run(callbacks, name):
+        trainer = make_trainer(
+            callbacks,
+            trainer_class=Recording,
+            save_strategy="steps",
+            save_steps=5,
+            output_dir=str(tmp_path / name),
+            **RUN,
+            **budget,
+        )
+        trainer.train()
+        return trainer
+
+    plain = run([], "plain")
+    adaptive = AdaptiveBatch(micro_batch_size=4)
+    ours = run([adaptive], "adaptive")
+    assert ours.state.global_step == plain.state.global_step
+    assert ours.state.epoch == plain.state.epoch
+    assert saved_steps(tmp_path / "adaptive") == saved_steps(tmp_path / "plain")
+    # the learning rate of every step, bit for bit
+    assert [log["learning_rate"] for log in step_logs(ours)] == [
+        log["learning_rate"] for log in step_logs(plain)
+    ]
+    assert samples_per_step(ours) == samples_per_step(plain)
+    steps = dict(adaptive.plan_table())["optimizer steps"]
+    assert steps == f"{plain.state.global_step:,}"  # no "(the plain Trainer: ...)": the same
+
+
+def test_a_growing_batch_takes_the_samples_of_the_plain_trainers_max_steps(make_trainer):
+    # the plain Trainer's 10 steps at 8 take 76 samples (an epoch's short last step counts as one step)
+    adaptive = AdaptiveBatch(schedule=PhaseSchedule([8, 16], boundaries=[0.5]))
+    make_trainer([adaptive], max_steps=10, **RUN)
+    plan = adaptive.plan
+    assert plan.num_samples == 76 and plan.num_steps < 10
+    origin = dict(adaptive.plan_table())["samples"]
+    assert origin.startswith(
+        "76 from max_steps=10 steps of the plain Trainer at the starting effective batch 8"
+    )
+
+
+def test_a_checkpoint_written_with_the_plugin_resumes_in_a_plain_trainer(make_trainer, tmp_path):
+    # leaving the plugin: the plain Trainer loads its scheduler and goes on at the same step, LR and samples
+    settings = dict(
+        RUN,
+        **{**ORDER_ONLY, "learning_rate": 0.05},
+        num_train_epochs=2,
+        trainer_class=Recording,
+        save_strategy="steps",
+        save_steps=5,
+    )
+    whole = make_trainer(output_dir=str(tmp_path / "whole"), **settings)
+    whole.train()
+    with_plugin = make_trainer(
+        [AdaptiveBatch(micro_batch_size=4)], output_dir=str(tmp_path / "ours"), **settings
+    )
+    with_plugin.train()
+    left = make_trainer(output_dir=str(tmp_path / "left"), **settings)
+    left.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-5"))
+
+    def after(trainer, key):
+        return [log[key] for log in step_logs(trainer) if log["step"] > 5]
+
+    assert left.state.global_step == whole.state.global_step == 16
+    assert after(left, "learning_rate") == after(whole, "learning_rate")
+    assert samples_per_step(left) == samples_per_step(whole)[5:]
+    # the first five steps were cut otherwise (longest rows first): the same sums, in another order
+    assert_close_parameters(parameters(left.model), parameters(whole.model))
+
+
+def test_a_plain_checkpoint_taken_over_mid_epoch_trains_the_rest_of_the_epoch_exactly(make_trainer, tmp_path):
+    # taking the plugin up: AdaptiveBatch draws each epoch's permutation as the plain Trainer's seedable sampler does
+    settings = dict(RUN, num_train_epochs=1, trainer_class=Recording, save_strategy="steps", save_steps=3)
+    plain = make_trainer(output_dir=str(tmp_path / "plain"), **settings)
+    plain.train()
+    adopted = make_trainer(
+        [AdaptiveBatch(micro_batch_size=3)], output_dir=str(tmp_path / "adopted"), **settings
+    )
+    adopted.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-3"))
+    first, rest = samples_per_step(plain)[:3], samples_per_step(adopted)
+    assert rest == samples_per_step(plain)[3:]
+    assert sorted(row for step in first + rest for row in step) == sorted(
+        tuple(row["input_ids"]) for row in plain.train_dataset
+    )  # every sample of the epoch once
