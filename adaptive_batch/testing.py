@@ -90,6 +90,8 @@ class FakeOutOfMemory:
         only_after_calls: let this many oversized forwards pass first (an OOM that appears late, e.g. after
             fragmentation).
         max_tokens: the largest number of tokens, rows x length as padded, that "fits" (`None`: any).
+        times: raise at most this many times (`None`: every time): a transient error, such as one long step or a
+            fragmented moment gives.
 
     Attributes:
         sizes: the rows of every forward the model was called with, in order (oversized ones included).
@@ -104,8 +106,10 @@ class FakeOutOfMemory:
         in_backward: bool = False,
         only_after_calls: int = 0,
         max_tokens: int | None = None,
+        times: int | None = None,
     ):
         self.max_rows = max_rows
+        self.times_left = times
         self.max_tokens = max_tokens
         self.in_backward = in_backward
         self.passes_left = only_after_calls
@@ -127,6 +131,10 @@ class FakeOutOfMemory:
         if self.passes_left > 0:
             self.passes_left -= 1
             return output
+        if self.times_left is not None:
+            if self.times_left == 0:
+                return output
+            self.times_left -= 1
         self.raised.append(rows)
         if not self.in_backward:
             raise torch.OutOfMemoryError(f"CUDA out of memory (fake: {rows} rows of {tokens} tokens).")

@@ -260,3 +260,31 @@ def test_the_budget_waits_for_the_measured_overhead_before_it_stops_growing():
     assert controller.max_tokens == 200 and controller.tuning
     controller.end_step(bound=False)
     assert not controller.exploring and controller.max_tokens == 200
+
+
+def test_a_halved_budget_is_tried_again_after_one_step_and_twice_at_most():
+    from adaptive_batch.core.microbatch import StepMemory
+
+    controller = TokenController(128, overhead=0)
+    controller.on_out_of_memory(rows=3, padded_tokens=60)
+    assert controller.max_tokens == 30
+    notice = controller.end_step(bound=False, memory=StepMemory(2, tokens=30))
+    assert controller.max_tokens == 128 and notice.startswith("Trying the token budget of 128 again")
+    # it fails again, at 92 tokens: never above half the smallest that failed, and not tried again
+    controller.on_out_of_memory(rows=3, padded_tokens=92)
+    assert controller.max_tokens == 30
+    assert (
+        controller.end_step(bound=False, memory=StepMemory(2, tokens=30)) is None
+        and controller.max_tokens == 30
+    )
+
+
+def test_allocator_thrash_halves_the_budget_under_the_largest_micro_batch():
+    from adaptive_batch.core.microbatch import StepMemory
+
+    controller = TokenController(1000, overhead=0)
+    notice = controller.end_step(bound=False, memory=StepMemory(4, tokens=800, thrashed=True))
+    assert controller.max_tokens == 400 and notice.startswith("Allocator thrash at 800 padded tokens")
+    restored = TokenController(1000, overhead=0)
+    restored.load_state_dict(controller.state_dict())
+    assert (restored.max_tokens, restored.shrunk_from) == (400, 1000)

@@ -1,6 +1,8 @@
 import pytest
 
-from adaptive_batch.core.rows import MicroBatchTooLargeError, RowController, even_chunk, predict_peak
+from adaptive_batch.core.fit import predict_peak
+from adaptive_batch.core.microbatch import MicroBatchTooLargeError, StepMemory
+from adaptive_batch.core.rows import FIXED, MAX_FAILURES, REGROW_AFTER_STEPS, RowController, even_chunk
 
 
 def run_step(controller, rows, speed, tokens_per_row=100, oom_at=None):
@@ -198,3 +200,84 @@ def test_a_search_that_stopped_at_a_step_s_rows_goes_on_when_steps_grow():
     assert not controller.exploring and controller.larger_step_cap() is None
     controller.set_row_limit(32)
     assert controller.trial == 16 and controller.larger_step_cap() is None
+
+
+# -- after an out-of-memory error: one step at half, then the size again (at most MAX_FAILURES times) ----------------
+
+
+def test_a_size_that_ran_and_then_failed_is_tried_again_after_one_step():
+    controller = RowController(8, auto=False, row_limit=8)
+    controller.on_out_of_memory(8)  # a long step, or a fragmented moment
+    assert controller.size == 4 and controller.settled_because == "8 ran out of memory"
+    notices = [controller.end_step(StepMemory(4)) for _ in range(REGROW_AFTER_STEPS)]
+    assert controller.size == 8 and controller.settled_because == FIXED
+    assert notices[-1].startswith("Trying micro-batch 8 again: it failed 1 time(s)")
+    for _ in range(MAX_FAILURES - 1):  # it fails again: the size stays below from then on
+        controller.on_out_of_memory(8)
+    assert [controller.end_step(StepMemory(4)) for _ in range(5)] == [None] * 5 and controller.size == 4
+
+
+def test_a_size_is_tried_again_only_where_the_peaks_measured_since_say_it_fits():
+    controller = RowController(8, auto=False, row_limit=8, memory_limit=1_000)
+    controller.on_out_of_memory(8)
+    # at 4 rows of 100 tokens the step peaked at 600 bytes: 8 rows would need up to 1,200, over the limit
+    assert controller.end_step(StepMemory(4, tokens=400, peak_bytes=600)) is None and controller.size == 4
+    fitting = RowController(8, auto=False, row_limit=8, memory_limit=1_000)
+    fitting.on_out_of_memory(8)
+    assert fitting.end_step(StepMemory(4, tokens=400, peak_bytes=450)) and fitting.size == 8  # up to 900
+
+
+def test_allocator_thrash_steps_down_without_running_the_step_again():
+    controller = RowController(16, auto=False, row_limit=16)
+    notice = controller.end_step(StepMemory(16, tokens=1600, peak_bytes=None, thrashed=True))
+    assert controller.size == 8 and notice == "Allocator thrash at micro-batch 16: the next steps run at 8."
+    assert controller.settled_because == "16 made the allocator free its cache to retry (allocator thrash)"
+    state = controller.state_dict()  # what a resumed run needs to try 16 again on time
+    restored = RowController(16, auto=False, row_limit=16)
+    restored.load_state_dict(state)
+    assert (restored.shrunk_from, restored.steps_since_shrink) == (16, 0)
+
+
+def test_the_settled_message_names_the_limit_it_reached():
+    capped = RowController(4, auto=True, max_size=8, row_limit=64)
+    for size in (4, 4, 8, 8):
+        capped.record(size, 1.0 / size, 100)  # each doubling twice as fast
+    assert capped.settled_because == "it reached max_micro_batch_size=8"
+    step = RowController(4, auto=True, row_limit=8)
+    for size in (4, 4, 8, 8):
+        step.record(size, 1.0 / size, 100)
+    assert step.settled_because == "it reached the 8 rows a step holds on a rank"
+
+
+class Sequences:
+    """A padding-free step batch as the controllers see it: sequences of these lengths."""
+
+    packed = True
+
+    def __init__(self, lengths):
+        self.lengths_list, self.rows = lengths, len(lengths)
+
+
+def test_packed_rows_are_cut_into_runs_of_whole_sequences_of_their_tokens():
+    # 2 packed rows of 100 tokens a micro-batch: sequences of 60, 50, 40 (150), then 90, 30, 20 (140)
+    controller = RowController(2, auto=False, row_limit=8, row_tokens=100)
+    cut = controller.cut(Sequences([60, 50, 40, 90, 30, 20]), max_rows=6, agree=lambda values: values)
+    assert [(m.start, m.rows, m.size, m.timed, m.last) for m in cut] == [
+        (0, 3, 2, False, False),
+        (3, 3, 2, False, True),
+    ]
+    # a rank with fewer runs as many micro-batches as the one with most: a row that adds nothing
+    cut = controller.cut(Sequences([60, 50, 40, 90, 30, 20]), max_rows=6, agree=lambda values: [3])
+    assert [(m.start, m.rows, m.last) for m in cut] == [(0, 3, False), (3, 3, False), (0, 0, True)]
+    assert "packed rows" in controller.describe() and controller.unit == "packed rows"
+
+
+def test_a_packed_trial_times_the_steps_first_micro_batches_at_its_size():
+    controller = RowController(1, auto=True, row_limit=8, row_tokens=100)  # trial 1, timed twice
+    cut = list(controller.cut(Sequences([90, 80, 70, 60]), max_rows=4, agree=lambda values: values))
+    assert [(m.rows, m.size, m.timed) for m in cut] == [
+        (1, 1, True),
+        (1, 1, True),
+        (1, 1, False),
+        (1, 1, False),
+    ]

@@ -24,18 +24,21 @@ def test_the_step_runs_again_at_half_until_it_fits(make_trainer, in_backward):
     reference, _ = run(make_trainer, micro_batch_size=2)
     trainer, watcher = run(make_trainer, micro_batch_size=8, max_rows=3, in_backward=in_backward)
     assert watcher.sizes[:6] == [8, 4, 2, 2, 2, 2]
-    assert watcher.raised == [8, 4]
-    assert watcher.sizes[6:] == [2] * 12  # the next three steps start at the size that ran
+    # the next step tries 4 (the size that failed last) once more; failed twice, it is not tried again
+    assert watcher.sizes[6:11] == [4, 2, 2, 2, 2]
+    assert watcher.raised == [8, 4, 4]
+    assert watcher.sizes[11:] == [2] * 8  # the last two steps at the size that ran
     assert logged(trainer, "adaptive_batch/micro_batch_size") == [2, 2, 2, 2]
     # the failed attempts left nothing behind: the run is the one at 2 from the start, bit for bit
     assert_same_parameters(trainer.model, reference.model)
     assert logged(trainer, "loss") == logged(reference, "loss")
 
 
-def test_a_late_out_of_memory_shrinks_from_there_on(make_trainer, tmp_path):
+def test_an_out_of_memory_error_that_comes_back_shrinks_from_there_on(make_trainer, tmp_path):
     trainer, watcher = run(make_trainer, micro_batch_size=8, max_rows=7, only_after_calls=2)
-    assert watcher.sizes == [8, 8, 8, 4, 4, 4, 4]  # steps 1-2 at 8; step 3 fails at 8, runs as 4+4; step 4
-    assert watcher.raised == [8]
+    # steps 1-2 at 8; step 3 fails at 8, runs as 4+4; step 4 tries 8 again, fails again, runs as 4+4
+    assert watcher.sizes == [8, 8, 8, 4, 4, 8, 4, 4]
+    assert watcher.raised == [8, 8]
     assert trainer.state.global_step == 4
     # the run it should equal: two steps at 8, then 4 from step 3 on (a resume with micro_batch_size=4 stated)
     run(make_trainer, micro_batch_size=8, output_dir=tmp_path / "at8")
@@ -44,6 +47,17 @@ def test_a_late_out_of_memory_shrinks_from_there_on(make_trainer, tmp_path):
     assert logged(reference, "adaptive_batch/micro_batch_size") == [8, 8, 4, 4]
     assert logged(trainer, "adaptive_batch/micro_batch_size") == [8, 8, 4, 4]
     assert_same_parameters(trainer.model, reference.model)
+
+
+def test_a_transient_out_of_memory_error_costs_one_step(make_trainer, caplog):
+    # one long step, or a fragmented moment: the size halves for the step that failed, then comes back
+    reference, _ = run(make_trainer, micro_batch_size=8)
+    with caplog.at_level("WARNING", logger="adaptive_batch"):
+        trainer, watcher = run(make_trainer, micro_batch_size=8, max_rows=7, only_after_calls=1, times=1)
+    assert watcher.raised == [8]
+    assert logged(trainer, "adaptive_batch/micro_batch_size") == [8, 4, 8, 8]
+    assert "Trying micro-batch 8 again" in caplog.text
+    assert logged(trainer, "adaptive_batch/samples_seen") == logged(reference, "adaptive_batch/samples_seen")
 
 
 def test_growth_stops_below_the_size_that_ran_out(make_trainer, fixed_rows):
@@ -82,3 +96,19 @@ def test_errors_that_are_not_out_of_memory_propagate(make_trainer):
     trainer.model.register_forward_hook(broken, with_kwargs=True)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         trainer.train()
+
+
+def test_allocator_thrash_in_a_step_halves_the_micro_batch_for_the_next(make_trainer, monkeypatch, caplog):
+    # the caching allocator freeing its cache to retry an allocation (CUDA's num_alloc_retries rising) warns of an
+    # error to come: the next step runs at half, without running this one again; then the size is tried again
+    from adaptive_batch.runtime import step
+
+    readings = iter([0, 0, 0, 1] + [1] * 100)  # before and after each step: it rises during the second
+    monkeypatch.setattr(step, "alloc_retries", lambda device: next(readings))
+    monkeypatch.setattr(step, "peak_allocated", lambda device: 1.0)  # as on CUDA: the step's memory is read
+    trainer = make_trainer([AdaptiveBatch(micro_batch_size=8)], num_rows=32)
+    with caplog.at_level("WARNING", logger="adaptive_batch"):
+        trainer.train()
+    assert logged(trainer, "adaptive_batch/micro_batch_size") == [8, 8, 4, 8]
+    assert "Allocator thrash at micro-batch 8: the next steps run at 4." in caplog.text
+    assert logged(trainer, "adaptive_batch/samples_seen") == [8, 16, 24, 32]

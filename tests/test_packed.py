@@ -219,6 +219,51 @@ def test_trl_packing_with_the_one_line_trains_as_whole_packed_steps(tokenizer, t
     assert_close_parameters(parameters(cut.model), parameters(whole.model), rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"micro_batch_size": 64}, {"max_tokens_per_micro_batch": 1024}],
+    ids=["auto", "rows", "tokens"],
+)
+def test_trl_packing_runs_a_step_the_plain_trainer_runs_whole_as_one_forward(
+    tokenizer, texts, tmp_path, settings
+):
+    # the sizes count packed rows, as per_device_train_batch_size does: 8 rows of max_length 64 are one forward
+    from datasets import Dataset
+    from helpers import RecordingMixin
+    from trl import SFTConfig, SFTTrainer
+
+    class RecordingSFT(RecordingMixin, SFTTrainer):
+        pass
+
+    adaptive = AdaptiveBatch(**settings)
+    args = SFTConfig(
+        output_dir=str(tmp_path / "packed"),
+        packing=True,
+        max_length=64,
+        per_device_train_batch_size=8,
+        max_steps=4,
+        **QUIET_CPU_RUN,
+        bf16=False,
+    )
+    trainer = RecordingSFT(
+        model=tiny_llama(tokenizer),
+        args=args,
+        train_dataset=Dataset.from_dict({"text": texts[:72]}),
+        processing_class=tokenizer,
+        callbacks=[adaptive],
+    )
+    trainer.train()
+    assert [step for step, *_ in trainer.micro_batches] == [0, 1, 2, 3]  # one forward a step
+    now = adaptive.current()
+    if "max_tokens_per_micro_batch" not in settings:
+        assert now["micro_batch_size"] == 8  # packed rows, as logged
+        assert now["micro_batch_settled_because"] in (
+            "it reached the 8 packed rows a step holds on a rank",
+            "fixed by micro_batch_size",
+        )
+        assert "packed rows" in dict(adaptive.plan_table())["micro-batch"]
+
+
 # -- a padding collator's rows run padding-free (padding_free=True) ---------------------------------------------------
 
 

@@ -6,7 +6,10 @@
   row and sized by the longest rows' memory).
 - Otherwise by rows ([`rows.RowController`]): rows of one length, lengths that cannot be read before training, and
   padding-free sequences (with sdpa a larger packed micro-batch can be slower, its mask being quadratic in all its
-  tokens, so their sizes are chosen by measured speed).
+  tokens, so their sizes are chosen by measured speed). Rows are the dataset's: where TRL's packing puts several
+  sequences in each row and the collator flattens a step into one row of them, a micro-batch of `n` rows is a run
+  of whole sequences of at most `n x max_length` tokens, so that `per_device_train_batch_size`, `micro_batch_size`
+  and `max_micro_batch_size` all count packed rows, and a step the plain Trainer runs as one forward starts as one.
 
 Pure Python: no torch, no transformers.
 """
@@ -31,6 +34,9 @@ class RunFacts(Protocol):
     longest_row: int  # tokens of the dataset's longest row (at most max_length)
     memory_limit: float | None  # bytes a micro-batch's peak may reach (None: unknown, as on the CPU)
     oom_is_fatal: bool  # an out-of-memory error cannot be retried (several processes under ZeRO or FSDP2)
+    packed_row_tokens: (
+        int | None
+    )  # tokens of a packed row (TRL's packing: its max_length); None: rows are not packed
 
 
 def controller_for(config: AdaptiveBatchConfig, facts: RunFacts, row_limit: int) -> CutController:
@@ -57,6 +63,7 @@ def controller_for(config: AdaptiveBatchConfig, facts: RunFacts, row_limit: int)
         growth_margin=config.growth_margin,
         memory_limit=facts.memory_limit,
         oom_is_fatal=facts.oom_is_fatal,
+        row_tokens=facts.packed_row_tokens,
     )
 
 

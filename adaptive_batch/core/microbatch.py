@@ -39,6 +39,19 @@ class MicroBatch:
     last: bool = False
 
 
+@dataclass(frozen=True)
+class StepMemory:
+    """What a step's end tells the controller about memory: the largest micro-batch it ran (`largest` in the
+    controller's unit, `tokens` as run), the step's peak bytes (`None` where not measured: the CPU), and whether the
+    caching allocator had to free its cache to retry an allocation during the step (`thrashed`: memory is nearly
+    full, and the next allocation may fail)."""
+
+    largest: int = 0
+    tokens: int = 0
+    peak_bytes: float | None = None
+    thrashed: bool = False
+
+
 class Cut(Protocol):
     """The micro-batches of one step, as one controller cuts it."""
 
@@ -50,8 +63,8 @@ class Cut(Protocol):
     def failed_rows(self, micro: MicroBatch, report) -> int:
         """The rows of the micro-batch that ran out of memory (on any rank)."""
 
-    def finish(self) -> None:
-        """The step ran to its end."""
+    def finish(self, memory: StepMemory) -> str | None:
+        """The step ran to its end; returns a line to log where the controller changed its size for memory."""
 
 
 class CutController(Protocol):

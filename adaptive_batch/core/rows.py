@@ -5,8 +5,8 @@ any sizes. The controller starts from the user's per-device batch and, with `aut
 tokens per second improve by more than `growth_margin` (1%: on an H200, QLoRA 7B, 8 -> 16 -> 32 -> 64 samples
 gain a few percent each). It measures *inside* steps: a trial size runs up to `repeats` micro-batches of that size
 and is timed, while the rest of the step uses the best size known so far, so finding the size costs about one step,
-not one step per size. An out-of-memory error caps the size for good and halves it; the
-step is then run again from its first micro-batch.
+not one step per size. An out-of-memory error halves the size and runs the step again from its first micro-batch;
+a size that had run is tried again a step later (see `RowController`), a trial size that failed never again.
 
 Its unit is rows: the samples of a step, or the sequences of a padding-free one. Cutting by padded tokens instead
 (rows of varying length) is [`tokens.TokenController`]; both follow [`microbatch.CutController`].
@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from .fit import predict_peak
-from .microbatch import MicroBatch, MicroBatchTooLargeError
+from .microbatch import MicroBatch, MicroBatchTooLargeError, StepMemory
 
 
 def even_chunk(remaining: int, size: int) -> int:
@@ -32,8 +32,9 @@ def even_chunk(remaining: int, size: int) -> int:
 
 
 DECISIVE = 5  # a gain of this many margins needs no second measurement
-ROWS_REACHED = "it reached max_micro_batch_size or the rows of a step"
 FIXED = "fixed by micro_batch_size"
+REGROW_AFTER_STEPS = 1  # steps run at the halved size before the size that ran out of memory is tried again
+MAX_FAILURES = 2  # out-of-memory errors (or allocator thrash) at a size after which it is not tried again
 
 
 class RowController:
@@ -52,6 +53,14 @@ class RowController:
         oom_is_fatal: an out-of-memory error cannot be retried (several processes under FSDP2 or DeepSpeed): a
             trial runs only where memory predicts it fits even before two sizes are measured ([`predict_peak`]'s
             `cautious` bound), and not at all before one is.
+        row_tokens: for packed rows (TRL's `packing=True`: each dataset row holds several sequences, and the
+            collator flattens a step into one row of them), the tokens of one row (its `max_length`): a micro-batch
+            of `size` rows is then a run of whole sequences of at most `size x row_tokens` tokens.
+
+    After an out-of-memory error at a size that had run (a long step, a fragmented moment), the size halves and the
+    step runs again; `REGROW_AFTER_STEPS` steps later the size that failed is tried again where the peaks measured
+    since say it fits, until it has failed `MAX_FAILURES` times. Allocator thrash (the caching allocator freeing its
+    cache to retry an allocation, seen at a step's end) steps down the same way, without running the step again.
     """
 
     def __init__(
@@ -64,6 +73,7 @@ class RowController:
         repeats: int = 2,
         memory_limit: float | None = None,
         oom_is_fatal: bool = False,
+        row_tokens: int | None = None,
     ):
         limit = min(x for x in (max_size, row_limit) if x is not None) if (max_size or row_limit) else None
         self.auto = auto
@@ -81,9 +91,13 @@ class RowController:
         self.throughput: dict[int, float] = {}
         self.memory_points: list[tuple[float, float]] = []  # (tokens in the micro-batch, peak bytes)
         self.oom_sizes: list[int] = []
+        self.row_tokens = row_tokens
+        self.unit = "packed rows" if row_tokens else "rows"
+        self.stopped_by_limit = False  # the search stopped at max_micro_batch_size or a step's rows
+        self.shrunk_from: int | None = None  # a size that ran, then ran out of memory: tried again later
+        self.steps_since_shrink = 0
 
     kind = "rows"
-    unit = "rows"
     max_tokens = None  # no token budget: the cut counts rows
 
     # -- what to run -------------------------------------------------------------------------------------------
@@ -96,10 +110,12 @@ class RowController:
     def first_micro_batch_size(self) -> int:
         return self.size
 
-    def cut(self, batch, max_rows: int, agree=None, row_cap: int | None = None) -> RowCut:
+    def cut(self, batch, max_rows: int, agree=None, row_cap: int | None = None) -> RowCut | PackedRowCut:
         """The micro-batches of a step whose batch holds `batch.rows` rows on this rank and `max_rows` on the rank
-        with most (`agree` is not needed: every rank runs the same sizes), at most `row_cap` rows each (for this
-        step only)."""
+        with most (every rank runs the same sizes), at most `row_cap` rows each (for this step only). A step of
+        packed rows flattened into sequences is cut between them, each rank its own ([`PackedRowCut`])."""
+        if self.row_tokens and batch.packed:
+            return PackedRowCut(self, batch, agree, row_cap)
         return RowCut(self, batch.rows, max_rows, row_cap)
 
     def next_size(self, remaining: int) -> int:
@@ -126,7 +142,8 @@ class RowController:
             self._decide(size, tokens / size)
 
     def on_out_of_memory(self, size: int, padded_tokens: int | None = None) -> None:
-        """A micro-batch of `size` ran out of memory: never use `size` or more again, fall back, retry the step.
+        """A micro-batch of `size` ran out of memory: a trial never runs again, a size that had run halves (and is
+        tried again later, see the class docstring); the step runs again.
 
         Raises:
             MicroBatchTooLargeError: if `size` is 1.
@@ -139,13 +156,45 @@ class RowController:
         if size > self.size:  # a trial above the last size known to run: go back to it
             self._settle(f"{size} ran out of memory")
         else:
-            self.size = size // 2
-            self._settle(f"{size} ran out of memory")
+            self._shrink(size, f"{size} ran out of memory")
+
+    def end_step(self, memory: StepMemory) -> str | None:
+        """A step ran to its end, with `memory` measured over it; returns a line to log where the size changed
+        (a step down for allocator thrash, or the size that ran out of memory tried again)."""
+        if memory.peak_bytes is not None and memory.tokens > 0:
+            self.memory_points.append((float(memory.tokens), float(memory.peak_bytes)))
+        if memory.thrashed and memory.largest > 1 and self.trial is None:
+            size = min(memory.largest, self.size)
+            self.oom_sizes.append(size)
+            self._shrink(size, f"{size} made the allocator free its cache to retry (allocator thrash)")
+            return f"Allocator thrash at micro-batch {size}: the next steps run at {self.size}."
+        if self.shrunk_from is None:
+            return None
+        self.steps_since_shrink += 1
+        size, per_row = self.shrunk_from, memory.tokens / max(1, self.size)
+        if self.steps_since_shrink < REGROW_AFTER_STEPS or not self._predicted_to_fit(size * per_row, True):
+            return None
+        self.size, self.shrunk_from = size, None
+        if not self.auto:
+            self.settled_because = FIXED
+        failures = sum(1 for failed in self.oom_sizes if failed <= size)
+        return (
+            f"Trying micro-batch {size} again: it failed {failures} time(s), which may have been one long step or a "
+            f"fragmented moment; after {MAX_FAILURES} failures the size stays below it."
+        )
 
     def retry_message(self, rows: int, padded_tokens: int | None) -> str:
         return f"Out of memory at micro-batch {rows}; running the step again at {self.size}."
 
     # -- decisions ---------------------------------------------------------------------------------------------
+
+    def _shrink(self, size: int, because: str) -> None:
+        """`size` had run and failed: halve it; try it again later unless it failed too often."""
+        self.size = size // 2
+        self._settle(because)
+        failures = sum(1 for failed in self.oom_sizes if failed <= size)
+        self.shrunk_from = size if failures < MAX_FAILURES else None
+        self.steps_since_shrink = 0
 
     def _decide(self, trial: int, tokens_per_row: float) -> None:
         previous = self.size if self.size != trial else None
@@ -163,7 +212,7 @@ class RowController:
         if self.oom_sizes and bigger >= min(self.oom_sizes):
             self._settle(f"{min(self.oom_sizes)} ran out of memory")
         elif bigger <= trial:
-            self._settle(ROWS_REACHED)
+            self._settle(self._limit_text(trial), by_limit=True)
         elif not self._predicted_to_fit(bigger * tokens_per_row):
             self._settle(f"{bigger} is predicted to exceed the memory limit")
         else:
@@ -175,14 +224,22 @@ class RowController:
             1 + DECISIVE * self.growth_margin
         )
 
-    def _settle(self, because: str) -> None:
+    def _settle(self, because: str, by_limit: bool = False) -> None:
         self.trial = None
         self.settled_because = because
+        self.stopped_by_limit = by_limit
 
-    def _predicted_to_fit(self, tokens: float) -> bool:
+    def _limit_text(self, size: int) -> str:
+        """Why the search stopped at `size`, naming the limit it reached."""
+        if self.max_size is not None and size >= self.max_size:
+            return f"it reached max_micro_batch_size={self.max_size}"
+        return f"it reached the {self.row_limit} {self.unit} a step holds on a rank"
+
+    def _predicted_to_fit(self, tokens: float, cautious: bool = False) -> bool:
         if self.memory_limit is None:
             return True
-        return predict_peak(self.memory_points, tokens, cautious=self.oom_is_fatal) <= self.memory_limit
+        cautious = cautious or self.oom_is_fatal
+        return predict_peak(self.memory_points, tokens, cautious=cautious) <= self.memory_limit
 
     def set_row_limit(self, row_limit: int) -> None:
         """A step now holds up to `row_limit` rows on a rank (a new plan). Where the effective batch grew, a search
@@ -192,7 +249,7 @@ class RowController:
         if self.trial is not None or old is None or row_limit <= old:
             return
         fixed = self.settled_because == FIXED
-        if not fixed and self.settled_because != ROWS_REACHED:
+        if not fixed and not self.stopped_by_limit:
             return
         bigger = min(self.start if fixed else 2 * self.size, row_limit, self.max_size or row_limit)
         if bigger <= self.size or (self.oom_sizes and bigger >= min(self.oom_sizes)):
@@ -209,7 +266,7 @@ class RowController:
             self.settled_because == FIXED
         ):  # (an out-of-memory error settles it otherwise: see `on_out_of_memory`)
             return self.start if self.max_size is None else min(self.start, self.max_size)
-        if self.settled_because is not None and self.settled_because != ROWS_REACHED:
+        if self.settled_because is not None and not self.stopped_by_limit:
             return self.size
         return self.max_size
 
@@ -234,6 +291,11 @@ class RowController:
             text = f"{self.size}" + ("" if self.auto else " (fixed)")
         if self.max_size:
             text += f", at most {self.max_size}"
+        if self.row_tokens:
+            text += (
+                f" packed rows (a run of whole sequences of at most {self.row_tokens:,} tokens a row; the plain "
+                "Trainer runs per_device_train_batch_size of them in one forward)"
+            )
         return text + "; " + out_of_memory_text(self.oom_is_fatal, "shrinks and retries the step")
 
     def accumulation_text(self, per_rank_sizes: list[int], user_accumulation: int) -> str:
@@ -252,6 +314,9 @@ class RowController:
             "trial": self.trial,
             "trial_left": self.trial_left,
             "settled_because": self.settled_because,
+            "stopped_by_limit": self.stopped_by_limit,
+            "shrunk_from": self.shrunk_from,
+            "steps_since_shrink": self.steps_since_shrink,
             "throughput": {str(size): value for size, value in self.throughput.items()},
             "memory_points": [list(point) for point in self.memory_points],
             "oom_sizes": list(self.oom_sizes),
@@ -262,6 +327,9 @@ class RowController:
         self.trial = None if state["trial"] is None else int(state["trial"])
         self.trial_left = int(state["trial_left"])
         self.settled_because = state["settled_because"]
+        self.stopped_by_limit = bool(state["stopped_by_limit"])
+        self.shrunk_from = state["shrunk_from"]
+        self.steps_since_shrink = int(state["steps_since_shrink"])
         self.throughput = {int(size): float(value) for size, value in state["throughput"].items()}
         self.memory_points = [(float(t), float(p)) for t, p in state["memory_points"]]
         self.oom_sizes = [int(size) for size in state["oom_sizes"]]
@@ -294,8 +362,53 @@ class RowCut:
     def failed_rows(self, micro: MicroBatch, report) -> int:
         return micro.size  # every rank runs the same sizes: the size that failed somewhere
 
-    def finish(self) -> None:
-        """The step ran to its end (nothing to conclude: rows are decided micro-batch by micro-batch)."""
+    def finish(self, memory: StepMemory) -> str | None:
+        return self.controller.end_step(memory)
+
+
+class PackedRowCut:
+    """The micro-batches of one step of packed rows, flattened into sequences by the collator: runs of whole
+    sequences (in their order) of at most `size x row_tokens` tokens each, `size` the controller's rows (a trial's
+    for the step's first `trial_left` micro-batches, which are timed). Each rank cuts its own sequences; all run as
+    many micro-batches, of the same sizes and timing by index (a rank with fewer runs a row that adds nothing), so
+    that every rank feeds its controller the same."""
+
+    def __init__(self, controller: RowController, batch, agree, row_cap: int | None = None):
+        self.controller = controller
+        self.trials = controller.trial_left if controller.trial is not None else 0
+        lengths, row_tokens = batch.lengths_list, controller.row_tokens
+        self.runs: list[tuple[int, int]] = []  # (first sequence, sequences)
+        start = 0
+        while start < len(lengths):
+            budget = self._size(len(self.runs)) * row_tokens
+            end, tokens = start + 1, lengths[start]
+            while end < len(lengths) and tokens + lengths[end] <= budget:
+                if row_cap is not None and end - start >= row_cap:
+                    break
+                tokens, end = tokens + lengths[end], end + 1
+            self.runs.append((start, end - start))
+            start = end
+        (count,) = agree([len(self.runs)]) if agree is not None else (len(self.runs),)
+        # decided now: a timed micro-batch may end the trial and change the controller's sizes mid-step
+        self.sizes = [self._size(index) for index in range(int(count))]
+
+    def _size(self, index: int) -> int:
+        return self.controller.trial if index < self.trials else self.controller.size
+
+    def __iter__(self):
+        for index, size in enumerate(self.sizes):
+            start, rows = self.runs[index] if index < len(self.runs) else (0, 0)
+            yield MicroBatch(start, rows, size, index < self.trials, last=index == len(self.sizes) - 1)
+
+    def record(self, micro: MicroBatch, report) -> None:
+        if micro.timed:
+            self.controller.record(micro.size, report.seconds, report.real_tokens, report.measured_peak)
+
+    def failed_rows(self, micro: MicroBatch, report) -> int:
+        return micro.size  # the same on every rank, though their sequences differ
+
+    def finish(self, memory: StepMemory) -> str | None:
+        return self.controller.end_step(memory)
 
 
 def out_of_memory_text(fatal: bool, retry: str) -> str:

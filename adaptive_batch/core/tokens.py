@@ -15,7 +15,8 @@ held: micro-batches larger than any it was fitted on must run within `LINE_MARGI
 slower in two steps running (once may be a slow moment of the host: that step's times are dropped and the budget
 held), the budget falls back to the largest micro-batch the line was fitted on and stops growing. Flex attention,
 for one, costs about the same per call from a few to several thousand tokens and then grows: a line fitted on the
-small micro-batches would pad the whole step into one. An out-of-memory error halves the budget for good. Once
+small micro-batches would pad the whole step into one. An out-of-memory error halves the budget; the budget before
+is tried again after a step, twice at most (see [`rows.RowController`]). Once
 measuring is over the cut depends on the rows' lengths alone, so a resumed run cuts its steps as the uninterrupted
 one did.
 
@@ -32,8 +33,8 @@ import logging
 from collections.abc import Callable
 
 from .fit import predict_peak, robust_affine
-from .microbatch import MicroBatch, MicroBatchTooLargeError
-from .rows import out_of_memory_text
+from .microbatch import MicroBatch, MicroBatchTooLargeError, StepMemory
+from .rows import MAX_FAILURES, REGROW_AFTER_STEPS, out_of_memory_text
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -83,6 +84,11 @@ class TokenController:
         self.step_start = 0  # where this step's time points begin
         self.memory_points: list[tuple[float, float]] = []  # (padded tokens of a micro-batch, peak bytes)
         self.oom_sizes: list[int] = []
+        self.failed_tokens: list[
+            int
+        ] = []  # padded tokens of micro-batches that ran out of memory (or thrashed)
+        self.shrunk_from: int | None = None  # a budget that ran, then halved: tried again later
+        self.steps_since_shrink = 0
         self.budget_because = None if tune else "stated"
         self.settled_because = None if self.exploring else "cut by max_tokens_per_micro_batch"
         self.warned_long_row = False
@@ -139,10 +145,50 @@ class TokenController:
             # the first step warms up
             self.time_points.append((float(padded_tokens), seconds))
 
-    def end_step(self, bound: bool) -> None:
-        """A step is done; `bound`: a doubled budget would have cut it otherwise (on some rank)."""
-        if not self.exploring:
-            return
+    def end_step(self, bound: bool, memory: StepMemory | None = None) -> str | None:
+        """A step is done; `bound`: a doubled budget would have cut it otherwise (on some rank); `memory`: what it
+        measured. Returns a line to log where the budget changed for memory (see [`rows.RowController`]: a step
+        down for allocator thrash, or a halved budget tried again)."""
+        notice = self._after_memory(memory) if memory is not None else None
+        if self.exploring:
+            self._measure_step(bound)
+        return notice
+
+    def _after_memory(self, memory: StepMemory) -> str | None:
+        if memory.peak_bytes is not None and memory.tokens > 0:
+            self.memory_points.append((float(memory.tokens), float(memory.peak_bytes)))
+        if memory.thrashed and memory.largest > 1 and not self.exploring:
+            self.failed_tokens.append(memory.tokens)
+            self._shrink(min(self.max_tokens, memory.tokens // 2))
+            return f"Allocator thrash at {memory.tokens:,} padded tokens: the next steps cut at {self.max_tokens:,}."
+        if self.shrunk_from is None:
+            return None
+        self.steps_since_shrink += 1
+        budget = self.shrunk_from
+        if self.steps_since_shrink < REGROW_AFTER_STEPS or not self._fits(budget, cautious=True):
+            return None
+        self.max_tokens, self.shrunk_from = budget, None
+        failures = sum(1 for failed in self.failed_tokens if failed <= budget)
+        return (
+            f"Trying the token budget of {budget:,} again: a micro-batch under it failed {failures} time(s), which "
+            f"may have been one long step or a fragmented moment; after {MAX_FAILURES} failures it stays below."
+        )
+
+    def _shrink(self, budget: int) -> None:
+        """Cut at `budget` from now on, and never above half the smallest micro-batch that failed; the budget before
+        is tried again later unless it failed too often."""
+        previous, self.max_tokens = self.max_tokens, max(1, min(budget, min(self.failed_tokens) // 2))
+        failures = sum(1 for failed in self.failed_tokens if failed <= previous)
+        self.shrunk_from = previous if failures < MAX_FAILURES and previous > self.max_tokens else None
+        self.steps_since_shrink = 0
+
+    def _fits(self, tokens: int, cautious: bool = False) -> bool:
+        if self.memory_limit is None:
+            return True
+        cautious = cautious or self.oom_is_fatal
+        return predict_peak(self.memory_points, tokens, cautious=cautious) <= self.memory_limit
+
+    def _measure_step(self, bound: bool) -> None:
         self.steps_measured += 1
         fitted_on, this_step = self.time_points[: self.step_start], self.time_points[self.step_start :]
         self.step_start = len(self.time_points)
@@ -172,10 +218,7 @@ class TokenController:
             if not bound:
                 if cut_with_measured_overhead:  # else the measured overhead may still ask for more
                     self._stop_tuning("a larger one would not change the cut")
-            elif (
-                self.memory_limit is not None
-                and predict_peak(self.memory_points, bigger, cautious=self.oom_is_fatal) > self.memory_limit
-            ):
+            elif not self._fits(bigger):
                 self._stop_tuning(f"{bigger:,} is predicted to exceed the memory limit")
             else:
                 self.max_tokens = bigger
@@ -188,7 +231,7 @@ class TokenController:
 
     def on_out_of_memory(self, rows: int, padded_tokens: int) -> None:
         """A micro-batch of `rows` rows and `padded_tokens` ran out of memory: the budget becomes at most half of
-        that, for good, and stops growing.
+        that and stops growing; the budget before is tried again later (see `end_step`).
 
         Raises:
             MicroBatchTooLargeError: if it was one row.
@@ -198,7 +241,8 @@ class TokenController:
             raise MicroBatchTooLargeError(
                 "one sample per micro-batch runs out of memory", list(self.oom_sizes)
             )
-        self.max_tokens = max(1, min(self.max_tokens, padded_tokens // 2))
+        self.failed_tokens.append(padded_tokens)
+        self._shrink(min(self.max_tokens, padded_tokens // 2))
         if self.tuning:
             self._stop_tuning(f"{padded_tokens:,} padded tokens ran out of memory")
 
@@ -268,6 +312,9 @@ class TokenController:
             "time_points": [list(point) for point in self.time_points],
             "memory_points": [list(point) for point in self.memory_points],
             "oom_sizes": list(self.oom_sizes),
+            "failed_tokens": list(self.failed_tokens),
+            "shrunk_from": self.shrunk_from,
+            "steps_since_shrink": self.steps_since_shrink,
             "settled_because": self.settled_because,
         }
 
@@ -284,6 +331,9 @@ class TokenController:
         self.step_start = len(self.time_points)  # written at a step's end
         self.memory_points = [(float(t), float(p)) for t, p in state["memory_points"]]
         self.oom_sizes = [int(size) for size in state["oom_sizes"]]
+        self.failed_tokens = [int(tokens) for tokens in state["failed_tokens"]]
+        self.shrunk_from = state["shrunk_from"]
+        self.steps_since_shrink = int(state["steps_since_shrink"])
         self.settled_because = state["settled_because"]
 
 
@@ -299,7 +349,9 @@ class TokenCut:
         row_cap: int | None = None,
     ):
         self.controller = controller
-        budget, cap = controller.max_tokens, controller.rows_cap
+        # a row cap counts the dataset's rows, which a padding-free step no longer shows (its sequences are the
+        # rows it is cut between): there the token budget alone bounds a micro-batch
+        budget, cap = controller.max_tokens, None if batch.packed else controller.rows_cap
         if row_cap is not None:
             cap = row_cap if cap is None else min(cap, row_cap)
         longest = batch.longest_row()
@@ -327,8 +379,8 @@ class TokenCut:
     def failed_rows(self, micro: MicroBatch, report) -> int:
         return report.failed_rows  # the smallest micro-batch that ran out on any rank
 
-    def finish(self) -> None:
-        self.controller.end_step(self.bound)
+    def finish(self, memory: StepMemory) -> str | None:
+        return self.controller.end_step(self.bound, memory)
 
 
 def fitted_overhead(points: list[tuple[float, float]]) -> int | None:

@@ -41,6 +41,12 @@ class TrainerFacts:
         return min(longest, max_length) if max_length else longest
 
     @cached_property
+    def packed_row_tokens(self) -> int | None:
+        """TRL's packing puts several sequences into each dataset row of `max_length` tokens."""
+        args = self.trainer.args
+        return getattr(args, "max_length", None) if getattr(args, "packing", False) else None
+
+    @cached_property
     def memory_limit(self) -> float | None:
         return memory_limit(self.trainer.args.device, self.config.memory_headroom)
 

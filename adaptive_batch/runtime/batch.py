@@ -45,6 +45,8 @@ class StepBatch:
             not the rows), naming the key and a fix.
     """
 
+    packed = False  # rows of their own, not sequences flattened into one row
+
     def __init__(self, batch: Mapping[str, Any]):
         self.batch = batch
         self.rows = _count_rows(batch)
@@ -114,6 +116,11 @@ class StepBatch:
     def longest_row(self) -> int:
         """Padded tokens of a micro-batch holding only the longest row."""
         return max(self.padded_lengths)
+
+    def padded_tokens(self, start: int, size: int) -> int:
+        """Padded tokens of the micro-batch `take(start, size)`, from the lengths computed once per step (no device
+        work per micro-batch): its rows x the longest of them, the first in longest-first order."""
+        return size * self.padded_lengths[start] if size > 0 else 0
 
     def real_tokens(self) -> int:
         if self.seq_len is None:

@@ -81,3 +81,21 @@ def memory_limit(device: torch.device, headroom: float) -> float | None:
         return None
     total = torch.cuda.get_device_properties(device).total_memory
     return total * (1.0 - headroom)
+
+
+def alloc_retries(device: torch.device) -> int:
+    """How often the caching allocator has freed its cache to retry a failed allocation (`num_alloc_retries`): a
+    count that rises when memory is nearly full, before an allocation fails outright. 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_allocated(device: torch.device) -> float | None:
+    """Bytes allocated at most since the last reset; `None` off CUDA (not measured)."""
+    return float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None

@@ -45,6 +45,8 @@ class PackedStepBatch:
             is neither per-token nor per-sequence; naming the key and a fix.
     """
 
+    packed = True  # its "rows" are sequences flattened into one row
+
     def __init__(self, batch: Mapping[str, Any]):
         self.batch = batch
         self.tokens_total = _token_count(batch)
@@ -106,6 +108,9 @@ class PackedStepBatch:
 
     def longest_row(self) -> int:
         return self.seq_len
+
+    def padded_tokens(self, start: int, size: int) -> int:
+        return sum(self.lengths_list[start : start + size])
 
     def real_tokens(self) -> int:
         return self.tokens_total

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..core.microbatch import CutController, MicroBatch, MicroBatchTooLargeError
+from ..core.microbatch import CutController, MicroBatch, MicroBatchTooLargeError, StepMemory
 from ..core.noise import MicroBatchSums
 from . import compat
 from .batch import StepBatch, is_packed
 from .engines import Engine
-from .memory import Stopwatch, is_out_of_memory, release_memory
+from .memory import Stopwatch, alloc_retries, is_out_of_memory, peak_allocated, release_memory, reset_peak
 from .noise_hooks import GradientNoiseMeter
 from .packed import PackedStepBatch, check_packed_inputs, flatten_padded
 
@@ -244,6 +244,8 @@ class MicroBatchRunner:
         outcome = _Outcome(loss=torch.zeros((), device=self.device))
         if self.noise is not None:
             self.noise.begin_attempt()
+        retries_before = alloc_retries(self.device)
+        reset_peak(self.device)
         for micro in cut:
             report = self._micro_batch(step, micro, outcome)
             if report.out_of_memory:
@@ -252,9 +254,32 @@ class MicroBatchRunner:
                 return outcome
             cut.record(micro, report)
             outcome.chunks += 1
-            outcome.largest = max(outcome.largest, micro.size)
-        cut.finish()
+            if micro.size >= outcome.largest:
+                outcome.largest = micro.size
+                if (
+                    self.device.type == "cuda"
+                ):  # (the lengths are read once per step, where memory is measured)
+                    outcome.largest_tokens = max(
+                        outcome.largest_tokens, step.batch.padded_tokens(micro.start, micro.rows)
+                    )
+            if report.measured_peak is not None:
+                outcome.peak = max(outcome.peak, report.measured_peak)
+        notice = cut.finish(self._step_memory(outcome, retries_before))
+        if notice is not None:
+            logger.warning("AdaptiveBatch: %s", notice)
         return outcome
+
+    def _step_memory(self, outcome: _Outcome, retries_before: int) -> StepMemory:
+        """What the step's end tells the controller about memory, the same on every rank (their largest)."""
+        peak = peak_allocated(self.device)
+        if peak is None:  # not measured (the CPU)
+            return StepMemory(outcome.largest)
+        thrashed = alloc_retries(self.device) > retries_before
+        # (a timed micro-batch reset the peak when it began: the step's is the larger of the two)
+        tokens, peak, thrashed = self.agree(
+            [outcome.largest_tokens, max(peak, outcome.peak), float(thrashed)]
+        )
+        return StepMemory(outcome.largest, int(tokens), peak, bool(thrashed))
 
     @property
     def ranks(self) -> int:
@@ -388,7 +413,9 @@ class _Step:
 class _Outcome:
     loss: torch.Tensor
     chunks: int = 0
-    largest: int = 0
+    largest: int = 0  # the largest micro-batch, in the controller's unit, and its tokens as run (on CUDA)
+    largest_tokens: int = 0
+    peak: float = 0.0  # the largest peak a timed micro-batch measured
     # the report of the micro-batch that ran out of memory on some rank
     failed: MicroBatchReport | None = None
 
