@@ -14,7 +14,10 @@ Arms (`--arms`, in this order by default):
 - `auto`: `AdaptiveBatch()` with the padding collator, nothing tuned;
 - `tokens16k`, `tokens64k`: `AdaptiveBatch(max_tokens_per_micro_batch=16384 or 65536)`;
 - `auto_flat`: `AdaptiveBatch()` with `DataCollatorWithFlattening`;
-- `auto_pf`: `AdaptiveBatch(padding_free=True)` with the padding collator (its rows flattened inside the step).
+- `auto_pf`: `AdaptiveBatch(padding_free=True)` with the padding collator (its rows flattened inside the step);
+- `auto_torch`: `auto` with the same rows behind a map-style torch `Dataset` (`TorchRows`), which cannot tell its
+  lengths before training: AdaptiveBatch reads them from the first collated step. The summary gives its ratio to
+  `auto` (`torch_over_list`; the aim: within 5%).
 
 Measured: the wall time of every optimizer step (device synchronised at each step end) and the real tokens each step
 trained on (counted in the collator); tokens per second over the steps after the first, and for AdaptiveBatch
@@ -28,6 +31,7 @@ Usage (results go to OUT/ragged_throughput.json, written after every arm, and a 
 
     python benchmarks/ragged_throughput.py --out OUT            # the H200 run (needs CUDA and bitsandbytes)
     python benchmarks/ragged_throughput.py --out OUT --attention flex_attention --arms random,flat32,flat64,auto_pf
+    python benchmarks/ragged_throughput.py --out OUT --arms auto,auto_torch --rounds 2   # torch Dataset vs list
     python benchmarks/ragged_throughput.py --out OUT --tiny     # a CPU dry run of the same code on a tiny model
 
 Arms that run the same micro-batches differed by up to 42% between positions in one run on the H200. `--rounds 2`
@@ -66,13 +70,59 @@ ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments o
     "tokens64k": (8, 8, "pad", {"max_tokens_per_micro_batch": 65536}, {}),
     "auto_flat": (8, 8, "flat", {}, {}),
     "auto_pf": (8, 8, "pad", {"padding_free": True}, {}),
+    "auto_torch": (8, 8, "pad", {}, {}),
 }
+TORCH_DATASET = {"auto_torch"}  # arms whose rows are served by a torch Dataset instead of a list
+TORCH_OVER_LIST_AIM = 0.05  # auto_torch within 5% of auto
 
 
 def lengths(count: int, seed: int = 0) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     drawn = torch.exp(math.log(MEDIAN) + SIGMA * torch.randn(count, generator=generator, dtype=torch.float64))
     return drawn.round().clamp(SHORTEST, LONGEST).long().tolist()
+
+
+class TorchRows(torch.utils.data.Dataset):
+    """The same rows behind a map-style torch `Dataset`: `__getitem__` returns the row, so nothing can read the
+    lengths before training."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+
+def interleaved(arms: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, arm) in the order to run them: A B C, C B A, ... so that every arm's mean position is the same."""
+    return [(r, name) for r in range(rounds) for name in (arms if r % 2 == 0 else arms[::-1])]
+
+
+def header(tiny: bool, packages: tuple[str, ...] = ()) -> dict:
+    """What every report starts with: the command, the device, the versions (with those of `packages`)."""
+    import importlib
+
+    import transformers
+
+    import adaptive_batch
+
+    return {
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "adaptive_batch": adaptive_batch.__version__,
+            "python": platform.python_version(),
+            **{name: importlib.import_module(name).__version__ for name in packages},
+        },
+        "model": "tiny" if tiny else "Llama-2-7B shape, NF4 double-quant, bf16 compute, LoRA r=16 q/v",
+    }
 
 
 class CountingCollator:
@@ -118,7 +168,7 @@ def run_arm(name, model, dataset, steps, tiny, workdir):
         callbacks.append(callback)
     trainer = qlora_trainer(
         model,
-        dataset,
+        TorchRows(dataset) if name in TORCH_DATASET else dataset,
         callbacks,
         os.path.join(workdir, "trainer"),
         per_device,
@@ -139,30 +189,15 @@ def run_arm(name, model, dataset, steps, tiny, workdir):
         "per_device_train_batch_size": per_device,
         "gradient_accumulation_steps": accumulation,
         "collator": "padding" if kind == "pad" else "DataCollatorWithFlattening",
+        "dataset": "torch Dataset" if name in TORCH_DATASET else "list",
         "adaptive_batch": adaptive,
         "training_arguments": extra,
-        "step_seconds": seconds,
-        "real_tokens_per_step": tokens,
-        "real_tokens_per_second": sum(tokens[1:] or tokens) / sum(seconds[1:] or seconds),
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30
-        if torch.cuda.is_available()
-        else None,
+        **step_record(seconds, tokens),
         "accumulation_steps_per_step": [log.get("adaptive_batch/accumulation_steps") for log in logs],
         "micro_batch_size_per_step": [log.get("adaptive_batch/micro_batch_size") for log in logs],
     }
     if adaptive is not None:
-        now = callback.current()
-        result["current"] = now
-        result["settled_because"] = now["micro_batch_settled_because"]
-        # steady: the steps after the last one that measured (a timed micro-batch synchronises the device)
-        measured = now["micro_batch_settled_at_step"]
-        if measured is None:  # still measuring at the end
-            measured = len(seconds)
-        steady = slice(max(measured, 1), None)
-        result["first_steady_step"] = max(measured, 1)
-        result["real_tokens_per_second_steady"] = (
-            sum(tokens[steady]) / sum(seconds[steady]) if seconds[steady] else None
-        )
+        result.update(settled(callback, seconds, tokens))
     del trainer
     gc.collect()
     if torch.cuda.is_available():
@@ -170,11 +205,46 @@ def run_arm(name, model, dataset, steps, tiny, workdir):
     return result
 
 
+def step_record(seconds: list[float], tokens: list[int]) -> dict:
+    """An arm's seconds and real tokens of every step, its real tokens/s over the steps after the first, and the
+    device's peak allocated memory."""
+    return {
+        "step_seconds": seconds,
+        "real_tokens_per_step": tokens,
+        "real_tokens_per_second": sum(tokens[1:] or tokens) / sum(seconds[1:] or seconds),
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30
+        if torch.cuda.is_available()
+        else None,
+    }
+
+
+def settled(callback, seconds: list[float], tokens: list[int]) -> dict:
+    """AdaptiveBatch's `current()` at the end, and its real tokens/s over the steady steps: those after the last one
+    that measured (a timed micro-batch synchronises the device), never the first."""
+    now = callback.current()
+    measured = now["micro_batch_settled_at_step"]
+    if measured is None:  # still measuring at the end
+        measured = len(seconds)
+    steady = slice(max(measured, 1), None)
+    return {
+        "current": now,
+        "settled_because": now["micro_batch_settled_because"],
+        "first_steady_step": max(measured, 1),
+        "real_tokens_per_second_steady": sum(tokens[steady]) / sum(seconds[steady])
+        if seconds[steady]
+        else None,
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true", help="a CPU dry run on a tiny model")
-    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, from: " + ", ".join(ARMS))
+    parser.add_argument(
+        "--arms",
+        default=",".join(name for name in ARMS if name not in TORCH_DATASET),
+        help="comma-separated, from: " + ", ".join(ARMS),
+    )
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps of each plain arm")
     parser.add_argument(
         "--adaptive-steps", type=int, default=16, help="optimizer steps of each AdaptiveBatch arm"
@@ -197,10 +267,6 @@ def main():
     os.makedirs(options.out, exist_ok=True)
     os.makedirs(options.workdir, exist_ok=True)
 
-    import transformers
-
-    import adaptive_batch
-
     model, config = build_model(options.tiny, options.workdir)
     if options.attention != "sdpa":
         model.set_attn_implementation(options.attention)
@@ -214,19 +280,7 @@ def main():
     ]
     edges = [16, 64, 128, 256, 512, 768, 1024]
     report = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "adaptive_batch": adaptive_batch.__version__,
-            "python": platform.python_version(),
-        },
-        "model": "tiny"
-        if options.tiny
-        else "Llama-2-7B shape, NF4 double-quant, bf16 compute, LoRA r=16 q/v",
+        **header(options.tiny),
         "attention": options.attention,
         "lengths": {
             "distribution": f"lognormal, median {MEDIAN}, sigma {SIGMA}, clipped to [{SHORTEST}, {LONGEST}]",
@@ -251,9 +305,7 @@ def main():
             "seconds": time.perf_counter() - started,
         }
     path = os.path.join(options.out, "ragged_throughput.json")
-    # rounds alternate the order (A B C, C B A, ...) so that every arm's mean position in the run is the same
-    order = [(r, name) for r in range(options.rounds) for name in (arms if r % 2 == 0 else arms[::-1])]
-    for round_, name in order:
+    for round_, name in interleaved(arms, options.rounds):
         started = time.perf_counter()
         steps = options.adaptive_steps if ARMS[name][3] is not None else options.steps
         result = run_arm(name, model, dataset, steps, options.tiny, options.workdir)
@@ -284,22 +336,25 @@ def steady_part(run) -> tuple[int, float]:
 
 def summarise(report):
     """Per arm: its runs pooled (real tokens over seconds of their steady steps), the ratios to the plain random arm
-    and to the best plain padding-free arm, and how far apart its repeats were (the noise floor of the ratios)."""
+    and to the best plain padding-free arm, and how far apart its repeats were (the noise floor of the ratios); the
+    torch Dataset's "auto" over the list's."""
     by_arm: dict[str, list] = {}
     for run in report["runs"]:
         by_arm.setdefault(run["arm"], []).append(run)
     parts = {name: [steady_part(run) for run in runs] for name, runs in by_arm.items()}
     pooled = {name: sum(t for t, _ in own) / sum(s for _, s in own) for name, own in parts.items()}
-    if "random" not in pooled:
-        return
-    base = pooled["random"]
+    base = pooled.get("random")
     flat = [speed for name, speed in pooled.items() if name.startswith("flat")]
     summary = {"random_real_tokens_per_second": base}
+    if "auto" in pooled and "auto_torch" in pooled:
+        ratio = pooled["auto_torch"] / pooled["auto"]
+        summary["torch_over_list"] = ratio
+        summary["torch_over_list_aim_met"] = abs(ratio - 1) <= TORCH_OVER_LIST_AIM
     for name, speed in pooled.items():
         speeds = [t / s for t, s in parts[name]]
         summary[name] = {
             "real_tokens_per_second": speed,
-            "over_random": speed / base,
+            "over_random": speed / base if base else None,
             "over_best_plain_flat": speed / max(flat) if flat else None,
             "repeats": len(speeds),
             "spread_between_repeats": max(speeds) / min(speeds) - 1,
@@ -311,23 +366,31 @@ def print_table(report):
     print(
         f"\n{report['device']}, {report['model']}, {report['attention']}; lengths {report['lengths']['distribution']}"
     )
-    print(f"{'round':>5} {'arm':>10} {'pair':>6} {'real tok/s':>11} {'steady':>8} {'peak GiB':>9}")
+    print(
+        f"{'round':>5} {'arm':>10} {'pair':>6} {'real tok/s':>11} {'steady':>8} {'peak GiB':>9} {'cut by':>7}"
+    )
     for run in report["runs"]:
         steady = run.get("real_tokens_per_second_steady")
         peak = f"{run['peak_allocated_gib']:.1f}" if run["peak_allocated_gib"] else "-"
+        cut_by = run["current"]["cut_by"] if "current" in run else "-"  # AdaptiveBatch's unit at the end
         print(
             f"{run.get('round', 0):>5} {run['arm']:>10} "
             f"{run['per_device_train_batch_size']}x{run['gradient_accumulation_steps']:<3} "
-            f"{run['real_tokens_per_second']:>11,.0f} {steady or 0:>8,.0f} {peak:>9}"
+            f"{run['real_tokens_per_second']:>11,.0f} {steady or 0:>8,.0f} {peak:>9} {cut_by:>7}"
         )
     summary = report.get("summary", {})
     print(f"\n{'pooled':>10} {'real tok/s':>11} {'x random':>9} {'x flat':>7} {'repeats apart':>14}")
     for name, row in summary.items():
         if isinstance(row, dict):
             print(
-                f"{name:>10} {row['real_tokens_per_second']:>11,.0f} {row['over_random']:>9.2f} "
+                f"{name:>10} {row['real_tokens_per_second']:>11,.0f} {row['over_random'] or 0:>9.2f} "
                 f"{row['over_best_plain_flat'] or 0:>7.2f} {row['spread_between_repeats']:>14.1%}"
             )
+    if "torch_over_list" in summary:
+        met = "met" if summary["torch_over_list_aim_met"] else "missed"
+        print(
+            f"auto_torch / auto: {summary['torch_over_list']:.3f} (aim: within {TORCH_OVER_LIST_AIM:.0%}: {met})"
+        )
 
 
 if __name__ == "__main__":

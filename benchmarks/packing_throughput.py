@@ -1,0 +1,409 @@
+"""TRL's packing: the plain SFTTrainer at every per-device x accumulation pair of one effective batch against
+`AdaptiveBatch()` from the user's 1 x 16 and 8 x 2, arms interleaved in one process.
+
+The setup is qlora_throughput.py's (Llama-2-7B shape with random weights, NF4 QLoRA, LoRA r=16 on q/v, gradient
+checkpointing, paged 8-bit AdamW, sdpa attention) under TRL's SFTTrainer with `packing=True` and its default
+strategy, "bfd": the examples are packed into rows of at most `max_length` (2,048) tokens, and TRL's collator
+flattens each batch of such rows into one padding-free row of sequences (`position_ids` restarting at each). The
+examples are SFT-like: lengths from ragged_throughput.py's chat-turn distribution (lognormal, median 200, clipped to
+[16, 1,024]) with a share of long documents (log-uniform over [512, 2,048]); token ids are random. Every arm trains
+the same packed rows (one seeded order), effective batch 16 packed rows.
+
+Arms (`--arms`, in this order by default; `--rounds 2` runs them again in reverse order):
+- `plain_2x8`, `plain_4x4`, `plain_16x1`, `plain_1x16`, `plain_8x2`: the plain SFTTrainer at that pair;
+- `auto_1x16`, `auto_8x2`: the same with `callbacks=[AdaptiveBatch()]` from the user's 1 x 16 or 8 x 2.
+
+Measured per arm: the wall time of every optimizer step (device synchronised at each step end), the real tokens of
+each step (TRL's `num_tokens`: with packing every token is real), the forwards of the model in each step, peak
+memory, and for AdaptiveBatch `current()` at the end. Real tokens/s over the steady steps: after the first step, and
+for AdaptiveBatch from `current()["micro_batch_settled_at_step"]` on; each arm's repeats pooled. Aims, reported as
+met or missed: each AdaptiveBatch arm at least 1.0x the plain arm of its own pair, and at least 0.98x the best plain
+pair.
+
+Usage (results go to OUT/packing_throughput.json, written after every arm, and a table at the end):
+
+    python3 benchmarks/packing_throughput.py --out $OUT --steps 4 --adaptive-steps 8 --rounds 2 --time-limit 480
+    python benchmarks/packing_throughput.py --out /tmp/out --tiny     # a CPU dry run of the same code on a tiny model
+
+`--time-limit S` starts no arm that would end after S seconds (judged by the longest arm so far), so that a call
+under a time limit still ends with its summary; the arms left out are listed in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from qlora_throughput import StepClock, build_model  # noqa: E402
+from ragged_throughput import header, interleaved, lengths, settled, steady_part, step_record  # noqa: E402
+
+EFFECTIVE = 16
+ARMS = {  # name: (per-device, accumulation, AdaptiveBatch or not)
+    "plain_2x8": (2, 8, False),
+    "plain_4x4": (4, 4, False),
+    "plain_16x1": (16, 1, False),
+    "plain_1x16": (1, 16, False),
+    "auto_1x16": (1, 16, True),
+    "auto_8x2": (8, 2, True),
+    "plain_8x2": (8, 2, False),
+}
+OVER_OWN_PAIR_AIM, OVER_BEST_AIM = 1.0, 0.98
+DOCUMENT_SHARE = 0.1  # examples that are long documents rather than chat turns
+REFERENCE_LENGTH = 2048  # the lengths below are for this max_length; --max-length scales them
+
+
+def sft_lengths(count: int, max_length: int, seed: int = 0) -> list[int]:
+    """Example lengths: chat turns (ragged_throughput's lognormal) and a `DOCUMENT_SHARE` of long documents
+    (log-uniform over [max_length / 4, max_length]), scaled from 2,048 to `max_length`."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    scale = max_length / REFERENCE_LENGTH
+    chat = torch.tensor(lengths(count, seed), dtype=torch.float64) * scale
+    documents = torch.exp(
+        math.log(max_length / 4) + math.log(4) * torch.rand(count, generator=generator, dtype=torch.float64)
+    )
+    is_document = torch.rand(count, generator=generator) < DOCUMENT_SHARE
+    return torch.where(is_document, documents, chat).round().clamp(2, max_length).long().tolist()
+
+
+def placeholder_tokenizer():
+    """SFTTrainer wants a tokenizer (for the pad token); the examples are token ids already."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
+        pad_token="<pad>",
+        eos_token="<eos>",
+    )
+
+
+class ForwardCounter:
+    """The forwards of a model in every optimizer step (a pre-hook on its forward: a micro-batch that ran out of
+    memory counts too), in `per_step`; `callback` goes to the Trainer."""
+
+    def __init__(self, model):
+        from transformers import TrainerCallback
+
+        counter = self
+        self.calls = 0
+        self.per_step: list[int] = []
+        self.handle = model.register_forward_pre_hook(self._count)
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                counter.calls = 0
+
+            def on_step_end(self, args, state, control, **kwargs):
+                counter.per_step.append(counter.calls)
+                counter.calls = 0
+
+        self.callback = Callback()
+
+    def _count(self, module, args):
+        self.calls += 1
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class Deadline:
+    """Runs arms, timed; starts none that would end after `seconds` from now (0: no limit), judged by the longest
+    arm so far."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.started, self.longest = seconds, time.perf_counter(), 0.0
+
+    def allows_another(self) -> bool:
+        return not self.seconds or time.perf_counter() - self.started + self.longest <= self.seconds
+
+    def run(self, arm, *args) -> dict:
+        """`arm(*args)`, its result with the seconds it took (`seconds`)."""
+        started = time.perf_counter()
+        result = arm(*args)
+        result["seconds"] = time.perf_counter() - started
+        self.longest = max(self.longest, result["seconds"])
+        return result
+
+
+def train(trainer) -> list[int]:
+    """`trainer.train()`, the device's peak memory reset first; returns the forwards of the model in each step."""
+    forwards = ForwardCounter(trainer.model)
+    trainer.add_callback(forwards.callback)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer.train()
+    finally:
+        forwards.remove()
+    return forwards.per_step
+
+
+def save(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def logged(trainer, key: str) -> list:
+    """A value of every step's training log (`None` where a step did not log it)."""
+    return [log.get(key) for log in trainer.state.log_history if "loss" in log]
+
+
+def increments(running: list) -> list[int]:
+    """Each step's part of a running count logged at every step."""
+    return [int(b - a) for a, b in zip([0, *running], running)]
+
+
+def run_arm(name, model, dataset, tokenizer, steps, options):
+    from trl import SFTConfig, SFTTrainer
+
+    from adaptive_batch import AdaptiveBatch
+    from adaptive_batch.runtime.memory import release_memory
+
+    per_device, accumulation, adaptive = ARMS[name]
+    clock = StepClock()
+    callbacks = [clock.callback]
+    callback = AdaptiveBatch() if adaptive else None
+    if callback is not None:
+        callbacks.append(callback)
+    args = SFTConfig(  # the QLoRA recipe of base_model.qlora_trainer, under SFTTrainer's packing
+        output_dir=os.path.join(options.workdir, "trainer"),
+        packing=True,
+        max_length=options.max_length,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        learning_rate=2e-4,
+        lr_scheduler_type="constant",
+        optim="adamw_torch" if options.tiny else "paged_adamw_8bit",
+        bf16=not options.tiny,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        use_cpu=options.tiny,
+        seed=0,
+    )
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=callbacks
+    )
+    forwards = train(trainer)
+    seconds = clock.step_seconds
+    tokens = increments(
+        logged(trainer, "num_tokens")
+    )  # TRL's count of tokens trained on (all real: padding-free)
+    result = {
+        "arm": name,
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accumulation,
+        "adaptive_batch": adaptive,
+        "packed_rows": len(trainer.train_dataset),
+        **step_record(seconds, tokens),
+        "forwards_per_step": forwards,
+        "micro_batch_size_per_step": logged(trainer, "adaptive_batch/micro_batch_size"),
+        "accumulation_steps_per_step": logged(trainer, "adaptive_batch/accumulation_steps"),
+        "losses": logged(trainer, "loss"),
+    }
+    if callback is not None:
+        result.update(settled(callback, seconds, tokens))
+    del trainer
+    release_memory(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tiny", action="store_true", help="a CPU dry run on a tiny model")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, from: " + ", ".join(ARMS))
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps of each plain arm")
+    parser.add_argument(
+        "--adaptive-steps", type=int, default=8, help="optimizer steps of each AdaptiveBatch arm"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the arms this many times, every other reversed"
+    )
+    parser.add_argument(
+        "--warmup-steps", type=int, default=1, help="train this many steps at 4 x 4 first, unrecorded"
+    )
+    parser.add_argument(
+        "--max-length", type=int, help="tokens per packed row (default 2048; 128 with --tiny)"
+    )
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
+    parser.add_argument(
+        "--time-limit", type=float, default=0, help="start no arm that would end after this (s)"
+    )
+    parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
+    options = parser.parse_args()
+    options.max_length = options.max_length or (128 if options.tiny else REFERENCE_LENGTH)
+    os.makedirs(options.out, exist_ok=True)
+    os.makedirs(options.workdir, exist_ok=True)
+    deadline = Deadline(options.time_limit)
+    import trl  # noqa: F401 - before the model is built: a missing wheel fails the call at once
+    from datasets import Dataset
+
+    model, config = build_model(options.tiny, options.workdir)
+    if options.attention != "sdpa":
+        model.set_attn_implementation(options.attention)
+    arms = options.arms.split(",")
+    # enough examples for the longest arm's packed rows (bfd fills rows to ~97%), and a margin
+    needed = (
+        1.15
+        * EFFECTIVE
+        * max(options.steps, options.adaptive_steps, options.warmup_steps)
+        * options.max_length
+    )
+    pool = sft_lengths(int(needed / 2) + 1, options.max_length)  # (no example is shorter than 2 tokens)
+    count = next(i + 1 for i, total in enumerate(torch.tensor(pool).cumsum(0).tolist()) if total >= needed)
+    example_lengths = pool[:count]
+    generator = torch.Generator().manual_seed(1)
+    dataset = Dataset.from_dict(
+        {
+            "input_ids": [
+                torch.randint(2, config.vocab_size, (n,), generator=generator).tolist()
+                for n in example_lengths
+            ]
+        }
+    )
+    tokenizer = placeholder_tokenizer()
+    report = {
+        **header(options.tiny, ("trl", "peft", "datasets")),
+        "attention": options.attention,
+        "max_length": options.max_length,
+        "effective_batch": EFFECTIVE,
+        "examples": {
+            "lengths": f"chat turns: lognormal, median 200, sigma 0.8, clipped to [16, 1024]; {DOCUMENT_SHARE:.0%} "
+            f"documents: log-uniform over [512, 2048]; scaled by {options.max_length}/{REFERENCE_LENGTH}",
+            "count": count,
+            "tokens": sum(example_lengths),
+            "mean": sum(example_lengths) / count,
+            "longer_than_a_quarter_row": sum(n > options.max_length / 4 for n in example_lengths),
+        },
+        "runs": [],
+        "not_run": [],
+    }
+    # the process's first training pays for new shapes and kernels: not an arm's cost
+    if options.warmup_steps:
+        warmup = deadline.run(run_arm, "plain_4x4", model, dataset, tokenizer, options.warmup_steps, options)
+        report["warmup"] = {"arm": "plain_4x4", "steps": options.warmup_steps, "seconds": warmup["seconds"]}
+    path = os.path.join(options.out, "packing_throughput.json")
+    for round_, name in interleaved(arms, options.rounds):
+        if not deadline.allows_another():
+            report["not_run"].append({"round": round_, "arm": name})
+            continue
+        steps = options.adaptive_steps if ARMS[name][2] else options.steps
+        result = {"round": round_, **deadline.run(run_arm, name, model, dataset, tokenizer, steps, options)}
+        report["runs"].append(result)
+        report["summary"] = summarise(report["runs"])
+        save(report, path)
+        print(
+            f"{name:>10}: {result['real_tokens_per_second']:,.0f} real tokens/s "
+            f"(steady {result.get('real_tokens_per_second_steady') or 0:,.0f}), forwards {result['forwards_per_step']} "
+            f"in {result['seconds']:.0f} s",
+            flush=True,
+        )
+    save(report, path)
+    print_table(report)
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Per arm its repeats pooled (real tokens over seconds of their steady steps) and how far apart they were; the
+    best plain pair; each AdaptiveBatch arm's ratios to the plain arm of its pair and to the best pair, with the
+    aims met or missed."""
+    by_arm: dict[str, list] = {}
+    for run in runs:
+        by_arm.setdefault(run["arm"], []).append(run)
+    arms = {}
+    for name, own in by_arm.items():
+        parts = [steady_part(run) for run in own]
+        speeds = [t / s for t, s in parts]
+        steady_forwards = [
+            f for run in own for f in run["forwards_per_step"][run.get("first_steady_step", 1) :]
+        ]
+        arms[name] = {
+            "real_tokens_per_second": sum(t for t, _ in parts) / sum(s for _, s in parts),
+            "repeats": len(own),
+            "spread_between_repeats": max(speeds) / min(speeds) - 1,
+            "forwards_per_steady_step": sorted(set(steady_forwards)),
+        }
+    plain = {name: arm for name, arm in arms.items() if not ARMS[name][2]}
+    best = max(plain, key=lambda name: plain[name]["real_tokens_per_second"]) if plain else None
+    summary = {"arms": arms, "best_plain": best, "adaptive": {}}
+    for name, arm in arms.items():
+        if not ARMS[name][2]:
+            continue
+        twin = "plain_" + name.split("_", 1)[1]
+        speed = arm["real_tokens_per_second"]
+        over_own = speed / arms[twin]["real_tokens_per_second"] if twin in arms else None
+        over_best = speed / plain[best]["real_tokens_per_second"] if best else None
+        summary["adaptive"][name] = {
+            "over_own_pair": over_own,
+            "over_own_pair_aim": OVER_OWN_PAIR_AIM,
+            "over_own_pair_met": None if over_own is None else over_own >= OVER_OWN_PAIR_AIM,
+            "over_best_plain": over_best,
+            "over_best_plain_aim": OVER_BEST_AIM,
+            "over_best_plain_met": None if over_best is None else over_best >= OVER_BEST_AIM,
+            "settled_micro_batch_sizes": [run["current"]["micro_batch_size"] for run in by_arm[name]],
+            "settled_because": [run["settled_because"] for run in by_arm[name]],
+        }
+    return summary
+
+
+def verdict(met: bool | None) -> str:
+    return {True: "met", False: "MISSED", None: "not measured"}[met]
+
+
+def print_table(report: dict) -> None:
+    print(
+        f"\n{report['device']}, {report['model']}, {report['attention']}, packing bfd, max_length "
+        f"{report['max_length']}, effective batch {report['effective_batch']} packed rows"
+    )
+    print(
+        f"{'round':>5} {'arm':>10} {'micro-batches (rows)':>20} {'fwd/step':>9} {'real tok/s':>11} {'peak GiB':>9}"
+    )
+    for run in report["runs"]:
+        sizes = [m for m in run["micro_batch_size_per_step"] if m] or [run["per_device_train_batch_size"]]
+        first = run.get("first_steady_step", 1)
+        peak = f"{run['peak_allocated_gib']:.1f}" if run["peak_allocated_gib"] else "-"
+        tokens, seconds = steady_part(run)
+        print(
+            f"{run['round']:>5} {run['arm']:>10} {'-'.join(map(str, sizes)):>20} "
+            f"{'/'.join(map(str, sorted(set(run['forwards_per_step'][first:])))):>9} "
+            f"{tokens / seconds:>11,.0f} {peak:>9}"
+        )
+    summary = report.get("summary")
+    if not summary:
+        return
+    print(f"\n{'pooled':>10} {'real tok/s':>11} {'repeats apart':>14}")
+    for name, arm in summary["arms"].items():
+        best = "  (best plain pair)" if name == summary["best_plain"] else ""
+        print(
+            f"{name:>10} {arm['real_tokens_per_second']:>11,.0f} {arm['spread_between_repeats']:>14.1%}{best}"
+        )
+    for name, row in summary["adaptive"].items():
+        own = f"{row['over_own_pair']:.3f}" if row["over_own_pair"] is not None else "-"
+        best = f"{row['over_best_plain']:.3f}" if row["over_best_plain"] is not None else "-"
+        print(
+            f"{name}: x{own} its own pair (aim >= {OVER_OWN_PAIR_AIM}: {verdict(row['over_own_pair_met'])}), "
+            f"x{best} the best plain pair {summary['best_plain']} (aim >= {OVER_BEST_AIM}: "
+            f"{verdict(row['over_best_plain_met'])}); settled at {row['settled_micro_batch_sizes']}"
+        )
+    if report["not_run"]:
+        left = ", ".join(f"{arm['arm']} (round {arm['round']})" for arm in report["not_run"])
+        print(f"not run (time limit): {left}")
+
+
+if __name__ == "__main__":
+    main()
