@@ -101,6 +101,11 @@ def logged(trainer, key: str) -> list:
     return [log[key] for log in step_logs(trainer)]
 
 
+def logged_or_none(trainer, key: str) -> list:
+    """`logged` for a key some logs leave out (the noise keys, on steps that measured nothing): `None` there."""
+    return [log.get(key) for log in step_logs(trainer)]
+
+
 def sequences(inputs: dict) -> list[tuple[int, ...]]:
     """The token ids of every row of a collated batch without padding, or of every sequence of a flattened one."""
     ids, mask = inputs["input_ids"], inputs.get("attention_mask")

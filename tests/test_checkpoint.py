@@ -14,6 +14,8 @@ IDENTITY = PlanIdentity(
     data_seed=0,
     shuffle=True,
     adopted_at_step=0,
+    schedule="8 -> 32 (phases start at 0.5 fraction)",
+    lr_scaling="linear",
     fingerprint="a",
 )
 
@@ -27,6 +29,21 @@ def test_every_changed_field_is_named_and_the_cut_only_when_nothing_else_explain
     ]
     assert IDENTITY.differences({**stored, "fingerprint": "b"}) == [
         "the cut into steps (the schedule gives other effective batches, or the budget counts differently)"
+    ]
+
+
+def test_another_schedule_or_lr_rule_is_named_with_both_values_and_explains_the_cut():
+    stored = dict(vars(IDENTITY))
+    changed = {
+        **stored,
+        "schedule": "8 -> 16 (phases start at 0.5 fraction)",
+        "lr_scaling": "sqrt",
+        "fingerprint": "b",
+    }
+    assert IDENTITY.differences(changed) == [
+        "schedule: '8 -> 16 (phases start at 0.5 fraction)' in the checkpoint, "
+        "'8 -> 32 (phases start at 0.5 fraction)' now",
+        "lr_scaling: 'sqrt' in the checkpoint, 'linear' now",
     ]
 
 

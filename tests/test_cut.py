@@ -266,6 +266,7 @@ def test_a_halved_budget_is_tried_again_after_one_step_and_twice_at_most():
     from adaptive_batch.core.microbatch import StepMemory
 
     controller = TokenController(128, overhead=0)
+    controller.end_step(bound=False, memory=StepMemory(4, tokens=64))  # a micro-batch of 64 tokens had run
     controller.on_out_of_memory(rows=3, padded_tokens=60)
     assert controller.max_tokens == 30
     notice = controller.end_step(bound=False, memory=StepMemory(2, tokens=30))
@@ -277,6 +278,12 @@ def test_a_halved_budget_is_tried_again_after_one_step_and_twice_at_most():
         controller.end_step(bound=False, memory=StepMemory(2, tokens=30)) is None
         and controller.max_tokens == 30
     )
+    # where no micro-batch as large as the one that failed had run, the failure marks the memory's limit: the
+    # budget is not tried again
+    fresh = TokenController(128, overhead=0)
+    fresh.end_step(bound=False, memory=StepMemory(2, tokens=50))
+    fresh.on_out_of_memory(rows=3, padded_tokens=60)
+    assert fresh.end_step(bound=False, memory=StepMemory(2, tokens=30)) is None and fresh.max_tokens == 30
 
 
 def test_allocator_thrash_halves_the_budget_under_the_largest_micro_batch():

@@ -18,7 +18,9 @@ from helpers import (
     adaptive_of,
     assert_same_parameters,
     logged,
+    logged_or_none,
     saved_state,
+    step_logs,
 )
 
 from adaptive_batch import AdaptiveBatch, NoiseScaleSchedule
@@ -378,8 +380,17 @@ def test_a_resumed_run_continues_with_the_changes_made_before_its_checkpoint(tmp
     assert list(adaptive_of(resumed).plan.sizes) == list(adaptive_of(whole).plan.sizes)
     # (the resumed run's log history holds the checkpoint's 60 steps, then its own)
     for key in ("adaptive_batch/effective_batch_size", "adaptive_batch/noise_scale", "learning_rate", "loss"):
-        assert logged(resumed, key) == logged(whole, key)
+        assert logged_or_none(resumed, key) == logged_or_none(whole, key)
     assert_same_parameters(resumed.model, whole.model)
+
+    # the schedule is compared by its settings (its changes are the checkpoint's): other settings are refused
+    smaller = NoiseScaleSchedule(32, max_size=128, min_samples_between_changes=640)
+    other = growing_trainer(tmp_path / "other", smaller, learning_rate=0.05, lr_scaling=rule)
+    with pytest.raises(ValueError, match="another step plan") as error:
+        other.train(resume_from_checkpoint=checkpoint)
+    stored, now = whole_schedule.describe(), smaller.describe()
+    assert stored.startswith("32 growing by goodput up to 256 (x2, ")
+    assert f"Changed: schedule: {stored!r} in the checkpoint, {now!r} now." in str(error.value)
 
 
 def test_measuring_on_one_process_cuts_every_fourth_step_in_two(tmp_path, monkeypatch):
@@ -392,6 +403,9 @@ def test_measuring_on_one_process_cuts_every_fourth_step_in_two(tmp_path, monkey
     trainer = growing_trainer(tmp_path, schedule, learning_rate=0.0, rows=16 * 12)
     trainer.train()
     assert logged(trainer, "adaptive_batch/accumulation_steps") == [1, 1, 1, 2] * 3
+    # only the logs of the steps cut in two carry the noise scale's averages
+    measured = ["adaptive_batch/grad_norm_sq" in log for log in step_logs(trainer)]
+    assert measured == [False, False, False, True] * 3
     noise = NoiseScale(320)  # the run's averages, as its checkpoint holds them
     noise.load_state_dict(saved_state(trainer)["noise"])
     assert (

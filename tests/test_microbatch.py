@@ -207,22 +207,45 @@ def test_a_search_that_stopped_at_a_step_s_rows_goes_on_when_steps_grow():
 
 def test_a_size_that_ran_and_then_failed_is_tried_again_after_one_step():
     controller = RowController(8, auto=False, row_limit=8)
+    assert controller.end_step(StepMemory(8)) is None  # a step ran at 8
     controller.on_out_of_memory(8)  # a long step, or a fragmented moment
     assert controller.size == 4 and controller.settled_because == "8 ran out of memory"
     notices = [controller.end_step(StepMemory(4)) for _ in range(REGROW_AFTER_STEPS)]
     assert controller.size == 8 and controller.settled_because == FIXED
-    assert notices[-1].startswith("Trying micro-batch 8 again: it failed 1 time(s)")
-    for _ in range(MAX_FAILURES - 1):  # it fails again: the size stays below from then on
-        controller.on_out_of_memory(8)
+    assert notices[-1].startswith("Trying micro-batch 8 again: its out-of-memory error")
+    assert notices[-1].endswith("if it fails again, it stays below.")  # (MAX_FAILURES = 2)
+    controller.on_out_of_memory(8)  # it fails again: the size stays below from then on
     assert [controller.end_step(StepMemory(4)) for _ in range(5)] == [None] * 5 and controller.size == 4
+    assert controller.state_dict()["tried_again"] == [8] and MAX_FAILURES == 2
+
+
+def test_a_step_that_fails_again_lower_tries_the_size_it_first_failed_at():
+    # one long step fails at 8 and again at 4, and runs at 2: the next step is at 2, the one after at 8 again
+    controller = RowController(8, auto=False, row_limit=8)
+    controller.end_step(StepMemory(8))
+    controller.on_out_of_memory(8)
+    controller.on_out_of_memory(4)
+    assert controller.size == 2
+    notices = [controller.end_step(StepMemory(2)) for _ in range(REGROW_AFTER_STEPS)]
+    assert controller.size == 8 and notices[-1].startswith("Trying micro-batch 8 again")
+
+
+def test_a_size_that_never_ran_a_step_is_not_tried_again():
+    # a stated size too large from the start: its first step fails, and it does not cost a second one
+    controller = RowController(8, auto=False, row_limit=8)
+    controller.on_out_of_memory(8)
+    assert [controller.end_step(StepMemory(4)) for _ in range(5)] == [None] * 5 and controller.size == 4
+    assert controller.state_dict()["largest_run"] == 4
 
 
 def test_a_size_is_tried_again_only_where_the_peaks_measured_since_say_it_fits():
     controller = RowController(8, auto=False, row_limit=8, memory_limit=1_000)
+    controller.end_step(StepMemory(8))  # a step ran at 8 (its peak not measured)
     controller.on_out_of_memory(8)
     # at 4 rows of 100 tokens the step peaked at 600 bytes: 8 rows would need up to 1,200, over the limit
     assert controller.end_step(StepMemory(4, tokens=400, peak_bytes=600)) is None and controller.size == 4
     fitting = RowController(8, auto=False, row_limit=8, memory_limit=1_000)
+    fitting.end_step(StepMemory(8))
     fitting.on_out_of_memory(8)
     assert fitting.end_step(StepMemory(4, tokens=400, peak_bytes=450)) and fitting.size == 8  # up to 900
 

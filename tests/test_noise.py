@@ -19,11 +19,12 @@ from helpers import (
     RegressionRows,
     assert_same_parameters,
     logged,
+    logged_or_none,
     regression_truth,
     step_logs,
 )
 
-from adaptive_batch import AdaptiveBatch
+from adaptive_batch import AdaptiveBatch, PhaseSchedule
 from adaptive_batch.core.config import AdaptiveBatchConfig
 from adaptive_batch.core.noise import MicroBatchSums, NoiseScale, StepEstimate, step_estimate
 from adaptive_batch.runtime.noise_hooks import GradientNoiseMeter
@@ -306,13 +307,15 @@ def test_the_adam_preconditioner_warns_once_where_the_optimizer_has_other_state(
 # -- through the Trainer -------------------------------------------------------------------------------------------
 
 
-def regression_trainer(tmp_path, steps: int, effective: int, callback, seed: int = 0, **overrides):
-    """A Trainer of `LinearRegression` at learning rate 0 on `steps` steps of fresh rows (one epoch)."""
+def regression_trainer(
+    tmp_path, steps: int, effective: int, callback, seed: int = 0, weight=REGRESSION_WEIGHT, **overrides
+):
+    """A Trainer of `LinearRegression` at `weight` (learning rate 0) on `steps` steps of fresh rows (one epoch)."""
     from transformers import Trainer, TrainingArguments
 
     settings = dict(QUIET_CPU_RUN, logging_steps=steps)
     settings.update(overrides)
-    model = LinearRegression(REGRESSION_WEIGHT)
+    model = LinearRegression(weight)
     return Trainer(
         model=model,
         args=TrainingArguments(
@@ -427,9 +430,50 @@ def test_steps_of_one_micro_batch_on_one_process_measure_nothing(make_trainer):
     assert not any(key in log for log in step_logs(trainer) for key in NOISE_KEYS)
 
 
+def test_only_the_logs_of_steps_that_measured_carry_the_noise_keys(tmp_path):
+    """Steps of 8, 16, then 8 samples in micro-batches of 8: only the steps of two micro-batches measure. The steps of
+    one after them log no noise keys (not the last values again); `current()` keeps the averages as they stand."""
+    callback = AdaptiveBatch(
+        schedule=PhaseSchedule([8, 16, 8], boundaries=[32, 64], unit="samples"),
+        micro_batch_size=8,
+        noise_time_constant_samples=100,
+    )
+    trainer = regression_trainer(tmp_path, steps=12, effective=8, callback=callback, logging_steps=1)
+    trainer.train()
+    measured = [n == 2 for n in logged(trainer, "adaptive_batch/accumulation_steps")]
+    assert measured == [False] * 4 + [True] * 2 + [False] * 4
+    for key in ("adaptive_batch/grad_norm_sq", "adaptive_batch/grad_variance"):
+        assert [key in log for log in step_logs(trainer)] == measured, key
+    # the noise scale where the averaged |G|^2 is positive (here both measured steps)
+    assert [key in log for log in step_logs(trainer) for key in NOISE_KEYS].count(True) == 6
+    now = callback.current()
+    last = step_logs(trainer)[5]
+    assert now["noise_steps"] == 2 and now["step"] == 10
+    assert [now[key.split("/")[1]] for key in NOISE_KEYS] == [last[key] for key in NOISE_KEYS]
+
+
+def test_a_noise_scale_that_is_not_finite_is_left_out_and_no_log_carries_inf(tmp_path):
+    """At the optimum (|G|^2 = 0) the averaged estimate of |G|^2 is as often negative as positive: the noise scale is
+    then infinite, and its log holds the two averages without it."""
+    callback = AdaptiveBatch(micro_batch_size=4, noise_time_constant_samples=8)
+    trainer = regression_trainer(
+        tmp_path, steps=16, effective=8, callback=callback, weight=REGRESSION_TARGET, logging_steps=1
+    )
+    trainer.train()
+    logs = step_logs(trainer)
+    assert all(math.isfinite(value) for log in logs for value in log.values() if isinstance(value, float))
+    norm_sq = logged(trainer, "adaptive_batch/grad_norm_sq")  # every step measured: two micro-batches
+    variance = logged(trainer, "adaptive_batch/grad_variance")
+    assert any(x <= 0 for x in norm_sq) and any(x > 0 for x in norm_sq)  # both cases met
+    assert logged_or_none(trainer, "adaptive_batch/noise_scale") == [
+        max(v, 0.0) / n if n > 0 else None for n, v in zip(norm_sq, variance)
+    ]
+
+
 def test_a_micro_batch_that_ran_out_of_memory_is_not_counted(make_trainer):
     """The first step runs one micro-batch of 4, then the second runs out of memory (in its backward): the step is
-    run again at 2, and its noise values are those of a run at 2 from the start, bit for bit."""
+    run again at 2, and its noise values are those of a run at 2 from the start, bit for bit. (No step ran to its end at
+    4, so 4 is not tried again.)"""
     clean = make_trainer([AdaptiveBatch(micro_batch_size=2)], num_rows=24)
     clean.train()
     retried = make_trainer([AdaptiveBatch(micro_batch_size=4)], num_rows=24)
@@ -456,8 +500,8 @@ def test_resuming_continues_the_noise_averages_bitwise(make_trainer, tmp_path):
     full = run(tmp_path / "full")
     resumed = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-4"))
 
-    def after(trainer, step):
-        return [{key: log[key] for key in NOISE_KEYS} for log in step_logs(trainer) if log["step"] > step]
+    def after(trainer, step):  # (`get`: a step whose averaged |G|^2 is not positive logs no noise_scale)
+        return [{key: log.get(key) for key in NOISE_KEYS} for log in step_logs(trainer) if log["step"] > step]
 
     assert len(after(full, 4)) == 6
     assert after(resumed, 4) == after(full, 4)

@@ -11,9 +11,11 @@ from adaptive_batch import AdaptiveBatch, PhaseSchedule
 SCHEDULE = PhaseSchedule([4, 8], boundaries=[0.4])
 
 
-def run(make_trainer, output_dir, micro_batch_size, resume=None, schedule=SCHEDULE, **overrides):
+def run(
+    make_trainer, output_dir, micro_batch_size, resume=None, schedule=SCHEDULE, lr_scaling="none", **overrides
+):
     trainer = make_trainer(
-        [AdaptiveBatch(schedule=schedule, micro_batch_size=micro_batch_size)],
+        [AdaptiveBatch(schedule=schedule, micro_batch_size=micro_batch_size, lr_scaling=lr_scaling)],
         num_rows=44,
         num_train_epochs=2,
         save_strategy="steps",
@@ -93,7 +95,15 @@ def test_what_auto_learned_lives_in_the_checkpoint_and_resumes_bitwise(
         (dict(num_train_epochs=3), "budget in samples: 88 in the checkpoint, 132 now"),
         (dict(dataloader_drop_last=True), "dataloader_drop_last: False in the checkpoint, True now"),
         (dict(num_rows=40), "dataset size: 44 in the checkpoint, 40 now"),
-        (dict(schedule=PhaseSchedule([4, 12], boundaries=[0.4])), "the cut into steps"),
+        (
+            dict(schedule=PhaseSchedule([4, 12], boundaries=[0.4])),
+            "schedule: '4 -> 8 (phases start at 0.4 fraction)' in the checkpoint, "
+            "'4 -> 12 (phases start at 0.4 fraction)' now",
+        ),
+        (
+            dict(schedule=8),
+            "schedule: '4 -> 8 (phases start at 0.4 fraction)' in the checkpoint, '8 (constant)' now",
+        ),
     ],
 )
 def test_resuming_under_another_plan_is_refused_naming_what_changed(make_trainer, tmp_path, change, named):
@@ -107,6 +117,32 @@ def test_resuming_under_another_plan_is_refused_naming_what_changed(make_trainer
     with pytest.raises(ValueError, match="another step plan") as error:
         other.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-5"))
     assert named in str(error.value) and "Resume with the checkpoint's settings" in str(error.value)
+    assert calls == []  # refused before any compute
+
+
+def linear_rule(effective, starting):
+    return effective / starting
+
+
+@pytest.mark.parametrize(
+    "rule, named", [("linear", "'linear' now"), (linear_rule, "'linear_rule (callable)' now")]
+)
+def test_resuming_under_another_lr_rule_is_refused_naming_both(make_trainer, tmp_path, rule, named):
+    """The LR of the steps left follows the rule: under another one the resumed run would not continue the
+    interrupted one."""
+    run(make_trainer, tmp_path / "full", micro_batch_size=4, lr_scaling="sqrt")
+    other = make_trainer(
+        [AdaptiveBatch(schedule=SCHEDULE, lr_scaling=rule)],
+        num_rows=44,
+        num_train_epochs=2,
+        output_dir=str(tmp_path / "other"),
+    )
+    calls = []
+    other.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match="another step plan") as error:
+        other.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-5"))
+    assert f"Changed: lr_scaling: 'sqrt' in the checkpoint, {named}." in str(error.value)
+    assert "Resume with the checkpoint's settings" in str(error.value)
     assert calls == []  # refused before any compute
 
 

@@ -298,9 +298,9 @@ def test_out_of_memory_halves_the_budget_and_the_result_is_unchanged(make_traine
     trainer.train()
 
     assert watcher.tokens[: failing + 1] == tokens[: failing + 1]
-    # the step runs again at half of what failed; the next step tries 128 again, fails again, and from then on
-    # every micro-batch holds at most the halved budget
-    assert len(watcher.raised) == 2 and watcher.raised[0] == sizes[failing]
+    # the step runs again at half of what failed (128 never ran a step, so it is not tried again), and from then
+    # on every micro-batch holds at most the halved budget
+    assert watcher.raised == [sizes[failing]]
     halved = adaptive_of(trainer).current()["max_tokens_per_micro_batch"]
     assert halved <= tokens[failing] // 2 <= 64
     last_failure = max(
@@ -434,3 +434,67 @@ def test_a_checkpoint_cut_by_rows_is_not_taken_as_a_token_budget(
         "cut by tokens now; the checkpoint's run cut by rows, and what it learned is not used" in caplog.text
     )
     assert adaptive_of(resumed).current()["cut_by"] == "tokens"
+
+
+class TokenisedOnAccess(torch.utils.data.Dataset):
+    """The same rows behind `__getitem__`, as a custom dataset that tokenises there: nothing to read before
+    training."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return {"input_ids": list(self.rows[index]["input_ids"])}
+
+
+def transformed(rows):
+    """A `datasets.Dataset` whose rows are made by `set_transform`: its table holds no `input_ids` to count."""
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"row": list(range(len(rows)))})
+    dataset.set_transform(lambda batch: {"input_ids": [rows[i]["input_ids"] for i in batch["row"]]})
+    return dataset
+
+
+@pytest.mark.parametrize("wrap", [TokenisedOnAccess, transformed], ids=["torch Dataset", "set_transform"])
+def test_a_dataset_that_cannot_tell_its_lengths_is_cut_by_tokens_from_its_first_step(
+    make_trainer, varied, wrap, caplog
+):
+    stated = dict(micro_batch_overhead=10)  # the cut then depends on the rows' lengths alone
+    listed = train(make_trainer, varied, [AdaptiveBatch(**stated)])
+    with caplog.at_level("INFO", logger="adaptive_batch"):
+        wrapped = train(make_trainer, wrap(varied), [AdaptiveBatch(**stated)], remove_unused_columns=False)
+    assert adaptive_of(wrapped).current()["cut_by"] == "tokens"
+    assert "the first step's rows vary in length" in caplog.text
+    assert (
+        "the dataset cannot tell its rows' lengths before training" in caplog.text
+    )  # the plan table says so
+    padded = [sum(rows * length for _, rows, length, *_ in run.micro_batches) for run in (listed, wrapped)]
+    assert padded[1] == padded[0]  # the same cut as the list's, not every step padded to its longest row
+    assert [m[4] for m in wrapped.micro_batches] == [m[4] for m in listed.micro_batches]
+
+
+def test_a_resumed_run_over_a_dataset_that_cannot_tell_its_lengths_cuts_as_the_uninterrupted_one(
+    make_trainer, varied, tmp_path
+):
+    def run(output_dir, resume=None):
+        trainer = make_trainer(
+            [AdaptiveBatch(micro_batch_overhead=10)],
+            **{**SETTINGS, "dataset": TokenisedOnAccess(varied), "trainer_class": Recording},
+            remove_unused_columns=False,
+            save_strategy="steps",
+            save_steps=3,
+            output_dir=str(output_dir),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-3"))
+    assert adaptive_of(resumed).current()["cut_by"] == "tokens"
+    later = [m[:3] for m in full.micro_batches if m[0] >= 3]
+    assert [m[:3] for m in resumed.micro_batches] == later
+    assert_same_parameters(resumed.model, full.model)

@@ -3,7 +3,7 @@
 A checkpoint holds AdaptiveBatch's state as plain JSON, in the Trainer's own `TrainerState.stateful_callbacks`:
 
 - `schema`: the layout's version ([`SCHEMA_VERSION`]); a checkpoint of another layout is refused by name;
-- `plan`: what decides which sample goes where ([`PlanIdentity`]);
+- `plan`: what decides which sample goes where, and the learning rate of each step ([`PlanIdentity`]);
 - `settings`: the micro-batch settings the run was started with (`AdaptiveBatchConfig.micro_batch_settings`);
 - `micro_batch`: what the run learned (the controller's state);
 - counters: tokens seen, the last step, the last step's micro-batches; the noise scale's averages and a growing
@@ -11,8 +11,11 @@ A checkpoint holds AdaptiveBatch's state as plain JSON, in the Trainer's own `Tr
 
 Rules on resume:
 
-1. The plan identity must be the same, or the resume is refused with every field that changed named: another seed
-   or shuffle setting would draw samples already trained in the epoch again.
+1. The plan identity must be the same, or the resume is refused with every field that changed named, with its value
+   in the checkpoint and now: another seed or shuffle setting would draw samples already trained in the epoch again,
+   and another schedule or LR rule (`lr_scaling`) would give the steps left other sizes or learning rates than the
+   uninterrupted run. A growing schedule is compared by its settings: the changes it made are the checkpoint's,
+   restored with it.
 2. Micro-batch settings stated now win. What the checkpoint learned (sizes timed under `"auto"`, a size or token
    budget an out-of-memory error shrank) is used only where the settings are the ones the run was started with.
 3. A checkpoint without AdaptiveBatch's state was written by the plain Trainer: its steps count as done
@@ -38,7 +41,16 @@ def check_schema(state: dict, path: str) -> None:
 
 @dataclass(frozen=True)
 class PlanIdentity:
-    """Everything that decides which sample goes into which step: the same on resume, or the samples change."""
+    """Everything that decides which sample goes into which step, and at which learning rate: the same on resume, or
+    the steps left change.
+
+    Attributes:
+        schedule: the schedule as the plan table describes it (`core.schedule.describe`); a `NoiseScaleSchedule` by
+            its settings, not by the changes it made (those are restored from the checkpoint).
+        lr_scaling: the LR rule's name (`"sqrt"`, ...), or a callable rule's description.
+        fingerprint: the cut of the sample stream into steps, named only for a change no other field explains (a
+            callable schedule that gives other sizes under the same description).
+    """
 
     dataset_size: int
     budget_samples: int
@@ -46,7 +58,9 @@ class PlanIdentity:
     data_seed: int
     shuffle: bool
     adopted_at_step: int  # steps of a plain Trainer's checkpoint the plan took over from (0: none)
-    fingerprint: str  # the cut of the sample stream into steps
+    schedule: str
+    lr_scaling: str
+    fingerprint: str
 
     def differences(self, stored: dict) -> list[str]:
         """What differs from a stored identity, one phrase per field ("seed: 0 in the checkpoint, 1 now"); the cut
@@ -71,14 +85,17 @@ _LABELS = {
     "data_seed": "data seed (data_seed, or seed when data_seed is not set)",
     "shuffle": "shuffled epochs (train_sampling_strategy)",
     "adopted_at_step": "steps taken over from a plain Trainer's checkpoint",
+    "schedule": "schedule",
+    "lr_scaling": "lr_scaling",
 }
 
 
 def identity_error(differences: list[str]) -> str:
     return (
-        "The checkpoint was written under another step plan, so the samples of the steps left would not be the ones "
-        f"the run has not yet seen. Changed: {'; '.join(differences)}. Resume with the checkpoint's settings, or "
-        "start a new run (a new output_dir, or without resume_from_checkpoint)."
+        "The checkpoint was written under another step plan, so the steps left would not take the samples the run "
+        "has not yet seen, or not at the learning rates the uninterrupted run would give them. Changed: "
+        f"{'; '.join(differences)}. Resume with the checkpoint's settings, or start a new run (a new output_dir, or "
+        "without resume_from_checkpoint)."
     )
 
 

@@ -28,7 +28,7 @@ class RunFacts(Protocol):
     """What the choice reads of the run. The Trainer wiring computes each on first use (reading the probe's cache,
     or a dataset's lengths, costs time and may log a line)."""
 
-    lengths_vary: bool  # the dataset's rows are known to differ in length
+    lengths_vary: bool | None  # the dataset's rows differ in length; None: not known before training
     padding_free: bool  # the collator flattens each batch into one row of sequences (or padding_free=True)
     start: int  # where "auto" starts: a probed size for this setup, else the per-device batch
     longest_row: int  # tokens of the dataset's longest row (at most max_length)
@@ -64,6 +64,18 @@ def controller_for(config: AdaptiveBatchConfig, facts: RunFacts, row_limit: int)
         memory_limit=facts.memory_limit,
         oom_is_fatal=facts.oom_is_fatal,
         row_tokens=facts.packed_row_tokens,
+    )
+
+
+def waits_for_lengths(config: AdaptiveBatchConfig, facts: RunFacts) -> bool:
+    """Whether the choice waits for the first step: "auto" over a dataset that cannot tell its rows' lengths
+    before training (a torch `Dataset`, a transform, a stream), padded by the collator. Until then steps are cut by
+    rows; the first step's lengths decide, as the dataset's would have."""
+    return (
+        config.auto
+        and config.max_tokens_per_micro_batch is None
+        and facts.lengths_vary is None
+        and not facts.padding_free
     )
 
 

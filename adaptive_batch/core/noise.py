@@ -188,11 +188,13 @@ class NoiseScale:
         self.steps = 0  # steps averaged
         self.skipped = 0  # steps whose estimates were not finite
         self.samples_seen: float | None = None  # the run's samples after the last step averaged, where given
+        self.last_averaged = False  # whether the last step given to `update` was averaged in (not skipped)
 
     def update(self, estimate: StepEstimate, samples: float, samples_seen: float | None = None) -> bool:
         """Average in one step of `samples` samples; `False` (and nothing changed) if its estimates are not
         finite. With `samples_seen`, the run's samples after this step, the past is forgotten by the samples since
         the last step averaged (this one's included) rather than by this step's alone."""
+        self.last_averaged = estimate.finite
         if not estimate.finite:
             self.skipped += 1
             return False

@@ -34,7 +34,9 @@ def even_chunk(remaining: int, size: int) -> int:
 DECISIVE = 5  # a gain of this many margins needs no second measurement
 FIXED = "fixed by micro_batch_size"
 REGROW_AFTER_STEPS = 1  # steps run at the halved size before the size that ran out of memory is tried again
-MAX_FAILURES = 2  # out-of-memory errors (or allocator thrash) at a size after which it is not tried again
+MAX_FAILURES = (
+    2  # steps failed at a size (out of memory, or allocator thrash) after which it is not tried again
+)
 
 
 class RowController:
@@ -59,7 +61,9 @@ class RowController:
 
     After an out-of-memory error at a size that had run (a long step, a fragmented moment), the size halves and the
     step runs again; `REGROW_AFTER_STEPS` steps later the size that failed is tried again where the peaks measured
-    since say it fits, until it has failed `MAX_FAILURES` times. Allocator thrash (the caching allocator freeing its
+    since say it fits, until it has failed `MAX_FAILURES` times. A size that never ran a step to its end (a stated
+    size too large from the start) is not tried again; where the retried step fails again lower, the size tried
+    again is the one the step first failed at. Allocator thrash (the caching allocator freeing its
     cache to retry an allocation, seen at a step's end) steps down the same way, without running the step again.
     """
 
@@ -96,6 +100,9 @@ class RowController:
         self.stopped_by_limit = False  # the search stopped at max_micro_batch_size or a step's rows
         self.shrunk_from: int | None = None  # a size that ran, then ran out of memory: tried again later
         self.steps_since_shrink = 0
+        self.largest_run = 0  # the largest micro-batch of a step that ran to its end
+        self.tried_again: list[int] = []  # sizes tried again after they failed, once each time
+        self.failed_this_step = False
 
     kind = "rows"
     max_tokens = None  # no token budget: the cut counts rows
@@ -163,6 +170,8 @@ class RowController:
         (a step down for allocator thrash, or the size that ran out of memory tried again)."""
         if memory.peak_bytes is not None and memory.tokens > 0:
             self.memory_points.append((float(memory.tokens), float(memory.peak_bytes)))
+        self.largest_run = max(self.largest_run, memory.largest)
+        self.failed_this_step = False
         if memory.thrashed and memory.largest > 1 and self.trial is None:
             size = min(memory.largest, self.size)
             self.oom_sizes.append(size)
@@ -175,13 +184,10 @@ class RowController:
         if self.steps_since_shrink < REGROW_AFTER_STEPS or not self._predicted_to_fit(size * per_row, True):
             return None
         self.size, self.shrunk_from = size, None
+        self.tried_again.append(size)
         if not self.auto:
             self.settled_because = FIXED
-        failures = sum(1 for failed in self.oom_sizes if failed <= size)
-        return (
-            f"Trying micro-batch {size} again: it failed {failures} time(s), which may have been one long step or a "
-            f"fragmented moment; after {MAX_FAILURES} failures the size stays below it."
-        )
+        return tried_again_text(f"micro-batch {size}", self.tried_again.count(size))
 
     def retry_message(self, rows: int, padded_tokens: int | None) -> str:
         return f"Out of memory at micro-batch {rows}; running the step again at {self.size}."
@@ -189,11 +195,17 @@ class RowController:
     # -- decisions ---------------------------------------------------------------------------------------------
 
     def _shrink(self, size: int, because: str) -> None:
-        """`size` had run and failed: halve it; try it again later unless it failed too often."""
+        """`size` failed: halve it; try it again later where a step had run it before (a size that never ran, such
+        as a stated one too large from the start, is not tried again) unless it failed too often."""
         self.size = size // 2
         self._settle(because)
-        failures = sum(1 for failed in self.oom_sizes if failed <= size)
-        self.shrunk_from = size if failures < MAX_FAILURES else None
+        if (
+            self.failed_this_step
+        ):  # the step failed again, lower: the size to try again is the one it first failed at
+            return
+        self.failed_this_step = True
+        again = size <= self.largest_run and self.tried_again.count(size) < MAX_FAILURES - 1
+        self.shrunk_from = size if again else None
         self.steps_since_shrink = 0
 
     def _decide(self, trial: int, tokens_per_row: float) -> None:
@@ -317,6 +329,8 @@ class RowController:
             "stopped_by_limit": self.stopped_by_limit,
             "shrunk_from": self.shrunk_from,
             "steps_since_shrink": self.steps_since_shrink,
+            "largest_run": self.largest_run,
+            "tried_again": list(self.tried_again),
             "throughput": {str(size): value for size, value in self.throughput.items()},
             "memory_points": [list(point) for point in self.memory_points],
             "oom_sizes": list(self.oom_sizes),
@@ -330,6 +344,8 @@ class RowController:
         self.stopped_by_limit = bool(state["stopped_by_limit"])
         self.shrunk_from = state["shrunk_from"]
         self.steps_since_shrink = int(state["steps_since_shrink"])
+        self.largest_run = int(state["largest_run"])
+        self.tried_again = [int(size) for size in state["tried_again"]]
         self.throughput = {int(size): float(value) for size, value in state["throughput"].items()}
         self.memory_points = [(float(t), float(p)) for t, p in state["memory_points"]]
         self.oom_sizes = [int(size) for size in state["oom_sizes"]]
@@ -419,3 +435,17 @@ def out_of_memory_text(fatal: bool, retry: str) -> str:
             "measured peaks bound them below the limit"
         )
     return f"{retry} on out-of-memory"
+
+
+def tried_again_text(what: str, times: int) -> str:
+    """The line logged where a size or budget that failed is tried again (`times`: this is the n-th time)."""
+    left = MAX_FAILURES - 1 - times
+    return (
+        f"Trying {what} again: its out-of-memory error (or allocator thrash) may have been one long step or a "
+        f"fragmented moment; "
+        + (
+            f"it may fail {left} more time(s) before it stays below."
+            if left
+            else "if it fails again, it stays below."
+        )
+    )

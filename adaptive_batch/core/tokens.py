@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from .fit import predict_peak, robust_affine
 from .microbatch import MicroBatch, MicroBatchTooLargeError, StepMemory
-from .rows import MAX_FAILURES, REGROW_AFTER_STEPS, out_of_memory_text
+from .rows import MAX_FAILURES, REGROW_AFTER_STEPS, out_of_memory_text, tried_again_text
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -89,6 +89,9 @@ class TokenController:
         ] = []  # padded tokens of micro-batches that ran out of memory (or thrashed)
         self.shrunk_from: int | None = None  # a budget that ran, then halved: tried again later
         self.steps_since_shrink = 0
+        self.tokens_run = 0  # the padded tokens of the largest micro-batch of a step that ran to its end
+        self.tried_again: list[int] = []  # budgets tried again after a micro-batch under them failed
+        self.failed_this_step = False
         self.budget_because = None if tune else "stated"
         self.settled_because = None if self.exploring else "cut by max_tokens_per_micro_batch"
         self.warned_long_row = False
@@ -157,6 +160,8 @@ class TokenController:
     def _after_memory(self, memory: StepMemory) -> str | None:
         if memory.peak_bytes is not None and memory.tokens > 0:
             self.memory_points.append((float(memory.tokens), float(memory.peak_bytes)))
+        self.tokens_run = max(self.tokens_run, memory.tokens)
+        self.failed_this_step = False
         if memory.thrashed and memory.largest > 1 and not self.exploring:
             self.failed_tokens.append(memory.tokens)
             self._shrink(min(self.max_tokens, memory.tokens // 2))
@@ -168,18 +173,21 @@ class TokenController:
         if self.steps_since_shrink < REGROW_AFTER_STEPS or not self._fits(budget, cautious=True):
             return None
         self.max_tokens, self.shrunk_from = budget, None
-        failures = sum(1 for failed in self.failed_tokens if failed <= budget)
-        return (
-            f"Trying the token budget of {budget:,} again: a micro-batch under it failed {failures} time(s), which "
-            f"may have been one long step or a fragmented moment; after {MAX_FAILURES} failures it stays below."
-        )
+        self.tried_again.append(budget)
+        return tried_again_text(f"the token budget of {budget:,}", self.tried_again.count(budget))
 
     def _shrink(self, budget: int) -> None:
         """Cut at `budget` from now on, and never above half the smallest micro-batch that failed; the budget before
-        is tried again later unless it failed too often."""
+        is tried again later where a micro-batch of the tokens that failed had run in a step before (else the failure
+        marks the memory's limit, not a moment) unless it failed too often; where the retried step fails again, the
+        budget tried again is the one the step first failed under."""
         previous, self.max_tokens = self.max_tokens, max(1, min(budget, min(self.failed_tokens) // 2))
-        failures = sum(1 for failed in self.failed_tokens if failed <= previous)
-        self.shrunk_from = previous if failures < MAX_FAILURES and previous > self.max_tokens else None
+        if self.failed_this_step:
+            return
+        self.failed_this_step = True
+        had_run = self.failed_tokens[-1] <= self.tokens_run
+        again = had_run and previous > self.max_tokens and self.tried_again.count(previous) < MAX_FAILURES - 1
+        self.shrunk_from = previous if again else None
         self.steps_since_shrink = 0
 
     def _fits(self, tokens: int, cautious: bool = False) -> bool:
@@ -315,6 +323,8 @@ class TokenController:
             "failed_tokens": list(self.failed_tokens),
             "shrunk_from": self.shrunk_from,
             "steps_since_shrink": self.steps_since_shrink,
+            "tokens_run": self.tokens_run,
+            "tried_again": list(self.tried_again),
             "settled_because": self.settled_because,
         }
 
@@ -334,6 +344,8 @@ class TokenController:
         self.failed_tokens = [int(tokens) for tokens in state["failed_tokens"]]
         self.shrunk_from = state["shrunk_from"]
         self.steps_since_shrink = int(state["steps_since_shrink"])
+        self.tokens_run = int(state["tokens_run"])
+        self.tried_again = [int(budget) for budget in state["tried_again"]]
         self.settled_because = state["settled_because"]
 
 

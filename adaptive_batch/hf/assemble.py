@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import logging
+
 from ..core.config import AdaptiveBatchConfig
-from ..core.controllers import controller_for
+from ..core.controllers import controller_for, waits_for_lengths
 from ..core.microbatch import CutController
 from ..core.noise import NoiseScale
 from ..runtime import compat, lengths
@@ -13,15 +15,47 @@ from ..runtime.noise_hooks import GradientNoiseMeter
 from ..runtime.step import MicroBatchRunner
 from .facts import TrainerFacts
 
+logger = logging.getLogger("adaptive_batch")
+
 
 def engine(trainer, world_size: int) -> Engine:
     return engine_for(trainer, world_size)
 
 
 def controller(session, engine: Engine) -> CutController:
-    """The controller for the session's plan ([`core.controllers.controller_for`])."""
+    """The controller for the session's plan ([`core.controllers.controller_for`]); where the dataset cannot tell
+    its rows' lengths, by rows until the first step tells them (`session.lengths_pending`, [`lengths_from_step`])."""
     facts = TrainerFacts(session.trainer, session.config, engine, session.per_device_train_batch_size)
+    session.lengths_pending = waits_for_lengths(session.config, facts)
     return controller_for(session.config, facts, session.plan.max_rows_per_rank)
+
+
+def lengths_from_step(session, inputs) -> None:
+    """The first step's rows tell their lengths where the dataset could not: rows that vary are cut by padded
+    tokens from this step on, as the dataset's lengths would have chosen (every rank alike: they agree on the
+    longest row and on whether any rank's rows vary)."""
+    row_lengths = lengths.step_row_lengths(inputs) or [0]
+    varies, longest = session.runner.agree(
+        [float(min(row_lengths) != max(row_lengths)), float(max(row_lengths))]
+    )
+    if varies:
+        choose_by_tokens(session, int(longest))
+        logger.info(
+            "AdaptiveBatch: the first step's rows vary in length (the longest %d tokens; the dataset could not tell "
+            "before training): steps are cut by padded tokens from here on.",
+            int(longest),
+        )
+    session.lengths_pending = False
+
+
+def choose_by_tokens(session, longest_row: int) -> None:
+    """Cut by padded tokens from now on, the budget starting at the starting size x `longest_row`."""
+    engine = session.runner.engine
+    facts = TrainerFacts(session.trainer, session.config, engine, session.per_device_train_batch_size)
+    facts.observe(True, longest_row)
+    session.controller = session.runner.controller = controller_for(
+        session.config, facts, session.plan.max_rows_per_rank
+    )
 
 
 def runner(session, engine: Engine) -> MicroBatchRunner:

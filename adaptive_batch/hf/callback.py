@@ -55,7 +55,8 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     rate are the plain Trainer's; a growing batch shortens the run in steps. `state.epoch` follows data epochs (1.0, 2.0, ...
     at their ends) and epoch-strategy evaluation and saving happen once at each data epoch's end.
 
-    Logged with every training log (so TensorBoard, W&B and `state.log_history` get them):
+    Logged with every training log (so TensorBoard, W&B and `state.log_history` get them), the three noise keys only
+    with the logs of steps that measured the noise scale (see below):
 
     | key | meaning |
     | --- | --- |
@@ -65,13 +66,18 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     | `adaptive_batch/samples_seen` | samples trained on since the start, all ranks |
     | `adaptive_batch/tokens_seen` | non-padding tokens trained on since the start, all ranks |
     | `adaptive_batch/lr_scale` | the LR rule's multiplier at the last step |
-    | `adaptive_batch/noise_scale` | gradient noise scale B_simple = grad_variance / grad_norm_sq, in samples |
-    | `adaptive_batch/grad_norm_sq` | squared norm of the true gradient, G^2 (averaged estimate; before clipping) |
-    | `adaptive_batch/grad_variance` | tr(Sigma), the summed variance of one sample's gradient (averaged estimate) |
+    | `adaptive_batch/noise_scale` | noise scale B_simple = grad_variance / grad_norm_sq, in samples; measured steps only, never inf |
+    | `adaptive_batch/grad_norm_sq` | squared norm of the true gradient, G^2 (averaged estimate, before clipping); measured steps only |
+    | `adaptive_batch/grad_variance` | tr(Sigma), summed variance of one sample's gradient (averaged estimate); measured steps only |
 
-    The three noise keys appear from the first step measured on (one with 2 or more micro-batches over all ranks).
-    They are in the loss's own normalisation: where the loss is a mean over label tokens, the estimator works per
-    token and converts to samples by the step's samples / label tokens.
+    The three noise keys are averages over the steps measured so far (their time constant in samples), and a log
+    carries them only where its last step measured the noise scale: one of 2 or more micro-batches over all ranks,
+    whose estimates were finite. A step that measured nothing (one micro-batch on one process) logs none of them,
+    rather than the last values again, so a plot shows only measured points; with `logging_steps > 1` a log carries
+    them where the step it is written at measured. They never log `inf`: while the averaged |G|^2 is not positive
+    (the gradient not yet told apart from its noise) the ratio is infinite, and that log holds `grad_norm_sq` and
+    `grad_variance` without `noise_scale`. They are in the loss's own normalisation: where the loss is a mean over
+    label tokens, the estimator works per token and converts to samples by the step's samples / label tokens.
     """
 
     def __init__(self, schedule=None, **settings):
@@ -120,8 +126,10 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         """Where the run stands after its last optimizer step (before training: what step 0 will run): `step`,
         `effective_batch_size`, `micro_batch_size` (the last step's largest; before training the first
         micro-batch's rows where a cut by rows knows them, else `None`), `accumulation_steps`, `samples_seen`,
-        `tokens_seen`, `lr_scale`, the noise keys once measured (`noise_scale`, `grad_norm_sq`, `grad_variance`),
-        `noise_steps` (steps the noise scale was measured on), `cut_by` (`"rows"` or `"tokens"`),
+        `tokens_seen`, `lr_scale`, the noise scale's averages as they stand after the last step measured, whether
+        or not the last step itself measured (`noise_scale`, `grad_norm_sq`, `grad_variance`: `None` before any step
+        measured; `noise_scale` is `inf` while the averaged `grad_norm_sq` is not positive), `noise_steps` (steps
+        the noise scale was measured on: 0 means the three are `None`), `cut_by` (`"rows"` or `"tokens"`),
         `max_tokens_per_micro_batch` (the token budget of a cut by tokens, else `None`),
         `micro_batch_settled_because` (`None` while the micro-batch search goes on),
         `micro_batch_settled_at_step` (the first step run after it, `None` before) and `batch_changes` (those a

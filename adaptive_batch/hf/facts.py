@@ -26,8 +26,16 @@ class TrainerFacts:
         self.oom_is_fatal = not engine.retries
 
     @cached_property
-    def lengths_vary(self) -> bool:
-        return lengths.varies(self.trainer.train_dataset)
+    def lengths_vary(self) -> bool | None:
+        """Whether the dataset's rows differ in length; `None` where it cannot tell cheaply."""
+        row_lengths = lengths.row_lengths(self.trainer.train_dataset)
+        return None if row_lengths is None else min(row_lengths) != max(row_lengths)
+
+    def observe(self, lengths_vary: bool, longest_row: int) -> None:
+        """What the first step's rows told, where the dataset could not."""
+        self.lengths_vary = lengths_vary
+        max_length = getattr(self.trainer.args, "max_length", None)
+        self.longest_row = min(longest_row, max_length) if max_length else longest_row
 
     @cached_property
     def padding_free(self) -> bool:

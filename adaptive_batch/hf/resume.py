@@ -18,6 +18,7 @@ from ..core.plain_trainer import PlainBatching
 from ..core.steps import DoneSteps
 from ..runtime import compat
 from ..runtime.stream import is_stream
+from . import assemble
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -93,7 +94,8 @@ def done_steps(adopted: Adoption | None, dataset_size: int | None) -> DoneSteps 
 
 
 def check_identity(session, checkpoint: StoredCheckpoint | None) -> None:
-    """Refuse, before any compute, a checkpoint written under another step plan."""
+    """Refuse, before any compute, a checkpoint written under another step plan: one that gives the steps left other
+    samples, sizes or learning rates (`PlanIdentity.differences` names each field that changed)."""
     if checkpoint is None or checkpoint.state is None:
         return
     differences = session.identity.differences(checkpoint.state["plan"])
@@ -121,6 +123,11 @@ def restore(session, checkpoint: StoredCheckpoint) -> None:
         session.growth is not None and state["step_time"]
     ):  # (the schedule's changes were read before planning)
         session.growth.load_step_time(state["step_time"])
+    learned = state["micro_batch"]
+    if session.lengths_pending and learned is not None and learned["kind"] == "tokens":
+        # the run's first step told that its rows vary: cut by tokens as then (the budget is the one learned)
+        assemble.choose_by_tokens(session, longest_row=1)
+    session.lengths_pending = False  # (rows: the first step's rows were of one length)
     controller, config = session.controller, session.config
     applies, message = learned_state_applies(state["settings"], config.micro_batch_settings())
     learned = state["micro_batch"]

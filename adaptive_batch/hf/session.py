@@ -44,6 +44,9 @@ class Session:
         self.identity: PlanIdentity | None = None
         self.adoption = None
         self.controller = None
+        self.lengths_pending = (
+            False  # the dataset could not tell its rows' lengths: the first step tells them
+        )
         self.runner = None
         self.sampler = None  # what the data loader draws steps from (it tells the last step drawn)
         self.growth: Growth | None = None
@@ -110,6 +113,8 @@ class Session:
             data_seed=args.data_seed if args.data_seed is not None else args.seed,
             shuffle=not self.is_stream and args.train_sampling_strategy != "sequential",
             adopted_at_step=self.adoption.global_step if self.adoption else 0,
+            schedule=status.schedule_text(self),
+            lr_scaling=status.rule_text(config.lr_scaling),
             fingerprint=self.plan.fingerprint(),
         )
         resume.check_identity(self, checkpoint)
@@ -200,6 +205,8 @@ class Session:
             growth.before_step(step, self.last_step)
         exploring = self.controller.exploring
         split = growth is not None and growth.split(self, step)
+        if self.lengths_pending:
+            assemble.lengths_from_step(self, inputs)
         loss = self.runner.run(
             inner_step, model, inputs, num_items_in_batch, self.plan.max_rows(step), split=split
         )

@@ -3,6 +3,8 @@ plan table logged when training starts."""
 
 from __future__ import annotations
 
+import math
+
 from ..core import report
 from ..core.plain_trainer import PlainBatching
 from ..core.schedule import describe
@@ -10,7 +12,13 @@ from ..runtime import lengths
 
 
 def metrics(session) -> dict[str, float]:
-    """The `adaptive_batch/*` values after the last optimizer step."""
+    """The `adaptive_batch/*` values after the last optimizer step: the step's own, and the noise scale's averages
+    where that step measured it ([`noise_metrics`])."""
+    return {**step_metrics(session), **noise_metrics(session)}
+
+
+def step_metrics(session) -> dict[str, float]:
+    """The last optimizer step's sizes and the run's counters, for every training log."""
     step, plan, last = session.last_step, session.plan, session.runner.last
     return {
         "adaptive_batch/effective_batch_size": plan.sizes[step],
@@ -19,18 +27,39 @@ def metrics(session) -> dict[str, float]:
         "adaptive_batch/samples_seen": plan.samples_before_step[step + 1],
         "adaptive_batch/tokens_seen": session.tokens_seen,
         "adaptive_batch/lr_scale": session.run.clock.scale(step),
-        **noise_metrics(session.noise),
     }
 
 
-def noise_metrics(noise) -> dict[str, float]:
-    """The gradient noise scale's values, once a step has measured it."""
-    if noise is None or noise.value is None:
+def noise_metrics(session) -> dict[str, float]:
+    """The noise scale's averages, only where the last step measured it and was averaged in, and only the finite
+    ones.
+
+    A step that measured nothing (one micro-batch on one process) logs none of them: repeating the last values would
+    plot points that were never measured. `noise_scale` is `inf` while the averaged |G|^2 is not positive (the
+    gradient not yet told apart from its noise); such a log leaves it out and keeps the two averages, which say why.
+    """
+    noise, measured = session.noise, session.runner.last.noise
+    if noise is None or measured is None or not noise.last_averaged:
         return {}
-    return {
+    values = {
         "adaptive_batch/noise_scale": noise.value,
         "adaptive_batch/grad_norm_sq": noise.grad_norm_sq,
         "adaptive_batch/grad_variance": noise.grad_variance,
+    }
+    return {key: value for key, value in values.items() if math.isfinite(value)}
+
+
+def noise_averages(noise) -> dict:
+    """The noise scale's averages as they stand, for `current()`, whether or not the last step measured: `None`
+    before any step did (and with `measure_noise=False`), `noise_scale` `inf` while the averaged |G|^2 is not
+    positive; and `noise_steps`, the steps averaged."""
+    if noise is None:
+        return {"noise_scale": None, "grad_norm_sq": None, "grad_variance": None, "noise_steps": 0}
+    return {
+        "noise_scale": noise.value,
+        "grad_norm_sq": noise.grad_norm_sq,
+        "grad_variance": noise.grad_variance,
+        "noise_steps": noise.steps,
     }
 
 
@@ -47,13 +76,13 @@ def current(session) -> dict:
             "lr_scale": session.run.clock.scale(first),
         }
     else:
-        values = {key.split("/", 1)[1]: value for key, value in metrics(session).items()}
+        values = {key.split("/", 1)[1]: value for key, value in step_metrics(session).items()}
+    values.update(noise_averages(session.noise))
     values["step"] = session.last_step + 1
     values["cut_by"] = controller.kind
     values["max_tokens_per_micro_batch"] = controller.max_tokens
     values["micro_batch_settled_because"] = controller.settled_because
     values["micro_batch_settled_at_step"] = session.settled_at_step
-    values["noise_steps"] = session.noise.steps if session.noise is not None else 0
     values["batch_changes"] = [
         {"step": c.step, "size": c.size, "samples_seen": c.samples_seen, "reason": c.reason}
         for c in (session.growth.schedule.changes if session.growth is not None else [])
@@ -82,11 +111,17 @@ def plan_rows(session) -> list[tuple[str, str]]:
         plan,
         run.clock,
         run.budget,
-        schedule_text=describe(session.schedule),
-        micro_batch_text=controller.describe(),
+        schedule_text=schedule_text(session),
+        micro_batch_text=controller.describe()
+        + (
+            "; the dataset cannot tell its rows' lengths before training: where the first step's vary, steps are "
+            "cut by padded tokens from it on"
+            if session.lengths_pending
+            else ""
+        ),
         plain_steps=plain.total_steps(args.num_train_epochs, args.max_steps),
         tokens=None if total_tokens is None else round(total_tokens * run.budget.samples / plan.dataset_size),
-        rule_text=config.lr_scaling if isinstance(config.lr_scaling, str) else describe(config.lr_scaling),
+        rule_text=rule_text(config.lr_scaling),
         accumulation_text=controller.accumulation_text(
             [effective // plan.world_size for _, _, effective in plan.phases()],
             session.gradient_accumulation_steps,
@@ -96,3 +131,17 @@ def plan_rows(session) -> list[tuple[str, str]]:
         stream = ("epochs", f"a stream: its first {plan.budget:,} samples, read once in order")
         rows = [stream if label == "epochs" else (label, value) for label, value in rows]
     return rows
+
+
+# The schedule and the LR rule as the plan table names them; a checkpoint's plan records the same words, so a resume
+# under another one is refused naming both.
+
+
+def schedule_text(session) -> str:
+    """The session's schedule described (a growing one by its settings, not the changes it made)."""
+    return describe(session.schedule)
+
+
+def rule_text(lr_scaling) -> str:
+    """The LR rule's name, or a callable rule's description."""
+    return lr_scaling if isinstance(lr_scaling, str) else describe(lr_scaling)

@@ -1,5 +1,7 @@
 """Token counts of a training dataset, read without running its transforms: the Arrow column of a
-`datasets.Dataset`, or the `input_ids` of a list of mappings. Other datasets are not read (`None`)."""
+`datasets.Dataset`, or the `input_ids` of a list of mappings. Other datasets are not read (`None`): a torch
+`Dataset` that tokenises in `__getitem__`, a `set_transform` dataset, a stream; for those the first collated step
+tells ([`step_row_lengths`])."""
 
 from __future__ import annotations
 
@@ -56,7 +58,12 @@ def longest(dataset) -> int | None:
     return None if lengths is None else max(lengths)
 
 
-def varies(dataset) -> bool:
-    """Whether the rows are known to differ in length (a dataset that cannot be read counts as not)."""
-    lengths = row_lengths(dataset)
-    return lengths is not None and min(lengths) != max(lengths)
+def step_row_lengths(batch) -> list[int] | None:
+    """The tokens of each row of a collated, padded step batch (its `attention_mask`'s ones); `None` for a batch
+    without one (padding-free, or unpadded rows of one length)."""
+    import torch
+
+    mask = batch.get("attention_mask") if hasattr(batch, "get") else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return None
+    return mask.sum(dim=1).tolist()

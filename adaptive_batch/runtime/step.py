@@ -254,14 +254,10 @@ class MicroBatchRunner:
                 return outcome
             cut.record(micro, report)
             outcome.chunks += 1
-            if micro.size >= outcome.largest:
-                outcome.largest = micro.size
-                if (
-                    self.device.type == "cuda"
-                ):  # (the lengths are read once per step, where memory is measured)
-                    outcome.largest_tokens = max(
-                        outcome.largest_tokens, step.batch.padded_tokens(micro.start, micro.rows)
-                    )
+            outcome.largest = max(outcome.largest, micro.size)
+            outcome.largest_tokens = max(
+                outcome.largest_tokens, step.batch.padded_tokens(micro.start, micro.rows)
+            )
             if report.measured_peak is not None:
                 outcome.peak = max(outcome.peak, report.measured_peak)
         notice = cut.finish(self._step_memory(outcome, retries_before))
@@ -271,14 +267,13 @@ class MicroBatchRunner:
 
     def _step_memory(self, outcome: _Outcome, retries_before: int) -> StepMemory:
         """What the step's end tells the controller about memory, the same on every rank (their largest)."""
-        peak = peak_allocated(self.device)
-        if peak is None:  # not measured (the CPU)
-            return StepMemory(outcome.largest)
-        thrashed = alloc_retries(self.device) > retries_before
+        peak = peak_allocated(self.device)  # (`None` where not measured: the CPU)
+        thrashed = peak is not None and alloc_retries(self.device) > retries_before
         # (a timed micro-batch reset the peak when it began: the step's is the larger of the two)
         tokens, peak, thrashed = self.agree(
-            [outcome.largest_tokens, max(peak, outcome.peak), float(thrashed)]
+            [outcome.largest_tokens, -1.0 if peak is None else max(peak, outcome.peak), float(thrashed)]
         )
+        peak = None if peak < 0 else peak
         return StepMemory(outcome.largest, int(tokens), peak, bool(thrashed))
 
     @property
@@ -413,7 +408,7 @@ class _Step:
 class _Outcome:
     loss: torch.Tensor
     chunks: int = 0
-    largest: int = 0  # the largest micro-batch, in the controller's unit, and its tokens as run (on CUDA)
+    largest: int = 0  # the largest micro-batch, in the controller's unit, and the most padded tokens one held
     largest_tokens: int = 0
     peak: float = 0.0  # the largest peak a timed micro-batch measured
     # the report of the micro-batch that ran out of memory on some rank
