@@ -92,6 +92,7 @@ class FakeOutOfMemory:
         max_tokens: the largest number of tokens, rows x length as padded, that "fits" (`None`: any).
         times: raise at most this many times (`None`: every time): a transient error, such as one long step or a
             fragmented moment gives.
+        in_eval: raise in forwards without gradients too (evaluation, prediction); by default only training's.
 
     Attributes:
         sizes: the rows of every forward the model was called with, in order (oversized ones included).
@@ -107,8 +108,10 @@ class FakeOutOfMemory:
         only_after_calls: int = 0,
         max_tokens: int | None = None,
         times: int | None = None,
+        in_eval: bool = False,
     ):
         self.max_rows = max_rows
+        self.in_eval = in_eval
         self.times_left = times
         self.max_tokens = max_tokens
         self.in_backward = in_backward
@@ -126,7 +129,7 @@ class FakeOutOfMemory:
         fits = (self.max_rows is None or rows <= self.max_rows) and (
             self.max_tokens is None or tokens <= self.max_tokens
         )
-        if fits or not torch.is_grad_enabled():
+        if fits or not (torch.is_grad_enabled() or self.in_eval):
             return output
         if self.passes_left > 0:
             self.passes_left -= 1

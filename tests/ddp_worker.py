@@ -35,6 +35,8 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         return noise_run(output_dir, int(micro))
     if kind == "growing":
         return growing_run(output_dir, int(micro))
+    if kind == "eval":
+        return eval_run(output_dir, int(micro), fake_oom_rank)
     from helpers import ORDER_ONLY, QUIET_CPU_RUN, Recording, keep_loss_in_float64
     from transformers import (
         DataCollatorForLanguageModeling,
@@ -351,6 +353,63 @@ def growing_run(output_dir: str, micro: int) -> None:
         json.dump(result, f)
     weights = {k: _full(v).detach().cpu() for k, v in trainer.model.named_parameters()}
     torch.save(weights, f"{output_dir}/rank{rank}.pt")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> None:
+    """`Trainer.evaluate()` of the tiny Llama (float64) over 22 rows at `per_device_eval_batch_size=eval_batch`,
+    on every rank; the rank `fake_oom_rank` runs out of memory above one row. Writes the metrics and what
+    `compute_metrics` got (its predictions as .npy)."""
+    import numpy as np
+    from helpers import QUIET_CPU_RUN, keep_loss_in_float64
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    from adaptive_batch import AdaptiveBatch
+    from adaptive_batch.testing import (
+        FakeOutOfMemory,
+        text_corpus,
+        tiny_llama,
+        token_dataset,
+        train_tokenizer,
+    )
+
+    texts = text_corpus()
+    tokenizer = train_tokenizer(texts[:1500], vocab_size=384)
+    rows = token_dataset(tokenizer, texts[:60], max_length=24)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    got = {}
+
+    def compute_metrics(prediction):
+        got["predictions"], got["label_ids"] = prediction.predictions, prediction.label_ids
+        return {"rows": float(len(prediction.label_ids))}
+
+    trainer = Trainer(
+        model=keep_loss_in_float64(tiny_llama(tokenizer).to(torch.float64)),
+        args=TrainingArguments(
+            output_dir=output_dir,
+            per_device_eval_batch_size=eval_batch,
+            **QUIET_CPU_RUN,
+            ddp_backend="gloo" if world_size > 1 else None,
+        ),
+        train_dataset=rows[:16],
+        eval_dataset=rows[30:52],
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        compute_metrics=compute_metrics,
+        callbacks=[AdaptiveBatch()],
+    )
+    rank = trainer.args.process_index
+    watcher = None
+    if fake_oom_rank == str(rank):
+        watcher = FakeOutOfMemory(trainer.model, max_rows=1, in_eval=True)
+    metrics = trainer.evaluate()
+    result = {"rank": rank, "metrics": metrics, "raised": watcher.raised if watcher else []}
+    with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    np.save(os.path.join(output_dir, f"predictions{rank}.npy"), got["predictions"])
+    np.save(os.path.join(output_dir, f"labels{rank}.npy"), got["label_ids"])
+    torch.save({}, f"{output_dir}/rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -228,3 +228,22 @@ def test_a_noise_scale_schedule_makes_the_same_changes_on_every_rank(tmp_path):
     assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == sorted(ranks[0]["dataset"])
     sizes = [log["adaptive_batch/effective_batch_size"] for log in ranks[0]["logs"]]
     assert sizes == ranks[0]["plan"]
+
+
+def test_one_ranks_out_of_memory_in_evaluation_makes_every_rank_run_the_batch_in_pieces(tmp_path):
+    # rank 1 runs out of memory above one row: both ranks run each eval batch of 4 again in pieces of 1 (they agree
+    # after every piece, and before every collective of the Trainer inside one), and the metrics are the clean run's
+    import numpy as np
+
+    clean, _ = launch(tmp_path, "clean", "eval", micro=4, world_size=2)
+    ranks, _ = launch(tmp_path, "oom", "eval", micro=4, world_size=2, fake_oom_rank=1)
+    assert ranks[1]["raised"] == [4, 2] and ranks[0]["raised"] == []
+    for rank in ranks:
+        assert rank["metrics"]["eval_adaptive_batch/micro_batch_size"] == 1
+    metrics, expected = ranks[0]["metrics"], clean[0]["metrics"]
+    assert metrics["eval_rows"] == expected["eval_rows"] == 22
+    assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-12)
+    for name in ("predictions0.npy", "labels0.npy"):
+        got, want = np.load(tmp_path / "oom" / name), np.load(tmp_path / "clean" / name)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -81,6 +81,13 @@ class AdaptiveBatchConfig:
     memory_headroom: float = setting(
         0.10, "The share of GPU memory `'auto'` keeps free when it predicts whether a size fits."
     )
+    adapt_evaluation: bool = setting(
+        True,
+        "Evaluation and prediction survive an out-of-memory error: the eval batch runs again in pieces of half its "
+        "rows, put back together as the whole batch's (the same loss, logits and labels), and later batches start "
+        "at the size that ran; `eval_adaptive_batch/micro_batch_size` logs the largest piece. Not under DeepSpeed "
+        "or FSDP. `False`: the Trainer's own evaluation.",
+    )
     measure_noise: bool = setting(
         True,
         "Measure the gradient noise scale (McCandlish et al. 2018) on every step of 2 or more micro-batches (all "

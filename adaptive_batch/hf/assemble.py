@@ -11,6 +11,7 @@ from ..core.microbatch import CutController
 from ..core.noise import NoiseScale
 from ..runtime import compat, lengths
 from ..runtime.engines import Engine, engine_for
+from ..runtime.evaluation import EvalPieces
 from ..runtime.noise_hooks import GradientNoiseMeter
 from ..runtime.step import MicroBatchRunner
 from .facts import TrainerFacts
@@ -82,3 +83,10 @@ def check_longest_row(session) -> None:
     if session.controller.max_tokens is None or getattr(session.trainer.args, "packing", False):
         return
     session.controller.check_longest_row(lengths.longest(session.trainer.train_dataset))
+
+
+def eval_pieces(trainer, config: AdaptiveBatchConfig, world_size: int) -> EvalPieces | None:
+    """Evaluation that survives an out-of-memory error ([`runtime.evaluation`]), unless `adapt_evaluation=False`
+    or the engine's forward gathers parameters from every rank (DeepSpeed, FSDP): there the Trainer's own."""
+    sharded = getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)
+    return EvalPieces(trainer, world_size) if config.adapt_evaluation and not sharded else None

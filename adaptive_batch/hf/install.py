@@ -10,10 +10,12 @@ The Trainer instance gets a class of its own with `AdaptiveTrainerMixin` in fron
   the sample clock and the LR rule;
 - `training_step`: cuts the step batch into micro-batches, each through the user's class's `training_step`;
 - `log`: adds the `adaptive_batch/*` metrics to every training log;
+- `prediction_step` and `evaluation_loop`: an eval batch that runs out of memory runs again in pieces
+  ([`runtime.evaluation`]), and the evaluation's metrics tell the largest piece and the batches run again;
 - it keeps AdaptiveBatch's live callback when a checkpoint's callback states are restored (its state was read
   when `train` started).
 
-Everything else (evaluation, checkpoints, callbacks, mixed precision, DDP wrapping) is the Trainer's own.
+Everything else (the evaluation loop itself, checkpoints, callbacks, mixed precision, DDP wrapping) is the Trainer's own.
 """
 
 from __future__ import annotations
@@ -67,6 +69,25 @@ class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         return self._adaptive_batch.training_step(super().training_step, model, inputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        pieces = self._adaptive_batch.eval_pieces
+        if pieces is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        return pieces.run(super().prediction_step, model, inputs, prediction_loss_only, ignore_keys)
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
+        pieces = self._adaptive_batch.eval_pieces
+        if pieces is not None:
+            pieces.begin()
+        output = super().evaluation_loop(
+            dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+        )
+        if pieces is not None:
+            output.metrics.update(pieces.metrics(metric_key_prefix))
+        return output
 
     def log(self, logs, *args, **kwargs):
         self._adaptive_batch.add_metrics(logs)

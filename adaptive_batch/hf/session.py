@@ -44,15 +44,17 @@ class Session:
         self.identity: PlanIdentity | None = None
         self.adoption = None
         self.controller = None
-        self.lengths_pending = (
-            False  # the dataset could not tell its rows' lengths: the first step tells them
-        )
+        # the dataset could not tell its rows' lengths: the first step tells them
+        self.lengths_pending = False
         self.runner = None
         self.sampler = None  # what the data loader draws steps from (it tells the last step drawn)
         self.growth: Growth | None = None
         self.noise = assemble.noise_averages(self.config)
         self.tokens_seen, self.last_step = 0, -1
         self.settled_at_step: int | None = None  # the first step run after the controller stopped measuring
+        self.eval_pieces = assemble.eval_pieces(
+            trainer, self.config, self.world_size
+        )  # None: the plain evaluation
 
     @property
     def plan(self) -> StepPlan | None:

@@ -146,15 +146,15 @@ def padding_free(trainer) -> bool:
 
 
 class TrlMetrics:
-    """TRL's SFTTrainer counts tokens (`_total_train_tokens`) and appends metrics (`_metrics["train"]`) on every
-    `compute_loss` call. A step run again after an out-of-memory error would count them twice, and a row that adds
-    nothing would count its tokens: keep the metrics of the last attempt only, and set the token count to the step's
-    real tokens."""
+    """TRL's SFTTrainer counts tokens (`_total_train_tokens`) and appends metrics (`_metrics["train"]`, or
+    `["eval"]`) on every `compute_loss` call. A step run again after an out-of-memory error would count them twice,
+    and a row that adds nothing would count its tokens: keep the metrics of the last attempt only, and set the token
+    count to the step's real tokens. An eval batch run in pieces appends once per piece: `merge` makes them one."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, mode: str = "train"):
         self.trainer = trainer
         metrics = getattr(trainer, "_metrics", None)
-        self.lists = metrics.get("train") if isinstance(metrics, dict) else None
+        self.lists = metrics.get(mode) if isinstance(metrics, dict) else None
         self.lengths = (
             {key: len(values) for key, values in self.lists.items()} if self.lists is not None else {}
         )
@@ -169,6 +169,19 @@ class TrlMetrics:
                     del self.lists[key]
         if self.total_tokens is not None:
             self.trainer._total_train_tokens = self.total_tokens
+
+    def merge(self, weights: list[float]) -> None:
+        """Where each of the last `len(weights)` `compute_loss` calls appended one value to a list, make them one:
+        their mean weighted by `weights` (TRL's entropy and token accuracy are means over a batch's label tokens, so
+        with the pieces' label tokens as weights this is the whole batch's)."""
+        total = sum(weights)
+        if self.lists is None or total <= 0:
+            return
+        for key, values in self.lists.items():
+            if len(values) - self.lengths.get(key, 0) == len(weights):
+                appended = values[len(values) - len(weights) :]
+                del values[len(values) - len(weights) :]
+                values.append(sum(v * w for v, w in zip(appended, weights)) / total)
 
     def correct(self, real_tokens: int) -> None:
         if self.total_tokens is None or not isinstance(self.total_tokens, (int, float)):

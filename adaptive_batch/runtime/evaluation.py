@@ -1,0 +1,256 @@
+"""Evaluation and prediction that survive an out-of-memory error.
+
+`Trainer.prediction_step` runs one eval batch. Through [`EvalPieces`], a batch that runs out of memory runs again
+in pieces of half as many rows (then a quarter, ...), and the pieces are put back together as the whole batch's
+output, so `evaluation_loop` goes on as if nothing happened:
+
+- the loss: each piece's loss is a mean over what its batch holds (label tokens, counted as the Trainer counts
+  them, or rows), so the whole batch's is the pieces' losses weighted by those counts (over all ranks where the
+  Trainer normalises over them: `average_tokens_across_devices`);
+- logits and labels: the pieces' concatenated in row order; a piece keeps the batch's padded width, so they are the
+  whole batch's, shape for shape.
+
+The eval loss, the `compute_metrics` inputs and `eval_accumulation_steps` are then those of the plain Trainer (the
+loss up to rounding in the weighted sum). Later batches start at the size that ran, in this evaluation and the
+next. Under DDP the ranks exchange a flag after every piece, so that all run again together and as many pieces
+(the Trainer's count of label tokens may be a collective). Not under DeepSpeed or FSDP, whose forward gathers
+parameters from every rank: there an out-of-memory error in evaluation ends the run, as it does without
+AdaptiveBatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..core.microbatch import MicroBatchTooLargeError
+from ..core.rows import even_chunk
+from . import compat
+from .batch import IGNORE_INDEX
+from .memory import is_out_of_memory, release_memory
+
+logger = logging.getLogger("adaptive_batch")
+
+
+class EvalPieces:
+    """Runs eval batches through the Trainer's `prediction_step`, in pieces after an out-of-memory error.
+
+    Args:
+        trainer: the Trainer (its `label_names`, how it counts label tokens, its device).
+        world_size: the processes that evaluate together (their flags are exchanged where more than one).
+    """
+
+    def __init__(self, trainer, world_size: int):
+        self.trainer = trainer
+        self.world_size = world_size
+        self.cap: int | None = None  # the most rows a piece holds since an out-of-memory error (None: any)
+        self.failed: list[int] = []  # the sizes that ran out of memory, in order
+        self.largest = 0  # the largest piece that ran in the current evaluation
+        self.retried = 0  # the batches of the current evaluation run again in pieces
+
+    def begin(self) -> None:
+        """A new evaluation starts: its counters from zero (the cap stays: the memory is the same)."""
+        self.largest, self.retried = 0, 0
+
+    def run(self, prediction_step, model, inputs, prediction_loss_only: bool, ignore_keys):
+        """The Trainer's `prediction_step(model, inputs, prediction_loss_only, ignore_keys)` of the whole batch,
+        in pieces of at most `cap` rows where one ran out of memory before."""
+        rows = batch_rows(inputs)
+        if rows is None:  # nothing to cut by rows: the Trainer's own step
+            return prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        size = rows if self.cap is None else min(rows, self.cap)
+        retried = False
+        while True:
+            result = self._attempt(
+                prediction_step, model, inputs, rows, size, prediction_loss_only, ignore_keys
+            )
+            if result is not None:
+                self.largest = max(self.largest, size)
+                self.retried += retried
+                return result
+            release_memory(self.device)
+            self.failed.append(size)
+            if size == 1:
+                raise MicroBatchTooLargeError(
+                    f"One row of an eval batch does not fit in memory on {self.device}, so no piece of it can run. "
+                    "Lower per_device_eval_batch_size does not help here: free memory per row (a shorter max_length "
+                    "for the eval set, eval_accumulation_steps to move predictions to the CPU, or "
+                    "prediction_loss_only=True to keep no logits).",
+                    list(self.failed),
+                )
+            size = max(1, size // 2)
+            self.cap, retried = size, True
+            logger.warning(
+                "AdaptiveBatch: out of memory in evaluation at %d rows; running the eval batch again in pieces of "
+                "%d rows (the metrics are the whole batch's).",
+                self.failed[-1],
+                size,
+            )
+
+    def metrics(self, prefix: str) -> dict[str, int]:
+        """The evaluation's keys: the largest piece that ran (the eval batch itself where nothing failed), and the
+        batches run again in pieces."""
+        return {
+            f"{prefix}_adaptive_batch/micro_batch_size": self.largest,
+            f"{prefix}_adaptive_batch/batches_retried": self.retried,
+        }
+
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.args.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def _attempt(self, prediction_step, model, inputs, rows, size, prediction_loss_only, ignore_keys):
+        """The batch's (loss, logits, labels) from pieces of `size` rows, or `None` where one ran out of memory on any
+        rank (the others stopped with it, at the next collective of the Trainer or TRL they reached, or after the
+        piece)."""
+        if size < rows and self.distributed:
+            most, fewest = _all_reduce([rows, -rows], self.device, dist.ReduceOp.MAX)
+            if most != -fewest:
+                raise RuntimeError(
+                    f"The eval batches hold {int(-fewest)} to {int(most)} rows on different ranks, so they cannot "
+                    "run in the same pieces after an out-of-memory error. Keep the Accelerator's even_batches=True "
+                    "(its default), or set AdaptiveBatch(adapt_evaluation=False)."
+                )
+        metrics = compat.TrlMetrics(self.trainer, mode="eval")
+        outputs, start = [], 0
+        while start < rows:
+            piece = even_chunk(rows - start, size)
+            failed = False
+            try:
+                with self._guard():
+                    outputs.append(
+                        prediction_step(
+                            model, take(inputs, rows, start, piece), prediction_loss_only, ignore_keys
+                        )
+                    )
+            except _PeerFailed:  # the flags were exchanged where this rank waited
+                failed = True
+            except Exception as error:  # noqa: BLE001 (only an out-of-memory error is caught below)
+                if not is_out_of_memory(error):
+                    raise
+                failed = self._exchange(True)
+            else:
+                failed = self._exchange(False)
+            if failed:
+                metrics.restore()
+                return None
+            start += piece
+        if len(outputs) > 1:
+            local = self._units(inputs, rows, size)
+            across = _all_reduce(local, self.device, dist.ReduceOp.SUM) if self.distributed else local
+            metrics.merge(across)  # TRL's per-batch means over label tokens of every rank
+            over_ranks = self.distributed and compat.loss_normalised_over_ranks(self.trainer)
+            return _combine(outputs, across if over_ranks else local)
+        return outputs[0]
+
+    def _units(self, inputs, rows: int, size: int) -> list[float]:
+        """What each piece's loss is averaged over on this rank, as the Trainer counts it (label tokens, shifted
+        where it shifts them; rows where the batch has no labels)."""
+        labels = inputs.get("shift_labels")
+        if labels is None:
+            labels = inputs.get("labels")
+            if (
+                isinstance(labels, torch.Tensor)
+                and labels.dim() >= 2
+                and compat.loss_shifts_labels(self.trainer)
+            ):
+                labels = labels[..., 1:]
+        per_row = (
+            (labels != IGNORE_INDEX).reshape(rows, -1).sum(dim=1).double().cpu()
+            if isinstance(labels, torch.Tensor) and labels.dim() >= 1 and labels.shape[0] == rows
+            else torch.ones(rows, dtype=torch.float64)
+        )
+        units, start = [], 0
+        while start < rows:
+            piece = even_chunk(rows - start, size)
+            units.append(float(per_row[start : start + piece].sum()))
+            start += piece
+        return units
+
+    def _exchange(self, failed: bool) -> bool:
+        """Whether any rank failed (this one's flag where there is one process)."""
+        if not self.distributed:
+            return failed
+        return bool(_all_reduce([float(failed)], self.device, dist.ReduceOp.MAX)[0])
+
+    def _guard(self):
+        """Under DDP, an exchange of flags before each collective of the Trainer or TRL inside a piece, so that no
+        rank waits in one that a rank which ran out of memory will never reach."""
+        if not self.distributed:
+            return contextlib.nullcontext()
+
+        def check() -> None:
+            if self._exchange(False):
+                raise _PeerFailed
+
+        return compat.before_collectives(self.trainer.accelerator, check)
+
+
+class _PeerFailed(Exception):
+    """Another rank ran out of memory in this piece; raised on the others at the collective they wait in."""
+
+
+def _combine(outputs: list, units: list[float]):
+    """The whole batch's (loss, logits, labels) from its pieces': the losses weighted by what each is averaged
+    over, the rest concatenated along the rows."""
+    losses = [loss for loss, _, _ in outputs]
+    loss = None
+    if all(piece is not None for piece in losses):
+        total = sum(units)
+        weights = [u / total for u in units] if total > 0 else [1.0 / len(units)] * len(units)
+        loss = sum(piece.double() * weight for piece, weight in zip(losses, weights)).to(losses[0].dtype)
+    logits = _concat([piece_logits for _, piece_logits, _ in outputs])
+    labels = _concat([piece_labels for _, _, piece_labels in outputs])
+    return loss, logits, labels
+
+
+def batch_rows(inputs) -> int | None:
+    """The rows of an eval batch (its `input_ids`, or the first tensor's first dimension), or `None` where it has
+    no tensor to cut, or a padding-free batch of one row (its sequences are not cut here)."""
+    if not isinstance(inputs, Mapping):
+        return None
+    tensor = inputs.get("input_ids")
+    if not isinstance(tensor, torch.Tensor):
+        tensor = next((v for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 1), None)
+    if tensor is None or tensor.dim() == 0 or tensor.shape[0] < 2:
+        return None
+    return int(tensor.shape[0])
+
+
+def take(inputs: Mapping, rows: int, start: int, size: int) -> dict:
+    """Rows `start` to `start + size` of every tensor whose first dimension is the batch's rows; the rest as is.
+    The padded width stays the batch's, so the piece's outputs line up with the whole batch's."""
+    return {
+        key: value[start : start + size]
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows
+        else value
+        for key, value in inputs.items()
+    }
+
+
+def _concat(parts: list):
+    """The pieces' outputs (tensors, or nested tuples and lists of them) concatenated along the rows."""
+    first = parts[0]
+    if first is None:
+        return None
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts, dim=0)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat([part[i] for part in parts]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {key: _concat([part[key] for part in parts]) for key in first}
+    raise TypeError(f"An eval output of type {type(first).__name__} cannot be put back together from pieces.")
+
+
+def _all_reduce(values: list[float], device: torch.device, op) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()

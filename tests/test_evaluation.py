@@ -1,0 +1,147 @@
+"""Evaluation and prediction that survive an out-of-memory error: the eval batch runs again in pieces, and the
+metrics are the plain Trainer's (the loss to rounding in float64, the `compute_metrics` inputs equal). The model
+raises the real `torch.OutOfMemoryError` above a number of rows, in evaluation too (`in_eval=True`)."""
+
+import numpy as np
+import pytest
+import torch
+
+from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
+from adaptive_batch.testing import FakeOutOfMemory
+
+EVAL = dict(per_device_eval_batch_size=8, dtype=torch.float64)
+
+
+class Recorder:
+    """A `compute_metrics` that keeps what it was given."""
+
+    def __init__(self):
+        self.predictions = self.label_ids = None
+
+    def __call__(self, prediction):
+        self.predictions, self.label_ids = prediction.predictions, prediction.label_ids
+        return {"checked": 1.0}
+
+
+def evaluated(make_trainer, rows, callbacks=(), max_rows=None, **overrides):
+    trainer = make_trainer(list(callbacks), eval_dataset=rows[:27], **{**EVAL, **overrides})
+    trainer.compute_metrics = Recorder()
+    watcher = FakeOutOfMemory(trainer.model, max_rows, in_eval=True) if max_rows is not None else None
+    return trainer, watcher
+
+
+def assert_same_inputs(recorded: Recorder, plain: Recorder):
+    assert np.array_equal(recorded.label_ids, plain.label_ids)
+    assert recorded.predictions.shape == plain.predictions.shape
+    np.testing.assert_allclose(recorded.predictions, plain.predictions, rtol=1e-12, atol=1e-12)
+
+
+def test_an_out_of_memory_error_in_evaluation_runs_the_batch_again_in_pieces(make_trainer, rows, caplog):
+    plain, _ = evaluated(make_trainer, rows)
+    expected = plain.evaluate()
+    trainer, watcher = evaluated(make_trainer, rows, [AdaptiveBatch()], max_rows=3)
+    with caplog.at_level("WARNING", logger="adaptive_batch"):
+        metrics = trainer.evaluate()
+    # the first batch of 8 fails at 8 and at 4, runs as 3 + 3 + 2 ... in pieces of 2; later batches start at 2
+    assert watcher.raised == [8, 4]
+    assert watcher.sizes[:2] == [8, 4] and set(watcher.sizes[2:]) == {2, 1}
+    assert "running the eval batch again in pieces of 2 rows" in caplog.text
+    assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-12)
+    assert metrics["eval_checked"] == 1.0
+    assert_same_inputs(trainer.compute_metrics, plain.compute_metrics)
+    assert metrics["eval_adaptive_batch/micro_batch_size"] == 2
+    assert metrics["eval_adaptive_batch/batches_retried"] == 1
+    # without an error: the whole batches, and the same loss bit for bit
+    clean, _ = evaluated(make_trainer, rows, [AdaptiveBatch()])
+    again = clean.evaluate()
+    assert again["eval_loss"] == expected["eval_loss"]
+    assert (
+        again["eval_adaptive_batch/micro_batch_size"] == 8
+        and again["eval_adaptive_batch/batches_retried"] == 0
+    )
+
+
+def test_evaluation_during_training_survives_and_training_is_unchanged(make_trainer, rows):
+    settings = dict(eval_strategy="steps", eval_steps=2, num_rows=24)
+    plain, _ = evaluated(make_trainer, rows, **settings)
+    plain.train()
+    # (training's micro-batches of 4 fit: the errors come in evaluation alone)
+    trainer, watcher = evaluated(
+        make_trainer, rows, [AdaptiveBatch(micro_batch_size=4)], max_rows=5, **settings
+    )
+    trainer.train()
+    assert watcher.raised == [8]  # once: the evaluations after start at 4
+    history = [log for log in trainer.state.log_history if "eval_loss" in log]
+    plain_history = [log for log in plain.state.log_history if "eval_loss" in log]
+    assert [log["step"] for log in history] == [log["step"] for log in plain_history] == [2, 3]
+    for log, plain_log in zip(history, plain_history):
+        assert log["eval_loss"] == pytest.approx(plain_log["eval_loss"], rel=1e-12)
+    assert [log["eval_adaptive_batch/micro_batch_size"] for log in history] == [4, 4]
+    assert trainer.state.global_step == plain.state.global_step
+
+
+def test_predict_survives_and_returns_the_plain_trainers_predictions(make_trainer, rows):
+    plain, _ = evaluated(make_trainer, rows)
+    expected = plain.predict(rows[:27])
+    trainer, watcher = evaluated(make_trainer, rows, [AdaptiveBatch()], max_rows=4)
+    output = trainer.predict(rows[:27])
+    assert watcher.raised == [8]
+    assert np.array_equal(output.label_ids, expected.label_ids)
+    np.testing.assert_allclose(output.predictions, expected.predictions, rtol=1e-12, atol=1e-12)
+    assert output.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-12)
+    assert output.metrics["test_adaptive_batch/micro_batch_size"] == 4
+
+
+def test_eval_accumulation_steps_are_respected(make_trainer, rows):
+    plain, _ = evaluated(make_trainer, rows, eval_accumulation_steps=2)
+    expected = plain.evaluate()
+    trainer, _ = evaluated(make_trainer, rows, [AdaptiveBatch()], max_rows=3, eval_accumulation_steps=2)
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-12)
+    assert_same_inputs(trainer.compute_metrics, plain.compute_metrics)
+
+
+def test_adapt_evaluation_false_keeps_the_plain_evaluation(make_trainer, rows):
+    trainer, _ = evaluated(make_trainer, rows, [AdaptiveBatch(adapt_evaluation=False)], max_rows=3)
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.evaluate()
+
+
+def test_one_row_that_never_fits_is_one_clear_error(make_trainer, rows):
+    trainer, _ = evaluated(make_trainer, rows, [AdaptiveBatch()], max_rows=0)
+    with pytest.raises(MicroBatchTooLargeError, match="One row of an eval batch does not fit") as error:
+        trainer.evaluate()
+    assert error.value.tried == [8, 4, 2, 1]
+
+
+def test_sft_trainer_evaluation_survives_with_its_own_metrics(tokenizer, texts, tmp_path):
+    """TRL's SFTTrainer appends its entropy and token accuracy once per eval batch: a batch run in pieces appends
+    them once too (the pieces' values weighted by their label tokens), and a failed attempt's are taken back."""
+    import trl
+    from datasets import Dataset
+    from helpers import QUIET_CPU_RUN, keep_loss_in_float64
+
+    from adaptive_batch.testing import tiny_llama
+
+    def evaluate(callbacks, max_rows=None):
+        trainer = trl.SFTTrainer(
+            model=keep_loss_in_float64(tiny_llama(tokenizer).to(torch.float64)),
+            args=trl.SFTConfig(
+                output_dir=str(tmp_path / "out"), per_device_eval_batch_size=8, max_length=24, **QUIET_CPU_RUN
+            ),
+            train_dataset=Dataset.from_dict({"text": texts[:16]}),
+            eval_dataset=Dataset.from_dict({"text": texts[200:220]}),
+            processing_class=tokenizer,
+            callbacks=callbacks,
+        )
+        watcher = FakeOutOfMemory(trainer.model, max_rows, in_eval=True) if max_rows is not None else None
+        return trainer.evaluate(), watcher
+
+    expected, _ = evaluate([])
+    metrics, watcher = evaluate([AdaptiveBatch()], max_rows=3)
+    assert watcher.raised == [8, 4]
+    assert metrics["eval_adaptive_batch/batches_retried"] == 1
+    assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-12)
+    # (TRL divides its sums in float32, once per batch; the pieces' weighted mean is taken in float64)
+    for key in ("eval_entropy", "eval_mean_token_accuracy"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-6), key
