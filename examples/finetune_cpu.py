@@ -4,7 +4,7 @@ Everything is offline: the model is a small Llama built from a config (random we
 documentation (`pydoc_data.topics`, shipped with CPython), the tokenizer is trained on that text on the spot.
 The script is an ordinary TRL SFT script; the AdaptiveBatch line is the only addition.
 
-    python examples/finetune_cpu.py            # trains the whole small model; under a minute on 2 cores
+    python examples/finetune_cpu.py            # trains the whole small model; 15 s on 2 idle cores (2026-12-05)
     python examples/finetune_cpu.py --qlora    # QLoRA: 4-bit NF4 base (bitsandbytes), LoRA, paged 8-bit AdamW
 """
 

@@ -92,11 +92,12 @@ def main():
         f"\nThe trap: batch {BIG} with the same max_steps took {big // one}x the samples and "
         f"{big_seconds / one_seconds:.1f}x the time of batch 1."
     )
-    largest = max(
-        effective for _, _, effective in growing.session.plan.phases()
-    )  # where the budget let it reach
+    # the most samples a step held (a phase the budget ends in may hold only its rest)
+    before = growing.plan.samples_before_step
+    largest = max(after - at for at, after in zip(before, before[1:]))
     print(
-        f"The way out: the batch grew to {largest} in {growing_steps} steps and the data stayed {grown:,} samples "
+        f"The way out: the batch grew (its largest step held {largest} samples) in {growing_steps} steps and the data "
+        f"stayed {grown:,} samples "
         f"(max_steps={steps} x the starting batch of 1)."
     )
 

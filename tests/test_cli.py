@@ -335,3 +335,302 @@ def test_plan_counts_text_tokens_with_a_tokenizer_folder(capsys, tmp_path, token
     path.write_text(json.dumps({"prompt": "no text field"}))
     code, _, err = run(capsys, "plan", "--dataset", str(path), "--tokenizer", str(folder))
     assert code == 1 and "row 0 holds neither 'input_ids', 'text' nor 'messages'" in err
+
+
+def chat_tokenizer_folder(tokenizer, folder):
+    """The test tokenizer with a chat template, saved as a chat model's tokenizer folder."""
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(folder)
+    chat = AutoTokenizer.from_pretrained(folder)
+    chat.chat_template = "{% for m in messages %}<eos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    chat.save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def test_plan_counts_chat_tokens_through_the_template(capsys, tmp_path, tokenizer, texts):
+    """Each conversation counts the tokens of its rendered template, not the keys of the BatchEncoding that
+    apply_chat_template(tokenize=True) returns in transformers 5 (which counted 2 a conversation)."""
+    chat = chat_tokenizer_folder(tokenizer, tmp_path / "tokenizer")
+    conversations = [
+        [{"role": "user", "content": texts[i]}, {"role": "assistant", "content": texts[i + 1]}]
+        for i in range(0, 20, 2)
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": messages}) for messages in conversations))
+    expected = sum(
+        len(chat.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+        for messages in conversations
+    )
+    assert expected > 20 * len(conversations)  # real text: far more than 2 tokens a conversation
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--dataset",
+        str(path),
+        "--tokenizer",
+        str(tmp_path / "tokenizer"),
+        "--per-device",
+        "2",
+        "--epochs",
+        "2",
+        "--json",
+    )
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == 2 * expected
+
+
+def test_plan_refuses_chat_rows_with_a_tokenizer_without_a_chat_template(capsys, tmp_path, tokenizer):
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}))
+    code, _, err = run(capsys, "plan", "--dataset", str(path), "--tokenizer", str(tmp_path / "tokenizer"))
+    assert code == 1 and "row 0 holds 'messages' but the --tokenizer has no chat_template" in err
+
+
+def plan_warnings(capsys, *argv) -> list[str]:
+    capsys.readouterr()  # what came before (a Trainer's progress, a library's import notice) is not the plan's
+    code, out, err = run(capsys, "plan", "--json", *argv)  # (before the argv: it may end with -- SCRIPT ARGS)
+    assert code == 0, err
+    return json.loads(out)["warnings"]
+
+
+def test_max_steps_in_a_saved_training_arguments_does_not_warn_of_the_default_epochs(capsys, tmp_path):
+    """A saved TrainingArguments holds num_train_epochs=3 whether or not it was set: only an explicit one is warned
+    about as overridden by max_steps."""
+    from transformers import TrainingArguments
+
+    path = tmp_path / "args.json"
+    saved = TrainingArguments(output_dir=str(tmp_path), max_steps=7, use_cpu=True, report_to=[])
+    path.write_text(saved.to_json_string())
+    assert json.loads(path.read_text())["num_train_epochs"] == 3
+    assert plan_warnings(capsys, "--dataset-size", "100", "--args", str(path)) == []
+    # given on purpose (a flag, the script's own arguments, or a saved value other than 3): warned
+    for extra in (["--epochs", "3"], ["--", "--num_train_epochs", "3"]):
+        warnings = plan_warnings(capsys, "--dataset-size", "100", "--args", str(path), *extra)
+        assert warnings == [
+            "max_steps=7 and num_train_epochs=3 are both set: max_steps wins and num_train_epochs is ignored, as in "
+            "the Trainer. Set only one of them."
+        ]
+    path.write_text(json.dumps({**json.loads(saved.to_json_string()), "num_train_epochs": 2}))
+    assert (
+        "num_train_epochs=2 are both set"
+        in plan_warnings(capsys, "--dataset-size", "100", "--args", str(path))[0]
+    )
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            {"gradient_accumulation_steps": "two"},
+            "gives gradient_accumulation_steps='two', which is not a positive int; use e.g. "
+            '"gradient_accumulation_steps": 4, or override it with --accumulation 4.',
+        ),
+        ({"per_device_train_batch_size": 0}, "per_device_train_batch_size=0, which is not a positive int"),
+        (
+            {"per_device_train_batch_size": 2.5},
+            "per_device_train_batch_size=2.5, which is not a positive int",
+        ),
+        ({"num_train_epochs": "3"}, "num_train_epochs='3', which is not a number >= 0"),
+        ({"max_steps": 1.5}, "max_steps=1.5, which is not an int (-1: not set)"),
+        ({"dataloader_drop_last": "yes"}, "dataloader_drop_last='yes', which is not true or false"),
+    ],
+)
+def test_bad_saved_training_arguments_name_the_field_the_rule_and_a_fix(capsys, tmp_path, fields, message):
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"per_device_train_batch_size": 2, **fields}))
+    code, out, err = run(capsys, "plan", "--dataset-size", "100", "--args", str(path))
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"adaptive-batch: error: --args {path} gives ") and message in err
+
+
+def test_bad_script_arguments_name_the_field(capsys):
+    code, _, err = run(capsys, "plan", "--dataset-size", "100", "--", "--gradient_accumulation_steps", "two")
+    assert code == 1 and err.count("\n") == 1
+    assert (
+        "the script arguments after -- give gradient_accumulation_steps='two', which is not a positive int"
+        in err
+    )
+    assert "--gradient_accumulation_steps 4" in err
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--per-device", "abc", "argument --per-device: 'abc' is not a positive int, e.g. --per-device 8"),
+        ("--accumulation", "0", "argument --accumulation: '0' is not a positive int, e.g. --accumulation 4"),
+        (
+            "--dataset-size",
+            "1e3",
+            "argument --dataset-size: '1e3' is not a positive int, e.g. --dataset-size 1000",
+        ),
+        ("--epochs", "three", "argument --epochs: 'three' is not a positive number, e.g. --epochs 3"),
+        ("--max-steps", "1.5", "argument --max-steps: '1.5' is not an int, e.g. --max-steps 500"),
+    ],
+)
+def test_bad_option_values_name_the_option_the_rule_and_an_example(capsys, option, value, message):
+    argv = ["plan", option, value] + ([] if option == "--dataset-size" else ["--dataset-size", "100"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "_int value" not in err
+
+
+@pytest.mark.parametrize(
+    "unit, value, message",
+    [
+        (
+            "steps",
+            "0.5",
+            "--boundaries item '0.5' is not a positive int, as --unit steps needs (optimizer steps",
+        ),
+        (
+            "samples",
+            "-40",
+            "--boundaries item '-40' is not a positive int, as --unit samples needs (samples seen)",
+        ),
+        ("fraction", "half", "--boundaries item 'half' is not a number"),
+    ],
+)
+def test_boundaries_in_steps_or_samples_must_be_positive_ints(capsys, unit, value, message):
+    code, out, err = run(
+        capsys, "plan", "--dataset-size", "100", "--schedule", "8,16", "--boundaries", value, "--unit", unit
+    )
+    assert code == 1 and out == "" and err.count("\n") == 1 and message in err
+    assert "--unit fraction" in err or unit == "fraction"
+
+
+def test_an_ordinary_plan_has_no_warnings(capsys):
+    assert plan_warnings(capsys, "--dataset-size", "1000", "--per-device", "4", "--accumulation", "2") == []
+    argv = ["--dataset-size", "1000", "--per-device", "8", "--schedule", "8,16,32", "--boundaries", "0.1,0.3"]
+    assert plan_warnings(capsys, *argv) == []
+
+
+@pytest.mark.parametrize(
+    "schedule, boundaries, unit, where",
+    [
+        ("4,8", "100", "steps", "its first boundary is at 100 steps but its last step is step 24"),
+        (
+            "4,8",
+            "1000",
+            "samples",
+            "its first boundary is at 1000 samples but its last step starts at 96 samples",
+        ),
+        (
+            "50,100",
+            "0.99",
+            "fraction",
+            "its first boundary is at 0.99 fraction but its last step starts at fraction",
+        ),
+    ],
+)
+def test_a_schedule_that_never_leaves_its_first_phase_is_warned(capsys, schedule, boundaries, unit, where):
+    warnings = plan_warnings(
+        capsys, "--dataset-size", "100", "--epochs", "1", "--per-device", schedule.split(",")[0],
+        "--schedule", schedule, "--boundaries", boundaries, "--unit", unit,
+    )  # fmt: skip
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "The schedule never leaves its first phase within the budget"
+    )
+    size = schedule.split(",")[0]
+    assert where in warnings[0] and f"every step trains at {size}" in warnings[0]
+    assert "lower the boundaries" in warnings[0] and "raise num_train_epochs / max_steps" in warnings[0]
+
+
+def test_a_boundary_never_reached_is_warned(capsys):
+    # 5 steps of 4 (20 samples), then 10 of 8: 15 steps, so step 50 is never reached and 16 never used
+    warnings = plan_warnings(
+        capsys, "--dataset-size", "100", "--epochs", "1", "--per-device", "4",
+        "--schedule", "4,8,16", "--boundaries", "5,50", "--unit", "steps",
+    )  # fmt: skip
+    assert warnings == [
+        "The schedule boundary 50 steps is never reached within the budget: its last step is step 14 (steps counted "
+        "from 0), so the effective batch 16 is never used. To reach it, lower the boundaries to at most 14 steps "
+        "(fewer still where the batch grows earlier: larger steps take the budget in fewer of them), give them as "
+        "fractions of the budget (unit 'fraction'), or raise num_train_epochs / max_steps."
+    ]
+
+
+def test_a_budget_in_epochs_that_ends_mid_epoch_is_warned(capsys):
+    warnings = plan_warnings(capsys, "--dataset-size", "100", "--per-device", "10", "--epochs", "2.5")
+    assert warnings == [
+        "num_train_epochs=2.5 ends the run mid-epoch: the last epoch trains on 50 of its 100 samples, so 50% of the "
+        "data is seen once fewer than the rest. Use a whole number of epochs (num_train_epochs=2 or 3), or max_steps "
+        "for a budget in steps."
+    ]
+    # a budget in max_steps ends where it ends; whole epochs end on an epoch boundary
+    assert plan_warnings(capsys, "--dataset-size", "100", "--per-device", "10", "--max-steps", "25") == []
+    assert plan_warnings(capsys, "--dataset-size", "100", "--per-device", "10", "--epochs", "2") == []
+
+
+def test_an_effective_batch_above_the_dataset_size_is_warned_before_it_is_reached(capsys):
+    warnings = plan_warnings(
+        capsys, "--dataset-size", "100", "--epochs", "1", "--per-device", "4",
+        "--schedule", "4,200", "--boundaries", "1000", "--unit", "samples",
+    )  # fmt: skip
+    assert warnings[-1] == (
+        "The schedule's effective batch 200 is above the dataset's 100 samples: one optimizer step cannot hold more "
+        "than one epoch, so the run is refused if it reaches that phase (a larger budget, or a resume with more "
+        "epochs). Use at most 100."
+    )
+    # reached, the plan refuses it outright
+    code, _, err = run(capsys, "plan", "--dataset-size", "100", "--schedule", "4,200", "--boundaries", "0.5")
+    assert code == 1 and "exceeds the dataset size 100" in err
+
+
+def test_a_start_that_disagrees_with_the_batch_settings_is_warned(capsys, tmp_path):
+    argv = ["--dataset-size", "1000", "--schedule", "16,32", "--boundaries", "0.5"]
+    warnings = plan_warnings(capsys, *argv, "--per-device", "4", "--accumulation", "2")
+    assert warnings == [
+        "The schedule starts at 16 samples a step but per_device_train_batch_size=4 x gradient_accumulation_steps=2 "
+        "x 1 process = 8: the schedule wins, so the run starts at 16, and max_steps and the LR schedule's length "
+        "count steps of 16, not the plain Trainer's steps of 8. Make per_device_train_batch_size x "
+        "gradient_accumulation_steps x world size 16, or start the schedule at 8."
+    ]
+    assert plan_warnings(capsys, *argv, "--per-device", "8", "--accumulation", "2") == []  # 8 x 2 = 16
+    assert plan_warnings(capsys, *argv) == []  # the batch settings defaulted: nothing to disagree with
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}))
+    assert len(plan_warnings(capsys, *argv, "--args", str(path))) == 1  # the run's own settings
+
+
+def test_the_trainer_logs_the_warnings_plan_prints(make_trainer, caplog, capsys):
+    """The callback warns of the same traps as `adaptive-batch plan`, from the same plan, when training starts."""
+    from adaptive_batch import AdaptiveBatch
+
+    # 8 = 4 x 2 a step by the Trainer's settings, a schedule from 4 whose boundary is past the run's 10 steps
+    trainer = make_trainer(
+        [AdaptiveBatch(schedule=PhaseSchedule([4, 8], boundaries=[100], unit="steps"))], num_rows=40
+    )
+    with caplog.at_level("INFO", logger="adaptive_batch"):
+        trainer.train()
+    logged = [
+        r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "adaptive_batch"
+    ]
+    printed = plan_warnings(
+        capsys, "--dataset-size", "40", "--epochs", "1", "--per-device", "4", "--accumulation", "2",
+        "--schedule", "4,8", "--boundaries", "100", "--unit", "steps",
+    )  # fmt: skip
+    assert len(printed) == 2 and printed[0].startswith("The schedule never leaves its first phase")
+    assert "The schedule starts at 4 samples a step" in printed[1]
+    assert logged == printed
+    assert trainer.state.global_step == 10  # warned, not refused
+
+
+@pytest.mark.parametrize("epochs, warned", [(3, False), (2, True)])
+def test_the_trainer_warns_of_max_steps_over_epochs_only_where_they_differ_from_the_default(
+    make_trainer, caplog, epochs, warned
+):
+    from adaptive_batch import AdaptiveBatch
+
+    trainer = make_trainer([AdaptiveBatch()], max_steps=2, num_train_epochs=epochs)
+    with caplog.at_level("INFO", logger="adaptive_batch"):
+        trainer.train()
+    logged = [
+        r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "adaptive_batch"
+    ]
+    assert [message.split(":")[0] for message in logged] == (
+        [f"max_steps=2 and num_train_epochs={epochs} are both set"] if warned else []
+    )

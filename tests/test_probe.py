@@ -171,7 +171,7 @@ def test_adaptive_batch_starts_at_the_probed_size_or_says_why_not(
         )
     if dtype is None:
         assert adaptive.current()["micro_batch_size"] == min(recommended, 64)
-        assert f"Starting the micro-batch at {recommended}:" in caplog.text
+        assert f"at 32 tokens: {recommended} samples per micro-batch" in caplog.text
     else:
         assert adaptive.current()["micro_batch_size"] == 2  # the per-device size
         lines = [
@@ -281,7 +281,10 @@ def cache(setup: dict, seq_len: int, recommended: int) -> None:
 def test_the_cache_gives_the_entry_of_the_shortest_length_that_covers_the_run():
     cache(SETUP, 1024, recommended=13)
     cache(SETUP, 4096, recommended=3)
-    message = "Starting the micro-batch at 13: adaptive-batch probe's choice at 1,024 tokens."
+    message = (
+        'adaptive-batch probe\'s choice for this setup at 1,024 tokens: 13 samples per micro-batch; "auto" starts '
+        "from it, at most what a step holds (the plan table says where)."
+    )
     assert cached_start(SETUP, 512) == CachedStart(13, 1024, message)
     assert cached_start(SETUP, 2048).size == 3
 
@@ -302,6 +305,9 @@ def test_a_setup_not_in_the_cache_names_what_differs_from_the_nearest_cached_one
         "(torch.bfloat16 in the cache, torch.float32 now); lora.r (16 in the cache, 8 now): re-run "
         "`adaptive-batch probe` for this setup to start from a probed micro-batch.",
     )
+    # a model the cache holds nothing for: nothing to say (the cache of other models is not news)
+    third_model = {**now, "model": {"hidden_size": 32, "num_hidden_layers": 2}}
+    assert cached_start(third_model, 1024) == CachedStart(None, None, None)
 
 
 def test_a_setup_probed_at_shorter_sequences_says_how_long():
@@ -343,3 +349,21 @@ def test_the_throughput_confirmation_runs_the_forward_pass_only(tokenizer, monke
     ratio = boundary["seconds"] / boundary["forward_seconds"]
     assert confirmed["seconds"] == pytest.approx(confirmed["forward_seconds"] * ratio)
     assert 0 < boundary["forward_seconds"] < boundary["seconds"]
+
+
+@pytest.mark.parametrize(
+    "first_failing, boundary_line",
+    [(None, "at least 256 samples (at least 8,192 tokens)"), (300, "boundary: 256 samples (8,192 tokens)")],
+)
+def test_the_report_says_at_least_where_no_trial_failed_and_shows_a_small_limit(
+    capsys, first_failing, boundary_line
+):
+    from adaptive_batch.cli.probe import show
+
+    report = ProbeReport(
+        SETUP, 32, 0.0001 * 2**30, [], 256, first_failing, None, 256, "largest that fits", 8192
+    )
+    show(report.to_dict())
+    out = capsys.readouterr().out
+    assert boundary_line in out
+    assert "limit 0.0001 GiB" in out  # not "0.00"

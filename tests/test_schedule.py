@@ -32,7 +32,27 @@ def test_phase_schedule_by_samples_and_by_steps():
         ({"sizes": [8, 16], "boundaries": [0.5], "unit": "epochs"}, "unit='epochs' is not one of"),
         ({"sizes": [8, 16, 32], "boundaries": [0.5, 0.2]}, "strictly increasing"),
         ({"sizes": [8, 16], "boundaries": [1.5]}, "strictly between 0 and 1"),
-        ({"sizes": [8, 16], "boundaries": [-3], "unit": "steps"}, "must be positive"),
+        (
+            {"sizes": [8, 16], "boundaries": [-3], "unit": "steps"},
+            "-3 with unit='steps' must be a positive integer",
+        ),
+        # a step or a sample count is whole: 0.5 steps would silently mean "from step 1"
+        (
+            {"sizes": [8, 16], "boundaries": [0.5], "unit": "steps"},
+            r"boundary 0.5 with unit='steps' must be a positive integer \(optimizer steps taken\); use e.g. 1, or "
+            "unit='fraction'",
+        ),
+        (
+            {"sizes": [8, 16], "boundaries": [99.5], "unit": "samples"},
+            "99.5 with unit='samples' must be a positive",
+        ),
+        # one number where a list is due: not "'float' object is not iterable" from inside the class
+        (
+            {"sizes": [8, 16], "boundaries": 0.5},
+            r"boundaries=0.5 is not a list; .* e.g. boundaries=\[0.5\]",
+        ),
+        ({"sizes": 8, "boundaries": []}, r"sizes=8 is not a list; .* e.g. sizes=\[8\]"),
+        ({"sizes": [8, 16], "boundaries": "0.5"}, r"boundaries='0.5' is not a list"),
         ({"sizes": [8, 0], "boundaries": [0.5]}, "effective batch 0"),
         ({"sizes": [8, 12.5], "boundaries": [0.5]}, "effective batch 12.5"),
         ({"sizes": [], "boundaries": []}, "at least one size"),
@@ -41,6 +61,19 @@ def test_phase_schedule_by_samples_and_by_steps():
 def test_phase_schedule_rejects_bad_input_with_the_value_and_a_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PhaseSchedule(**kwargs)
+
+
+def test_phase_schedule_positionally_given_one_boundary_names_the_fix():
+    with pytest.raises(ValueError, match=r"boundaries=0.5 is not a list") as error:
+        PhaseSchedule([8, 16], 0.5)
+    assert "PhaseSchedule([8, 16], boundaries=[0.5])" in str(error.value)
+
+
+def test_whole_step_and_sample_boundaries_are_kept_as_ints():
+    schedule = PhaseSchedule([4, 8], boundaries=[10.0], unit="steps")
+    assert schedule.boundaries == (10,) and isinstance(schedule.boundaries[0], int)
+    assert [schedule(at(step=k)) for k in (9, 10)] == [4, 8]
+    assert [schedule.phase(at(step=k)) for k in (9, 10)] == [0, 1]
 
 
 def test_as_schedule_accepts_ints_and_callables_only():

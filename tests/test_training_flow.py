@@ -64,7 +64,9 @@ def test_a_short_last_step_says_whether_the_epoch_or_the_budget_ended(make_train
     callback = AdaptiveBatch(schedule=PhaseSchedule([4, 8], boundaries=[0.5]))
     make_trainer([callback], num_rows=40, per_device_train_batch_size=4, max_steps=6)
     table = dict(callback.plan_table())
-    assert table["uneven steps"] == "step 4: 4 of 8 (the budget's rest; LR x1)"
+    assert (
+        table["uneven steps"] == "step 5: 4 of 8 (the budget's rest; LR x1)"
+    )  # numbered as the Trainer logs
 
 
 def test_a_short_step_gets_the_learning_rate_of_the_samples_it_holds(make_trainer, caplog):
@@ -77,9 +79,11 @@ def test_a_short_step_gets_the_learning_rate_of_the_samples_it_holds(make_traine
     with caplog.at_level("INFO", logger="adaptive_batch"):
         trainer.train()
     table = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("AdaptiveBatch plan"))
-    assert "  uneven steps   " in table and table.endswith("step 7: 8 of 16 (an epoch's rest; LR x1)")
+    assert "  uneven steps   " in table and table.endswith("step 8: 8 of 16 (an epoch's rest; LR x1)")
+    assert "phases (steps: effective batch)  1-5: 8, 6-8: 16" in table
     sizes = logged(trainer, "adaptive_batch/effective_batch_size")
     assert sizes == [8] * 5 + [16, 16, 8]  # epoch 2: 40 samples at 16, the last step holds 8
+    assert logged(trainer, "step")[7] == 8  # the step the table names is the one the Trainer logs as 8
     assert logged(trainer, "adaptive_batch/lr_scale") == [size / 8 for size in sizes]
     assert logged(trainer, "learning_rate") == [1e-2 * size / 8 for size in sizes]
 
@@ -253,3 +257,12 @@ def test_the_plan_and_the_run_are_readable_from_python(make_trainer):
     assert now["lr_scale"] == logged(trainer, "adaptive_batch/lr_scale")[-1]
     assert now["tokens_seen"] == logged(trainer, "adaptive_batch/tokens_seen")[-1] > 0
     assert now["micro_batch_settled_because"] == "fixed by micro_batch_size" and now["batch_changes"] == []
+
+
+def test_before_training_the_micro_batch_is_the_first_steps_own(make_trainer):
+    # a fixed 32 over a schedule that starts at 8 samples a step: the first step runs one micro-batch of 8
+    callback = AdaptiveBatch(schedule=PhaseSchedule([8, 32], boundaries=[0.5]), micro_batch_size=32)
+    trainer = make_trainer([callback], num_rows=64)
+    assert callback.current()["micro_batch_size"] == 8
+    trainer.train()
+    assert logged(trainer, "adaptive_batch/micro_batch_size")[0] == 8

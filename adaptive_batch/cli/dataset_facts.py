@@ -57,13 +57,27 @@ def _count_tokens(rows, tokenizer_dir: Path, path: Path) -> int:
         if isinstance(row, dict) and isinstance(row.get("text"), str):
             total += len(tokenizer(row["text"])["input_ids"])
         elif isinstance(row, dict) and isinstance(row.get("messages"), list):
-            total += len(tokenizer.apply_chat_template(row["messages"], tokenize=True))
+            total += _chat_tokens(tokenizer, row["messages"], path, index)
         else:
             raise ValueError(
                 f"--dataset {path} row {index} holds neither 'input_ids', 'text' nor 'messages', so --tokenizer "
                 "has nothing to count; pass a dataset of those, or leave --tokenizer out (tokens unknown)."
             )
     return total
+
+
+def _chat_tokens(tokenizer, messages: list, path: Path, index: int) -> int:
+    """Tokens of one conversation as the Trainer (or TRL) trains on it: the chat template's text, tokenized without
+    adding special tokens again (the template writes its own). Not `len(apply_chat_template(tokenize=True))`: in
+    transformers 5 that returns a `BatchEncoding`, whose `len()` is its number of keys."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"--dataset {path} row {index} holds 'messages' but the --tokenizer has no chat_template to render them "
+            "with; pass the tokenizer folder of a chat model (its tokenizer_config.json or chat_template.jinja holds "
+            "one), or rows of 'text' / 'input_ids'."
+        )
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _read_records(path: Path) -> list:

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 from ..core import report
-from ..core.planning import RunPlan, RunSettings, plan_run
+from ..core.planning import RunSettings, plan_run
 from ..core.schedule import PhaseSchedule, as_schedule, describe
-from .arguments import positive_int, setting_help
+from ..core.traps import explicit_epochs, run_traps
+from .arguments import integer, number, positive_int, setting_help
 from .dataset_facts import dataset_facts
 from .training_args import apply_training_args
 
@@ -20,7 +21,7 @@ HELP = "print the steps, samples, tokens and LR of a run before it starts"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_mutually_exclusive_group(required=True)
-    data.add_argument("--dataset-size", type=positive_int, help="training samples")
+    data.add_argument("--dataset-size", type=positive_int("--dataset-size", 1000), help="training samples")
     data.add_argument("--dataset", type=Path, help="a .jsonl/.json file or a datasets.save_to_disk folder")
     parser.add_argument(
         "--tokenizer",
@@ -43,18 +44,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--args, the rest are ignored",
     )
     parser.add_argument(
-        "--per-device", type=positive_int, help="per_device_train_batch_size (default: --args, else 8)"
+        "--per-device",
+        type=positive_int("--per-device", 8),
+        help="per_device_train_batch_size (default: --args, else 8)",
     )
     parser.add_argument(
-        "--accumulation", type=positive_int, help="gradient_accumulation_steps (default: --args, else 1)"
+        "--accumulation",
+        type=positive_int("--accumulation", 4),
+        help="gradient_accumulation_steps (default: --args, else 1)",
     )
-    parser.add_argument("--gpus", type=positive_int, default=1, help="data-parallel processes (world size)")
     parser.add_argument(
-        "--epochs", type=float, help="num_train_epochs (default: --args, else the Trainer's 3)"
+        "--gpus", type=positive_int("--gpus", 2), default=1, help="data-parallel processes (world size)"
+    )
+    parser.add_argument(
+        "--epochs",
+        type=number("--epochs", "3", positive=True),
+        help="num_train_epochs (default: --args, else the Trainer's 3)",
     )
     parser.add_argument(
         "--max-steps",
-        type=int,
+        type=integer("--max-steps", "500"),
         help="max_steps (overrides --epochs, as in the Trainer; default: --args, else -1: not set)",
     )
     parser.add_argument(
@@ -129,7 +138,14 @@ def run(options: argparse.Namespace) -> dict:
             for step, samples, scheduled in plan.uneven_steps()
         ],
         "notes": list(plan.notes),
-        "warnings": _max_steps_traps(planned, options.epochs),
+        "warnings": run_traps(
+            planned,
+            schedule,
+            epochs_given=_epochs_given(options),
+            # the batch settings defaulted (not given) cannot disagree with the schedule
+            schedule_given=options.schedule is not None
+            and bool({"per_device", "accumulation"} & set(options.given)),
+        ),
         "table": report.plan_rows(
             plan,
             clock,
@@ -158,28 +174,13 @@ def show(result: dict) -> None:
         print(f"warning: {warning}", file=sys.stderr)
 
 
-def _max_steps_traps(planned: RunPlan, epochs: float | None) -> list[str]:
-    """Where `max_steps` does not mean what the user may think: it overrides the epochs, and AdaptiveBatch counts
-    it in samples of the starting batch, not in steps of the growing ones."""
-    max_steps = planned.settings.max_steps
-    if max_steps <= 0:
-        return []
-    warnings = []
-    if epochs is not None:
-        warnings.append(
-            f"max_steps={max_steps} and num_train_epochs={epochs:g} are both set: max_steps wins "
-            "and num_train_epochs is ignored, as in the Trainer."
-        )
-    plan, starting = planned.plan, planned.starting_effective_batch_size
-    if len(plan.phases()) > 1:
-        # the plain Trainer's samples in max_steps steps of the scheduled batches
-        plain_samples = sum(plan.scheduled[min(k, plan.num_steps - 1)] for k in range(max_steps))
-        warnings.append(
-            f"max_steps={max_steps} with a growing batch: AdaptiveBatch counts it as {planned.budget.samples:,} "
-            f"samples ({max_steps} steps of {starting}) and runs {plan.num_steps:,} optimizer steps; the plain "
-            f"Trainer would run {max_steps} steps of the larger batches, {plain_samples:,} samples."
-        )
-    return warnings
+def _epochs_given(options: argparse.Namespace) -> float | None:
+    """num_train_epochs where the user set it: the flag, or a saved value other than the Trainer's default 3 (a saved
+    TrainingArguments holds 3 whether or not it was set)."""
+    source = options.given.get("epochs")
+    if source == "args":
+        return explicit_epochs(options.epochs)
+    return options.epochs if source is not None else None
 
 
 def _schedule(options: argparse.Namespace):
@@ -191,9 +192,7 @@ def _schedule(options: argparse.Namespace):
             )
         return as_schedule(options.per_device * options.accumulation * options.gpus)
     sizes = [_int_item(item, "--schedule") for item in options.schedule.split(",")]
-    boundaries = [
-        _number_item(item, "--boundaries") for item in options.boundaries.split(",") if item.strip()
-    ]
+    boundaries = [_boundary(item, options.unit) for item in options.boundaries.split(",") if item.strip()]
     return PhaseSchedule(sizes, boundaries, unit=options.unit)
 
 
@@ -204,9 +203,21 @@ def _int_item(text: str, flag: str) -> int:
         raise ValueError(f"{flag} item {text!r} is not an integer; use e.g. {flag} 8,16,32.") from None
 
 
-def _number_item(text: str, flag: str) -> float:
+def _boundary(text: str, unit: str) -> float:
+    """One --boundaries item: a fraction in (0, 1) with --unit fraction, else a positive int (steps or samples)."""
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{flag} item {text!r} is not a number; use e.g. {flag} 0.1,0.3.") from None
-    return int(value) if value.is_integer() and value >= 1 else value
+        value = None
+    if unit == "fraction":
+        if value is None:
+            raise ValueError(f"--boundaries item {text!r} is not a number; use e.g. --boundaries 0.1,0.3.")
+        return int(value) if value.is_integer() else value  # (a whole number is refused as [2], not [2.0])
+    if value is None or value <= 0 or not value.is_integer():
+        counted = "optimizer steps taken" if unit == "steps" else "samples seen"
+        example = "100,300" if unit == "steps" else "2000,6000"
+        raise ValueError(
+            f"--boundaries item {text.strip()!r} is not a positive int, as --unit {unit} needs ({counted}); use "
+            f"e.g. --boundaries {example}, or --unit fraction for shares of the budget (e.g. --boundaries 0.1,0.3)."
+        )
+    return int(value)

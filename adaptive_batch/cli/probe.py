@@ -15,13 +15,17 @@ HELP = "find the largest micro-batch that fits, and the fastest one"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", help="a folder written by save_pretrained")
-    parser.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sample")
+    parser.add_argument(
+        "--seq-len", type=positive_int("--seq-len", 1024), required=True, help="tokens per sample"
+    )
     parser.add_argument(
         "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weights / compute dtype"
     )
     parser.add_argument("--load-in-4bit", action="store_true", help="NF4 with double quantisation (QLoRA)")
-    parser.add_argument("--lora-r", type=positive_int, help="LoRA rank (no LoRA without it)")
-    parser.add_argument("--lora-alpha", type=positive_int, help="LoRA alpha (default: 2 x r)")
+    parser.add_argument("--lora-r", type=positive_int("--lora-r", 16), help="LoRA rank (no LoRA without it)")
+    parser.add_argument(
+        "--lora-alpha", type=positive_int("--lora-alpha", 32), help="LoRA alpha (default: 2 x r)"
+    )
     parser.add_argument("--lora-target", default="q_proj,v_proj", help="comma-separated module names")
     parser.add_argument(
         "--no-gradient-checkpointing",
@@ -31,13 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optim", help="a TrainingArguments.optim name (default: the Trainer's default)")
     parser.add_argument(
         "--effective-batch",
-        type=positive_int,
+        type=positive_int("--effective-batch", 64),
         help="also print per-device x accumulation for this many samples per step",
     )
-    parser.add_argument("--gpus", type=positive_int, default=1, help="GPUs sharing the effective batch")
+    parser.add_argument(
+        "--gpus", type=positive_int("--gpus", 2), default=1, help="GPUs sharing the effective batch"
+    )
     parser.add_argument("--headroom", type=float, default=0.05, help="share of GPU memory to keep free")
     parser.add_argument("--max", action="store_true", help="recommend the largest size that fits")
-    parser.add_argument("--max-size", type=positive_int, default=4096, help="largest size to try")
+    parser.add_argument(
+        "--max-size", type=positive_int("--max-size", 4096), default=4096, help="largest size to try"
+    )
     parser.add_argument("--cpu", action="store_true", help="probe on the CPU (needs --memory-budget)")
     parser.add_argument(
         "--memory-budget",
@@ -135,9 +143,11 @@ def show(result: dict) -> None:
     if any(trial.get("forward_only") for trial in result["trials"]):
         lines.append("~ its forward pass timed, scaled to a whole step by the boundary's step/forward ratio")
     print("\n".join(lines))
+    # without a trial that failed, the search stopped at --max-size: the boundary is at least that
+    at_least = "at least " if result["first_failing"] is None else ""
     print(
-        f"boundary: {result['boundary']} samples ({result['boundary_tokens']:,} tokens) per micro-batch, "
-        f"limit {format_gib(result['limit_bytes'])} GiB"
+        f"boundary: {at_least}{result['boundary']} samples ({at_least}{result['boundary_tokens']:,} tokens) per "
+        f"micro-batch, limit {format_gib(result['limit_bytes'])} GiB"
     )
     print(f"recommended: {result['recommended']} ({result['recommended_by']})")
     print(
@@ -170,10 +180,12 @@ def devices_text(device: str | None, gpus: int) -> str:
 
 
 def format_gib(value: float | None) -> str:
-    """Bytes as GiB with two decimals below 10 GiB, one above; "-" for no reading."""
+    """Bytes as GiB with two decimals below 10 GiB, one above, two significant digits below 0.01 GiB; "-" for no
+    reading."""
     if value is None or not math.isfinite(value):
         return "-"
-    return f"{value / 2**30:.2f}" if value < 10 * 2**30 else f"{value / 2**30:.1f}"
+    gib = value / 2**30
+    return f"{gib:.2g}" if gib < 0.01 else f"{gib:.2f}" if gib < 10 else f"{gib:.1f}"
 
 
 @contextlib.contextmanager

@@ -4,28 +4,81 @@ checkpoint's `training_args.bin`, or the script's command line after `--`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 from pathlib import Path
 
-# the plan's flags, the TrainingArguments field each reads from --args, and its default without either
+# the plan's flags, the TrainingArguments field each reads from --args, its default without either, and an example
 FIELDS = (
-    ("per_device", "per_device_train_batch_size", 8),
-    ("accumulation", "gradient_accumulation_steps", 1),
-    ("epochs", "num_train_epochs", None),
-    ("max_steps", "max_steps", -1),
-    ("drop_last", "dataloader_drop_last", False),
+    ("per_device", "per_device_train_batch_size", 8, 8),
+    ("accumulation", "gradient_accumulation_steps", 1, 4),
+    ("epochs", "num_train_epochs", None, 3),
+    ("max_steps", "max_steps", -1, 500),
+    ("drop_last", "dataloader_drop_last", False, "false"),
 )
+RULES = {
+    "per_device_train_batch_size": "a positive int",
+    "gradient_accumulation_steps": "a positive int",
+    "num_train_epochs": "a number >= 0 (0 only with max_steps)",
+    "max_steps": "an int (-1: not set)",
+    "dataloader_drop_last": "true or false",
+}
 
 
 def apply_training_args(options: argparse.Namespace) -> None:
     """Fill the plan's settings left unset on the command line from the script's arguments (after --), then from
-    --args, then from the defaults."""
-    fields = read_training_args(options.args) if options.args is not None else {}
-    fields.update(read_script_args(getattr(options, "script_args", None) or []))
-    for flag, field, default in FIELDS:
+    --args, then from the defaults; each value is checked, and a bad one refused naming where it came from, before any
+    compute. `options.given` maps each flag (`per_device`, `epochs`, ...) set by one of those, not defaulted, to
+    where its value came from: "flag", "script" or "args"."""
+    sources = []
+    script_args = getattr(options, "script_args", None) or []
+    if script_args:
+        sources.append(("script", "the script arguments after -- give", read_script_args(script_args)))
+    if options.args is not None:
+        sources.append(("args", f"--args {options.args} gives", read_training_args(options.args)))
+    options.given = {}
+    for flag, field, default, example in FIELDS:
         given = getattr(options, flag)
-        if given is None or (flag == "drop_last" and not given):
-            setattr(options, flag, fields.get(field, default))
+        if given is not None and not (flag == "drop_last" and not given):
+            options.given[flag] = "flag"
+            continue
+        value = default
+        for source, where, fields in sources:
+            if field in fields:
+                value = _checked(field, fields[field], where, flag, example)
+                options.given[flag] = source
+                break
+        setattr(options, flag, value)
+
+
+def _checked(field: str, value, where: str, flag: str, example):
+    """`value` of `field` as the plan takes it, or a `ValueError` naming the field, where it came from, the rule and
+    a fix."""
+    checked = _valid(field, value)
+    if checked is None:
+        fix = f'"{field}": {example}' if where.startswith("--args") else f"--{field} {example}"
+        raise ValueError(
+            f"{where} {field}={value!r}, which is not {RULES[field]}; use e.g. {fix}, or override it with "
+            f"--{flag.replace('_', '-')} {example if flag != 'drop_last' else ''}".rstrip()
+            + "."
+        )
+    return checked
+
+
+def _valid(field: str, value):
+    """`value` as the plan takes it where valid for `field`, else `None`."""
+    if field == "dataloader_drop_last":
+        return value if isinstance(value, bool) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    if field == "num_train_epochs":
+        return float(value) if value >= 0 else None
+    if not float(value).is_integer():
+        return None
+    if field == "max_steps":
+        return int(value)
+    return int(value) if value >= 1 else None
 
 
 def read_training_args(path: Path) -> dict:
@@ -57,23 +110,31 @@ def read_training_args(path: Path) -> dict:
 def read_script_args(argv: list[str]) -> dict:
     """The TrainingArguments fields the plan reads, from a script's command line as HfArgumentParser takes it
     (`--per_device_train_batch_size 4` or `--per-device-train-batch-size=4`, a bool as a bare flag or with a
-    value); every other argument is ignored."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    types = {"per_device_train_batch_size": int, "gradient_accumulation_steps": int, "max_steps": int}
-    for _, field, _ in FIELDS:
+    value); every other argument is ignored. A value that is not a number (or a bool) is kept as given, for
+    [`apply_training_args`] to refuse naming its field."""
+    parser = _ScriptParser(add_help=False, allow_abbrev=False)
+    for _, field, _, _ in FIELDS:
         names = [f"--{field}", f"--{field.replace('_', '-')}"]
         if field == "dataloader_drop_last":
-            parser.add_argument(*names, dest=field, nargs="?", const="true", type=str)
+            parser.add_argument(*names, dest=field, nargs="?", const="true")
         else:
-            parser.add_argument(*names, dest=field, type=types.get(field, float))
-    try:
-        known, _ = parser.parse_known_args(argv)
-    except SystemExit:
-        field_names = ", ".join(field for _, field, _ in FIELDS)
-        raise ValueError(
-            f"The script arguments {' '.join(argv)!r} give one of {field_names} no valid value."
-        ) from None
-    fields = {field: value for field, value in vars(known).items() if value is not None}
-    if "dataloader_drop_last" in fields:
-        fields["dataloader_drop_last"] = fields["dataloader_drop_last"].lower() in ("true", "1", "yes")
-    return fields
+            parser.add_argument(*names, dest=field)
+    known, _ = parser.parse_known_args(argv)
+    return {field: _script_value(field, text) for field, text in vars(known).items() if text is not None}
+
+
+class _ScriptParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ValueError(f"The script arguments after -- are not valid: {message}.")
+
+
+def _script_value(field: str, text: str):
+    """A script argument's text as the value HfArgumentParser would give it (the text itself where it gives none)."""
+    if field == "dataloader_drop_last":
+        booleans = {"true": True, "t": True, "yes": True, "y": True, "1": True}
+        booleans.update({"false": False, "f": False, "no": False, "n": False, "0": False})
+        return booleans.get(text.lower(), text)
+    for kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return kind(text)
+    return text

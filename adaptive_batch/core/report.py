@@ -1,4 +1,7 @@
-"""The plan table logged when training starts (and printed by `adaptive-batch plan`). Pure Python."""
+"""The plan table logged when training starts (and printed by `adaptive-batch plan`). Pure Python.
+
+Steps are numbered from 1 in the table, as the Trainer logs them (`state.global_step` after the step); the plan
+itself indexes them from 0."""
 
 from __future__ import annotations
 
@@ -42,7 +45,9 @@ def plan_rows(
         ),
     ]
     if len(phases) > 1:
-        rows.append(("phases (steps: effective batch)", ", ".join(f"{a}-{b}: {e}" for a, b, e in phases)))
+        rows.append(
+            ("phases (steps: effective batch)", ", ".join(f"{a + 1}-{b + 1}: {e}" for a, b, e in phases))
+        )
     uneven = plan.uneven_steps()
     if uneven:
         rows.append(("uneven steps", _uneven_text(uneven, clock, plan)))
@@ -51,7 +56,7 @@ def plan_rows(
         rows.append(
             (
                 "already trained",
-                f"steps 0-{done - 1} ({plan.samples_before_step[done]:,} samples), by the plain Trainer before the "
+                f"steps 1-{done} ({plan.samples_before_step[done]:,} samples), by the plain Trainer before the "
                 "checkpoint",
             )
         )
@@ -69,7 +74,7 @@ def _uneven_text(uneven: list[tuple[int, int, int]], clock: SampleClock, plan, s
             why = "the budget's rest"  # the budget ends inside an epoch
         else:
             why = "an epoch's rest"
-        parts.append(f"step {step}: {samples} of {scheduled} ({why}; LR x{clock.scale(step):.3g})")
+        parts.append(f"step {step + 1}: {samples} of {scheduled} ({why}; LR x{clock.scale(step):.3g})")
     if len(uneven) > shown:
         parts.append(f"{len(uneven) - shown} more")
     return "; ".join(parts)

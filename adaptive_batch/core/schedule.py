@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -77,8 +77,14 @@ class PhaseSchedule:
     unit: str = "fraction"
 
     def __post_init__(self):
-        object.__setattr__(self, "sizes", tuple(self.sizes))
-        object.__setattr__(self, "boundaries", tuple(self.boundaries))
+        object.__setattr__(
+            self, "sizes", _as_list(self.sizes, "sizes", "PhaseSchedule([8, 16], boundaries=[0.5])")
+        )
+        object.__setattr__(
+            self,
+            "boundaries",
+            _as_list(self.boundaries, "boundaries", "PhaseSchedule([8, 16], boundaries=[0.5])"),
+        )
         if self.unit not in UNITS:
             raise ValueError(
                 f"PhaseSchedule unit={self.unit!r} is not one of {UNITS}; use e.g. unit='fraction'."
@@ -101,7 +107,10 @@ class PhaseSchedule:
                 or not isinstance(boundary, numbers.Real)
                 or not math.isfinite(boundary)
             ):
-                raise ValueError(f"PhaseSchedule boundary {boundary!r} is not a finite number.")
+                raise ValueError(
+                    f"PhaseSchedule boundary {boundary!r} is not a finite number; each boundary is where a phase "
+                    "starts, e.g. boundaries=[0.1, 0.3] (fractions of the budget)."
+                )
         if any(later <= earlier for earlier, later in zip(self.boundaries, self.boundaries[1:])):
             raise ValueError(
                 f"PhaseSchedule boundaries {list(self.boundaries)} must be strictly increasing; sort them."
@@ -111,17 +120,27 @@ class PhaseSchedule:
                 f"PhaseSchedule boundaries {list(self.boundaries)} with unit='fraction' must lie strictly between 0 "
                 "and 1 (fractions of the training budget); use unit='samples' or unit='steps' for absolute ones."
             )
-        if self.unit != "fraction" and any(b <= 0 for b in self.boundaries):
-            raise ValueError(
-                f"PhaseSchedule boundaries {list(self.boundaries)} with unit={self.unit!r} must be positive."
-            )
+        if self.unit != "fraction":
+            counted = "optimizer steps taken" if self.unit == "steps" else "samples seen"
+            for boundary in self.boundaries:
+                if boundary <= 0 or not float(boundary).is_integer():
+                    whole = max(1, round(boundary))
+                    raise ValueError(
+                        f"PhaseSchedule boundary {boundary!r} with unit={self.unit!r} must be a positive integer "
+                        f"({counted}); use e.g. {whole}, or unit='fraction' for a share of the training budget "
+                        "(boundaries in (0, 1))."
+                    )
+            object.__setattr__(self, "boundaries", tuple(int(b) for b in self.boundaries))
 
     def __call__(self, progress: Progress) -> int:
+        return self.sizes[self.phase(progress)]
+
+    def phase(self, progress: Progress) -> int:
+        """The index of the phase at `progress` (0: the first, before any boundary)."""
         position = {"samples": progress.samples_seen, "steps": progress.step, "fraction": progress.fraction}[
             self.unit
         ]
-        phase = sum(1 for boundary in self.boundaries if position >= boundary)
-        return self.sizes[phase]
+        return sum(1 for boundary in self.boundaries if position >= boundary)
 
     def describe(self) -> str:
         sizes = " -> ".join(str(s) for s in self.sizes)
@@ -150,6 +169,21 @@ def describe(schedule: Schedule) -> str:
     if hasattr(schedule, "describe"):
         return schedule.describe()
     return getattr(schedule, "__name__", type(schedule).__name__) + " (callable)"
+
+
+def _as_list(values, name: str, example: str) -> tuple:
+    """`values` as a tuple, where it is a list of values (not one number, nor a string)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        what = (
+            "the effective batch of each phase"
+            if name == "sizes"
+            else "where each phase after the first starts"
+        )
+        fix = f"{name}=[{values!r}] or " if isinstance(values, numbers.Real) else ""
+        raise ValueError(
+            f"PhaseSchedule {name}={values!r} is not a list; it takes {what}, e.g. {fix}{example}."
+        )
+    return tuple(values)
 
 
 def check_effective_batch_size(value, where: str) -> int:

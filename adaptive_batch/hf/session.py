@@ -16,6 +16,7 @@ import logging
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
+from ..core import traps
 from ..core.checkpoint import SCHEMA_VERSION, PlanIdentity, StoredCheckpoint
 from ..core.planning import RunPlan, RunSettings, plan_run
 from ..runtime.stream import is_stream
@@ -24,7 +25,8 @@ from .checks import check_trainer
 from .growth import Growth, growth_for
 
 if TYPE_CHECKING:
-    from ..core.steps import StepPlan
+    # (through planning: the session imports at most 10 of the package's modules, tests/test_layers.py)
+    from ..core.planning import StepPlan
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -157,6 +159,9 @@ class Session:
         self.prepare(checkpoint)
         if args.should_log:
             logger.info("%s", status.plan_table(self))
+            epochs, given = traps.explicit_epochs(args.num_train_epochs), self.config.schedule is not None
+            for warning in traps.run_traps(self.run, self.schedule, epochs, schedule_given=given):
+                logger.warning("%s", warning)
             if self.config.measure_noise and not self.runner.engine.measures_noise:
                 logger.info("The gradient noise scale is not measured under %s.", self.runner.engine.name)
         assemble.check_longest_row(self)

@@ -68,9 +68,10 @@ def current(session) -> dict:
     plan, controller = session.plan, session.controller
     if session.last_step < 0:
         first = plan.done_steps
+        size = controller.first_micro_batch_size  # (None: decided by the first step's lengths)
         values = {
             "effective_batch_size": plan.sizes[first],
-            "micro_batch_size": controller.first_micro_batch_size,
+            "micro_batch_size": None if size is None else min(size, plan.max_rows(first)),
             "samples_seen": plan.samples_before_step[first],
             "tokens_seen": session.tokens_seen,
             "lr_scale": session.run.clock.scale(first),

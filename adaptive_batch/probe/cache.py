@@ -11,7 +11,7 @@ This module is on the Trainer's path: it imports neither the trial runner nor mo
 Example:
     ```python
     start = cached_start(describe_setup(model, "paged_adamw_8bit", gradient_checkpointing=True), seq_len=1024)
-    start.size, start.message  # 13, "Starting the micro-batch at 13: adaptive-batch probe's choice at 1,024 tokens."
+    start.size  # 13: adaptive-batch probe's choice at 1,024 tokens (`start.message` says so)
     ```
 """
 
@@ -44,7 +44,7 @@ class CachedStart:
         size: the probe's recommended micro-batch, or `None` when the cache holds none for this setup and length.
         seq_len: the sequence length that size was probed at (the shortest cached one that covers the run's).
         message: one line for the log: where the run starts, or why the cache was not used; `None` when the cache
-            is empty (nothing was probed, so there is nothing to say).
+            holds nothing for this model (nothing was probed for it, so there is nothing to say).
     """
 
     size: int | None
@@ -57,7 +57,8 @@ def cached_start(setup: dict, seq_len: int) -> CachedStart:
 
     The entry used is the one with the shortest probed length >= `seq_len` (a size that fits longer sequences fits
     shorter ones). Without an entry for this setup, the message names the fields in which the nearest cached setup
-    (fewest differing top-level fields) differs from this one.
+    of the same model (fewest differing top-level fields) differs from this one, and is `None` where the cache holds
+    only other models.
     """
     path = _cache_file(setup)
     if not path.exists():
@@ -86,7 +87,8 @@ def cached_start(setup: dict, seq_len: int) -> CachedStart:
     return CachedStart(
         size,
         covering[0],
-        f"Starting the micro-batch at {size}: adaptive-batch probe's choice at {covering[0]:,} tokens.",
+        f"adaptive-batch probe's choice for this setup at {covering[0]:,} tokens: {size} samples per micro-batch; "
+        '"auto" starts from it, at most what a step holds (the plan table says where).',
     )
 
 
@@ -162,12 +164,13 @@ def _cache_file(setup: dict) -> Path:
 
 
 def _no_entry_message(setup: dict) -> str | None:
-    """One line naming what differs from the nearest cached setup; `None` when the cache holds no setup at all."""
-    cached = _cached_setups()
-    if not cached:
-        return None
+    """One line naming what differs from the nearest cached setup of the same model; `None` when the cache holds no
+    setup of this model (a cache for other models is not news)."""
     # the cache holds the setup as JSON: compare this one as JSON too, or a tuple would differ from its list
     now = json.loads(json.dumps({k: v for k, v in setup.items() if k != "seq_len"}, default=str))
+    cached = [other for other in _cached_setups() if other.get("model") == now.get("model")]
+    if not cached:
+        return None
     nearest = min(
         cached, key=lambda other: (_top_level_differences(other, now), len(_differences(other, now)))
     )

@@ -193,8 +193,9 @@ def check_packed_inputs(batch: Mapping[str, Any], model: torch.nn.Module) -> Non
     if batch.get("use_cache") is not False and getattr(config, "use_cache", False):
         raise ValueError(
             "The model would run with use_cache=True, and with a cache transformers does not tell packed "
-            "sequences apart, so they would attend to each other. Set model.config.use_cache = False for "
-            "training (TRL's SFTTrainer passes use_cache=False itself)."
+            "sequences apart, so they would attend to each other. Train with TrainingArguments(use_cache=False), "
+            "its default (the Trainer sets model.config.use_cache from it; TRL's SFTTrainer passes "
+            "use_cache=False itself)."
         )
 
 

@@ -1,0 +1,193 @@
+"""The classic traps of a run's settings: what the plan does that the user may not expect, as warnings that name the
+fix. `adaptive-batch plan` prints them and the Trainer wiring logs them when `train()` starts, from the same
+[`~core.planning.RunPlan`], so both warn alike.
+
+- `max_steps` and `num_train_epochs` both given: `max_steps` wins;
+- `max_steps` with a batch that grows: AdaptiveBatch counts it in samples of the starting batch;
+- a schedule boundary never reached within the budget, or a schedule that never leaves its first phase;
+- a budget in epochs that ends mid-epoch;
+- a schedule's effective batch above the dataset size (refused once reached);
+- an explicit schedule whose first size is not `per_device x accumulation x world size`.
+
+Pure Python: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .goodput import NoiseScaleSchedule
+from .planning import RunPlan
+from .schedule import PhaseSchedule, Progress, Schedule
+
+TRAINER_DEFAULT_EPOCHS = 3.0  # TrainingArguments.num_train_epochs
+
+
+def explicit_epochs(num_train_epochs: float | None) -> float | None:
+    """`num_train_epochs` where it was given on purpose, as far as one can tell: a saved TrainingArguments holds the
+    Trainer's default 3 whether or not it was set, so 3 counts as not given."""
+    if num_train_epochs is None or num_train_epochs == TRAINER_DEFAULT_EPOCHS:
+        return None
+    return num_train_epochs
+
+
+def run_traps(
+    run: RunPlan, schedule: Schedule, epochs_given: float | None = None, schedule_given: bool = False
+) -> list[str]:
+    """The warnings for `run`, planned under `schedule`.
+
+    Args:
+        epochs_given: `num_train_epochs` where the user set it (`None` where it is the default), for the warning that
+            `max_steps` overrides it.
+        schedule_given: the schedule was set explicitly (else it is `per_device x accumulation x world size`, which
+            cannot disagree with the batch settings) and so were the batch settings.
+    """
+    return [
+        *_max_steps_traps(run, schedule, epochs_given),
+        *_phase_traps(run, schedule),
+        *_mid_epoch_trap(run),
+        *_above_dataset_traps(run, schedule),
+        *_start_traps(run, schedule_given),
+    ]
+
+
+def _max_steps_traps(run: RunPlan, schedule: Schedule, epochs_given: float | None) -> list[str]:
+    """`max_steps` overrides the epochs, and AdaptiveBatch counts it in samples of the starting batch, not in steps
+    of the growing ones."""
+    max_steps = run.settings.max_steps
+    if max_steps <= 0:
+        return []
+    warnings = []
+    if epochs_given is not None:
+        warnings.append(
+            f"max_steps={max_steps} and num_train_epochs={epochs_given:g} are both set: max_steps wins and "
+            "num_train_epochs is ignored, as in the Trainer. Set only one of them."
+        )
+    plan, starting, samples = run.plan, run.starting_effective_batch_size, run.budget.samples
+    if len(plan.phases()) > 1:
+        # the plain Trainer's samples in max_steps steps of the scheduled batches
+        plain_samples = sum(plan.scheduled[min(k, plan.num_steps - 1)] for k in range(max_steps))
+        warnings.append(
+            f"max_steps={max_steps} with a growing batch: AdaptiveBatch counts it as {samples:,} samples "
+            f"({max_steps} steps of {starting}) and runs {plan.num_steps:,} optimizer steps; the plain Trainer would "
+            f"run {max_steps} steps of the larger batches, {plain_samples:,} samples. To train on more samples, raise "
+            "max_steps (in steps of the starting batch) or give the budget in num_train_epochs."
+        )
+    elif isinstance(schedule, NoiseScaleSchedule):
+        warnings.append(
+            f"max_steps={max_steps} with a batch that may grow (NoiseScaleSchedule): AdaptiveBatch counts it as "
+            f"{samples:,} samples ({max_steps} steps of {starting}), so each growth shortens the run in steps, while "
+            "the plain Trainer would run max_steps steps of the larger batches. To train on more samples, raise "
+            "max_steps (in steps of the starting batch) or give the budget in num_train_epochs."
+        )
+    return warnings
+
+
+def _phase_traps(run: RunPlan, schedule: Schedule) -> list[str]:
+    """A `PhaseSchedule` boundary past the run's last step: its phase never trains."""
+    if not isinstance(schedule, PhaseSchedule) or not schedule.boundaries:
+        return []
+    plan = run.plan
+    last = plan.num_steps - 1
+    reached = max(schedule.phase(_progress(run, step)) for step in range(plan.done_steps, plan.num_steps))
+    unreached = schedule.boundaries[reached:]
+    if not unreached:
+        return []
+    at = {
+        "steps": (last, f"its last step is step {last:,} (steps counted from 0)"),
+        "samples": (
+            plan.samples_before_step[last],
+            f"its last step starts at {plan.samples_before_step[last]:,} samples seen",
+        ),
+        "fraction": (
+            plan.starts[last] / plan.budget,
+            f"its last step starts at fraction {plan.starts[last] / plan.budget:.3f} of the budget",
+        ),
+    }
+    limit, where = at[schedule.unit]
+    limit_text = f"{limit:.3f}" if schedule.unit == "fraction" else f"{limit:,}"
+    fix = f"lower the boundaries to at most {limit_text} {schedule.unit}"
+    if schedule.unit == "steps":
+        fix += " (fewer still where the batch grows earlier: larger steps take the budget in fewer of them)"
+    if schedule.unit != "fraction":
+        fix += ", give them as fractions of the budget (unit 'fraction')"
+    fix += ", or raise num_train_epochs / max_steps"
+    if reached == 0:
+        return [
+            f"The schedule never leaves its first phase within the budget: its first boundary is at "
+            f"{schedule.boundaries[0]:g} {schedule.unit} but {where}, so every step trains at "
+            f"{schedule.sizes[0]} and {_listed('size', schedule.sizes[1:])} never used. To grow "
+            f"the batch, {fix}."
+        ]
+    return [
+        f"The schedule {_listed('boundary', unreached, f' {schedule.unit}')} never reached within the budget: "
+        f"{where}, so the effective {_listed('batch', schedule.sizes[reached + 1 :])} never used. To reach "
+        f"{'them' if len(unreached) > 1 else 'it'}, {fix}."
+    ]
+
+
+def _mid_epoch_trap(run: RunPlan) -> list[str]:
+    """A budget in epochs whose last epoch is partial: part of the data is seen once fewer than the rest."""
+    settings, dataset_size = run.settings, run.settings.dataset_size
+    if settings.max_steps > 0 or dataset_size is None:
+        return []
+    rest = run.budget.samples % dataset_size
+    if not rest:
+        return []
+    epochs = settings.num_train_epochs
+    below, above = max(1, math.floor(epochs)), math.ceil(epochs)
+    whole = f"num_train_epochs={below}" + (f" or {above}" if above != below else "")
+    return [
+        f"num_train_epochs={epochs:g} ends the run mid-epoch: the last epoch trains on {rest:,} of its "
+        f"{dataset_size:,} {settings.unit}, so {1 - rest / dataset_size:.0%} of the data is seen once fewer than "
+        f"the rest. Use a whole number of epochs ({whole}), or max_steps for a budget in steps."
+    ]
+
+
+def _above_dataset_traps(run: RunPlan, schedule: Schedule) -> list[str]:
+    """A schedule's size above the dataset: one step cannot hold more than an epoch, so the run is refused when the
+    schedule reaches it (the plan refuses the sizes it reaches; this catches the ones it does not, yet)."""
+    if not isinstance(schedule, PhaseSchedule) or run.settings.dataset_size is None:
+        return []
+    dataset_size, world = run.dataset_size, run.settings.world_size
+    above = [size for size in schedule.sizes if size > dataset_size]
+    if not above:
+        return []
+    return [
+        f"The schedule's effective batch {', '.join(map(str, above))} is above the dataset's {dataset_size:,} "
+        f"{run.settings.unit}: one optimizer step cannot hold more than one epoch, so the run is refused if it "
+        f"reaches that phase (a larger budget, or a resume with more epochs). Use at most "
+        f"{dataset_size // world * world}."
+    ]
+
+
+def _start_traps(run: RunPlan, schedule_given: bool) -> list[str]:
+    """An explicit schedule that starts elsewhere than `per_device x accumulation x world size`."""
+    settings = run.settings
+    per_device, accumulation = settings.per_device_train_batch_size, settings.gradient_accumulation_steps
+    if not schedule_given or per_device is None:
+        return []
+    user, starting = per_device * accumulation * settings.world_size, run.starting_effective_batch_size
+    if user == starting:
+        return []
+    world = f"{settings.world_size} process{'es' if settings.world_size > 1 else ''}"
+    return [
+        f"The schedule starts at {starting} samples a step but per_device_train_batch_size={per_device} x "
+        f"gradient_accumulation_steps={accumulation} x {world} = {user}: the schedule wins, so the run starts at "
+        f"{starting}, and max_steps and the LR schedule's length count steps of {starting}, not the plain "
+        f"Trainer's steps of {user}. Make per_device_train_batch_size x gradient_accumulation_steps x world size "
+        f"{starting}, or start the schedule at {user}."
+    ]
+
+
+def _listed(noun: str, values, unit: str = "") -> str:
+    """'size 8 is' or 'sizes 8, 16 are': the values with their noun and verb."""
+    plural = {"boundary": "boundaries", "batch": "batches"}.get(noun, noun + "s")
+    text = ", ".join(f"{value:g}" for value in values) + unit
+    return f"{plural} {text} are" if len(values) > 1 else f"{noun} {text} is"
+
+
+def _progress(run: RunPlan, step: int) -> Progress:
+    """The progress the schedule was asked at for `step` of the plan."""
+    plan = run.plan
+    return Progress(step, plan.samples_before_step[step], plan.starts[step] / plan.budget)
