@@ -78,7 +78,7 @@ def test_the_search_stops_at_the_largest_size_asked_for():
 
 def test_one_sample_that_does_not_fit_is_an_error():
     run, _ = device(base_gib=50.0, per_sample_gib=1.0, capacity_gib=40)
-    message = "One sample per micro-batch does not fit under the limit of 38.0 GiB"
+    message = "One sample per micro-batch does not fit under the limit of 38 GiB"
     with pytest.raises(ValueError, match=message):
         find_boundary(run, 38 * GIB, max_size=64)
 

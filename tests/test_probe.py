@@ -35,17 +35,29 @@ def run_cli(capsys, model_dir, options: str):
 def test_the_sizes_tried_against_a_model_that_runs_out_of_memory_above_five(tokenizer):
     model = tiny_llama(tokenizer)
     watcher = FakeOutOfMemory(model, max_rows=5)
-    report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64)
+    report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64, evaluation=False)
     assert watcher.sizes == [1, 2, 4, 8, 6, 5]  # warm-up, 2-4, doubling to the first failure, bisection
     assert report.boundary == 5 and report.first_failing == 6
     assert [t["size"] for t in report.trials] == [2, 4, 5, 6, 8]
     assert report.recommended in (2, 4, 5)
 
 
+def test_the_eval_batch_is_searched_with_forwards_without_gradients(tokenizer):
+    model = tiny_llama(tokenizer)
+    grad_enabled = []
+    model.register_forward_pre_hook(lambda *args: grad_enabled.append(torch.is_grad_enabled()))
+    watcher = FakeOutOfMemory(model, max_rows=5)  # training steps above 5 rows fail
+    evaluation = FakeOutOfMemory(model, max_rows=11, in_eval=True)  # any forward above 11 rows fails
+    report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64, largest=True)
+    assert report.boundary == 5 and report.eval_boundary == 11 and report.eval_first_failing == 12
+    assert grad_enabled.count(False) == len(report.eval_trials)  # every eval trial, and only those
+    assert [t["size"] for t in report.eval_trials][:2] == [2, 4]
+
+
 def test_the_warm_up_is_one_short_sample_and_every_trial_is_full_length(tokenizer):
     model = tiny_llama(tokenizer)
     watcher = FakeOutOfMemory(model, max_rows=5)
-    report = probe(model, seq_len=128, memory_budget=math.inf, max_size=64)
+    report = probe(model, seq_len=128, memory_budget=math.inf, max_size=64, evaluation=False)
     assert (watcher.sizes[0], watcher.tokens[0]) == (1, 64) and report.warm_up_tokens == 64
     assert watcher.sizes[1:] == [2, 4, 8, 6, 5]
     assert watcher.tokens[1:] == [size * 128 for size in watcher.sizes[1:]]
@@ -54,7 +66,7 @@ def test_the_warm_up_is_one_short_sample_and_every_trial_is_full_length(tokenize
 def test_the_report_says_where_the_time_went(tokenizer):
     model = tiny_llama(tokenizer)
     FakeOutOfMemory(model, max_rows=5)
-    report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64)
+    report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64, evaluation=False)
     spent = [(t["forward_seconds"] if t["forward_only"] else t["seconds"]) or 0.0 for t in report.trials]
     assert report.trial_seconds == pytest.approx(sum(spent))
     assert 0 < report.warm_up_seconds and 0 < report.setup_seconds and 0 < report.cleanup_seconds
@@ -138,6 +150,12 @@ def test_cli_probe_of_a_4bit_lora_model_on_the_cpu(capsys, model_dir, probe_cach
     assert result["setup"]["lora"] == {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
     assert result["setup"]["quantization"]["load_in_4bit"] == "True"
     assert result["device"] == "cpu" and result["split_reason"] == split_reason(result["recommended"], 48, 1)
+    # the eval batch: a forward without gradients needs less than a training step, so more samples fit
+    assert result["eval_boundary"] > result["boundary"]
+    eval_sizes = {t["size"]: t for t in result["eval_trials"]}
+    assert eval_sizes[result["eval_boundary"]]["peak_bytes"] <= limit
+    eval_failing = eval_sizes[result["eval_first_failing"]]
+    assert eval_failing["out_of_memory"] or eval_failing["peak_bytes"] > limit
     cached = json.loads((probe_cache / result["cache_file"].rsplit("/", 1)[-1]).read_text())
     assert cached["32"]["boundary"] == result["boundary"]
 
@@ -218,6 +236,7 @@ def test_cli_text_on_the_cpu_and_why_the_per_device_size_is_below_the_recommenda
     code, out, err = run_cli(capsys, model_dir, options)
     assert code == 0, err
     assert "recommended: 13 (largest that fits)" in out
+    assert "eval batch: at least 13 samples fit one forward without gradients" in out  # (--max-size 13)
     assert (
         "for an effective batch of 16 on the CPU: per_device_train_batch_size=8, gradient_accumulation_steps=2\n"
         "  8 x 2: 8 is the largest size up to the recommended 13 that divides the 16 samples per device evenly "
@@ -339,7 +358,7 @@ def test_the_throughput_confirmation_runs_the_forward_pass_only(tokenizer, monke
     watcher = FakeOutOfMemory(model, max_rows=5)
     backwards = []
     model.lm_head.weight.register_hook(lambda grad: backwards.append(len(watcher.sizes)))
-    report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64)
+    report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64, evaluation=False)
     # warm-up, 2, 4, 8 and 6 (out of memory in the forward), 5, then 3: its forward alone, no backward
     assert watcher.sizes == [1, 2, 4, 8, 6, 5, 3]
     assert backwards == [1, 2, 3, 6]  # the forwards seen when each backward ran

@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GiB a training step may use (required with --cpu; on a GPU, a cap)",
     )
     parser.add_argument("--no-cache", action="store_true", help="do not write the result to the cache")
+    parser.add_argument(
+        "--no-eval",
+        action="store_true",
+        help="skip the search for the largest eval batch (a forward without gradients beside the training state)",
+    )
 
 
 def run(options: argparse.Namespace) -> dict:
@@ -97,6 +102,7 @@ def run(options: argparse.Namespace) -> dict:
             autocast_dtype=dtype if dtype != torch.float32 else None,
             setup=setup,
             on_trial=on_trial,
+            evaluation=not options.no_eval,
         )
     result = report.to_dict()
     if not options.no_cache:
@@ -150,6 +156,13 @@ def show(result: dict) -> None:
         f"micro-batch, limit {format_gib(result['limit_bytes'])} GiB"
     )
     print(f"recommended: {result['recommended']} ({result['recommended_by']})")
+    if result.get("eval_boundary") is not None:
+        more = "at least " if result["eval_first_failing"] is None else ""
+        print(
+            f"eval batch: {more}{result['eval_boundary']} samples fit one forward without gradients beside the "
+            f"training state (per_device_eval_batch_size={result['eval_boundary']}; AdaptiveBatch runs an eval "
+            "batch that does not fit in pieces)"
+        )
     print(
         "variable-length data: AdaptiveBatch() cuts steps by padded tokens itself; at most "
         f"{result['boundary_tokens']:,} fit in one micro-batch "

@@ -125,7 +125,7 @@ def find_boundary(
     if largest_fitting == 0:
         raise ValueError(
             "One sample per micro-batch does not fit"
-            + (f" under the limit of {limit / 2**30:.1f} GiB" if limit else "")
+            + (f" under the limit of {limit / 2**30:.3g} GiB" if limit else "")
             + ": enable gradient checkpointing, load the model in 4-bit, use an 8-bit or paged optimizer, or "
             "shorten the sequences."
         )

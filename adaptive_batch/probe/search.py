@@ -79,6 +79,10 @@ class ProbeReport:
     setup_seconds: float = 0.0
     cleanup_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # the eval batch: the largest that fits a forward without gradients beside the training state (None: not searched)
+    eval_boundary: int | None = None
+    eval_first_failing: int | None = None
+    eval_trials: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,6 +103,7 @@ def probe(
     autocast_dtype: torch.dtype | None = None,
     setup: dict | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    evaluation: bool = True,
 ) -> ProbeReport:
     """Find the boundary and a recommended micro-batch for `model` on sequences of `seq_len` tokens.
 
@@ -115,6 +120,8 @@ def probe(
         autocast_dtype: run forward and backward under `torch.autocast` with this dtype (as `bf16=True` does).
         setup: what identifies the setup (for the report and the cache).
         on_trial: called after every trial (for a progress bar).
+        evaluation: search the largest eval batch too (a forward without gradients, its logits held, beside the
+            training state: what an evaluation during training has), for `per_device_eval_batch_size`.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     limit = trial_limit(device, headroom, memory_budget)
@@ -143,6 +150,23 @@ def probe(
                 if size is None:
                     break
                 run(size, forward_only=True)
+        eval_trials: list[Trial] = []
+        eval_search = None
+        if evaluation:
+
+            def run_eval(size: int) -> Trial:
+                trial = runner.run(size, evaluation=True)
+                eval_trials.append(trial)
+                if on_trial is not None:
+                    on_trial(trial)
+                return trial
+
+            try:
+                eval_search = find_boundary(run_eval, limit, max_size=max_size)
+            except (
+                ValueError
+            ):  # one sample does not fit an eval forward either: said by the boundary of 0 below
+                eval_search = None
     finally:
         cleanup_started = time.perf_counter()
         del optimizer
@@ -157,6 +181,7 @@ def probe(
     warm_up_seconds = warm_up.seconds or 0.0
     # what the trials took: a forward pass alone took its forward's time (its `seconds` is the step's estimate)
     trial_seconds = sum((t.forward_seconds if t.forward_only else t.seconds) or 0.0 for t in trials)
+    trial_seconds += sum(t.seconds or 0.0 for t in eval_trials)
     report = ProbeReport(
         setup=setup or {},
         seq_len=seq_len,
@@ -180,6 +205,11 @@ def probe(
         overhead_seconds=seconds - warm_up_seconds - trial_seconds,
         setup_seconds=setup_seconds,
         cleanup_seconds=finished - cleanup_started,
+        eval_boundary=None if not evaluation else eval_search.boundary if eval_search else 0,
+        eval_first_failing=eval_search.first_failing if eval_search else None,
+        eval_trials=[
+            {**t.to_dict(), "fits": t.fits(limit)} for t in sorted(eval_trials, key=lambda t: t.size)
+        ],
     )
     if effective_batch_size is not None:
         report.effective_batch_size = effective_batch_size

@@ -63,11 +63,16 @@ class TrialRunner:
         self.held = self._held()
         return trial
 
-    def run(self, size: int, seq_len: int | None = None, forward_only: bool = False) -> Trial:
+    def run(
+        self, size: int, seq_len: int | None = None, forward_only: bool = False, evaluation: bool = False
+    ) -> Trial:
         """One training step on `size` samples of `seq_len` tokens (default: the runner's), or its forward pass
-        alone. The forward's time is read too (the device synchronised when the loss is computed)."""
+        alone. The forward's time is read too (the device synchronised when the loss is computed). With
+        `evaluation`, an eval step instead: the model in eval mode, the forward without gradients, its logits held
+        as `Trainer.prediction_step` returns them (the optimizer's state stays, as in an evaluation during
+        training); its `seconds` is that forward's time."""
         model = self.model
-        model.train()
+        model.train(not evaluation)
         seq_len = seq_len or self.seq_len
         ids = torch.randint(0, self.vocab_size, (size, seq_len), generator=self.generator).to(self.device)
         cpu = self.device.type == "cpu"
@@ -83,13 +88,20 @@ class TrialRunner:
         started = time.perf_counter()
         try:
             with stopwatch, meter if cpu else self._stop_over_limit(), self._autocast():
-                loss = model(input_ids=ids, labels=ids).loss
-                synchronize(self.device)
-                forward_seconds = time.perf_counter() - started
-                if not forward_only:
-                    loss.backward()
-                    self.optimizer.step()
-            del loss
+                if evaluation:
+                    with torch.no_grad():
+                        output = model(input_ids=ids, labels=ids)
+                        synchronize(self.device)
+                        forward_seconds = time.perf_counter() - started
+                    del output
+                else:
+                    loss = model(input_ids=ids, labels=ids).loss
+                    synchronize(self.device)
+                    forward_seconds = time.perf_counter() - started
+                    if not forward_only:
+                        loss.backward()
+                        self.optimizer.step()
+                    del loss
         except _OverLimit:
             stopped = True
         except Exception as error:  # noqa: BLE001 - only allocation failures are a result, the rest re-raised
