@@ -50,6 +50,7 @@ def test_the_eval_batch_is_searched_with_forwards_without_gradients(tokenizer):
     evaluation = FakeOutOfMemory(model, max_rows=11, in_eval=True)  # any forward above 11 rows fails
     report = probe(model, seq_len=16, memory_budget=math.inf, max_size=64, largest=True)
     assert report.boundary == 5 and report.eval_boundary == 11 and report.eval_first_failing == 12
+    assert 6 in watcher.raised and 12 in evaluation.raised  # each search met its own limit
     assert grad_enabled.count(False) == len(report.eval_trials)  # every eval trial, and only those
     assert [t["size"] for t in report.eval_trials][:2] == [2, 4]
 
