@@ -111,7 +111,7 @@ class EvalPieces:
         """The batch's (loss, logits, labels) from pieces of `size` rows, or `None` where one ran out of memory on any
         rank (the others stopped with it, at the next collective of the Trainer or TRL they reached, or after the
         piece)."""
-        if size < rows and self.distributed:
+        if self.cap is not None and self.distributed:  # (every rank has the same cap: they failed together)
             most, fewest = _all_reduce([rows, -rows], self.device, dist.ReduceOp.MAX)
             if most != -fewest:
                 raise RuntimeError(
@@ -214,13 +214,13 @@ def _combine(outputs: list, units: list[float]):
 
 def batch_rows(inputs) -> int | None:
     """The rows of an eval batch (its `input_ids`, or the first tensor's first dimension), or `None` where it has
-    no tensor to cut, or a padding-free batch of one row (its sequences are not cut here)."""
+    no tensor to cut. (A padding-free batch is one row: its sequences are not cut here.)"""
     if not isinstance(inputs, Mapping):
         return None
     tensor = inputs.get("input_ids")
     if not isinstance(tensor, torch.Tensor):
         tensor = next((v for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 1), None)
-    if tensor is None or tensor.dim() == 0 or tensor.shape[0] < 2:
+    if tensor is None or tensor.dim() == 0 or tensor.shape[0] == 0:
         return None
     return int(tensor.shape[0])
 
