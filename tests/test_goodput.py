@@ -117,6 +117,33 @@ def test_it_grows_only_where_the_goodput_gain_beats_the_margin():
     assert schedule.propose(32, 3200, 1000.0, StepCosts(StepTimeModel())) is None  # nothing timed yet
 
 
+def test_the_runs_efficiency_weighs_each_stretch_by_its_samples():
+    schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=0)
+    assert schedule.run_efficiency(1000) == 1.0  # at the start every sample counts fully
+    schedule.change(step=31, size=64, samples_seen=1000, reason="test", noise_scale=32.0)
+    # 1,000 samples at 32, then 1,000 at 64 decided on a noise scale of 32: (32 + 32) / (32 + 64) = 2/3 each
+    assert schedule.run_efficiency(2000) == pytest.approx((1000 + 1000 * 2 / 3) / 2000)
+    # the rest of a 4,000-sample budget at 128 on a noise scale of 96: (96 + 32) / (96 + 128) = 4/7 each
+    projected = schedule.run_efficiency(2000, then=(128, 96.0), budget=4000)
+    assert projected == pytest.approx((1000 + 1000 * 2 / 3 + 2000 * 4 / 7) / 4000)
+
+
+def test_a_finite_budget_grows_only_while_the_runs_efficiency_stays_above_the_bound():
+    times = two_sizes(1.0, 1.5)  # 4/3 the speed at 64: on a noise scale of 1,000 the goodput gains x1.293
+    free = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=0)
+    assert free.propose(32, 3200, 1000.0, StepCosts(times), budget=6400)[0] == 64
+    # the rest at 64 counts (1000 + 32) / (1000 + 64) = 0.970 each: the run's 0.985, over 0.98 but under 0.99
+    loose = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=0, min_efficiency=0.98)
+    size, reason = loose.propose(32, 3200, 1000.0, StepCosts(times), budget=6400)
+    assert size == 64 and "the run's efficiency 0.985 with the rest at 64" in reason
+    tight = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=0, min_efficiency=0.99)
+    assert tight.propose(32, 3200, 1000.0, StepCosts(times), budget=6400) is None
+    # later in the run less is left to lose: the same bound lets it grow
+    assert tight.propose(32, 6000, 1000.0, StepCosts(times), budget=6400)[0] == 64
+    with pytest.raises(ValueError, match="min_efficiency=1.5 must be in \\(0, 1\\]"):
+        NoiseScaleSchedule(32, max_size=256, min_efficiency=1.5)
+
+
 def test_a_capped_micro_batch_predicts_the_larger_step_in_more_micro_batches():
     schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=0)
     times = two_sizes(1.0, 1.1)  # a = 0.9 s per micro-batch, b = 0.1 / 32 s per row: launch-bound
@@ -276,6 +303,11 @@ def test_the_batch_grows_as_the_noise_scale_rises_and_the_accounting_stays_exact
     assert logged(trainer, "learning_rate") == pytest.approx([0.05 * math.sqrt(size / 32) for size in sizes])
     # the micro-batch size (fixed at 16) is kept: a step of B rows runs B / 16 micro-batches
     assert logged(trainer, "adaptive_batch/accumulation_steps") == [size // 16 for size in sizes]
+    # the modelled efficiency of the run so far: 1 at the start, falling once the batch grew, as the schedule says
+    efficiency = logged(trainer, "adaptive_batch/statistical_efficiency")
+    seen_so_far = logged(trainer, "adaptive_batch/samples_seen")
+    assert efficiency == [schedule.run_efficiency(samples) for samples in seen_so_far]
+    assert efficiency[0] == 1.0 and efficiency[-1] < 1.0
 
 
 @pytest.mark.parametrize("rule, power", [("gain", 1.0), ("sqrt_gain", 0.5)])

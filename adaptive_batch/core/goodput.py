@@ -47,6 +47,14 @@ def goodput_gain(
     return speed * (noise_scale + batch) / (noise_scale + candidate)
 
 
+def statistical_efficiency(batch: int, start: int, noise_scale: float) -> float:
+    """The progress per sample of a step of `batch` samples against one of `start`: (B_noise + B0) / (B_noise + B);
+    1 with an infinite noise scale (every sample counts fully)."""
+    if math.isinf(noise_scale):
+        return 1.0
+    return (noise_scale + start) / (noise_scale + batch)
+
+
 class StepTimeModel:
     """Seconds per optimizer step as a function of a rank's rows and micro-batches (see the module docstring).
 
@@ -156,6 +164,11 @@ class NoiseScaleSchedule:
             time model learns the cost of the extra micro-batch from those same steps. 0 never cuts. No step is
             cut once no noise scale could make a change pay (`cut_every`): at `max_size`, or where the next size is
             not faster per sample by the margin even at an infinite noise scale.
+        min_efficiency: for a finite budget (a dataset's epochs: "the same final quality, sooner"), grow only while
+            the run's modelled sample-weighted statistical efficiency, with the rest of the budget at the larger
+            size, stays at least this (0.9: the run's samples teach at least 90% of what they would at `start`);
+            `None` (the default): goodput alone, for an open-ended budget (`max_steps` over a stream). The
+            efficiency so far is logged as `adaptive_batch/statistical_efficiency`.
 
     Example:
         ```python
@@ -177,6 +190,7 @@ class NoiseScaleSchedule:
         confidence_z: float = 1.645,
         min_samples_between_changes: int | None = None,
         measure_every: int = 4,
+        min_efficiency: float | None = None,
     ):
         self.start = check_effective_batch_size(start, where="NoiseScaleSchedule start")
         self.max_size = check_effective_batch_size(max_size, where="NoiseScaleSchedule max_size")
@@ -205,6 +219,11 @@ class NoiseScaleSchedule:
                 f"NoiseScaleSchedule measure_every={measure_every!r} must be an integer >= 0 (0: never cut a step "
                 "in two to measure), e.g. 4."
             )
+        if min_efficiency is not None:
+            _check_real(
+                min_efficiency, "min_efficiency", lambda x: 0 < x <= 1, "in (0, 1], e.g. 0.9, or None"
+            )
+        self.min_efficiency = None if min_efficiency is None else float(min_efficiency)
         self.factor = float(factor)
         self.margin = float(margin)
         self.confidence_z = float(confidence_z)
@@ -222,9 +241,12 @@ class NoiseScaleSchedule:
         return size
 
     def describe(self) -> str:
+        bound = (
+            "" if self.min_efficiency is None else f", the run's efficiency at least {self.min_efficiency:g}"
+        )
         return (
             f"{self.start} growing by goodput up to {self.max_size} (x{self.factor:g}, margin {self.margin:.0%}, "
-            f"noise scale's lower bound at z={self.confidence_z:g})"
+            f"noise scale's lower bound at z={self.confidence_z:g}{bound})"
         )
 
     def sizes(self, world_size: int) -> list[int]:
@@ -242,13 +264,19 @@ class NoiseScaleSchedule:
     # -- deciding ------------------------------------------------------------------------------------------------
 
     def propose(
-        self, current: int, samples_seen: int, noise_scale: float | None, costs: StepCosts
+        self,
+        current: int,
+        samples_seen: int,
+        noise_scale: float | None,
+        costs: StepCosts,
+        budget: int | None = None,
     ) -> tuple[int, str] | None:
         """The size to change to from `current`, after `samples_seen` samples, and why; `None` to stay.
 
         Args:
             noise_scale: the noise scale's lower confidence bound, in samples (`None`: not measured yet).
             costs: what prices a step at the next size.
+            budget: the run's samples in all, for `min_efficiency` (`None`: not bounded).
         """
         since = samples_seen - (self.changes[-1].samples_seen if self.changes else 0)
         if since < self.min_samples_between_changes or noise_scale is None:
@@ -262,11 +290,38 @@ class NoiseScaleSchedule:
         gain = goodput_gain(current, seconds, candidate, seconds_next, noise_scale)
         if gain <= 1 + self.margin:
             return None
+        bounded = ""
+        if self.min_efficiency is not None and budget is not None and budget > samples_seen:
+            projected = self.run_efficiency(samples_seen, then=(candidate, noise_scale), budget=budget)
+            if projected < self.min_efficiency:
+                return None
+            bounded = f"; the run's efficiency {projected:.3f} with the rest at {candidate}"
         reason = (
             f"goodput x{gain:.3f} at {candidate} (noise scale >= {noise_scale:,.0f} samples; a step modelled at "
-            f"{seconds:.3g} s at {current}, {seconds_next:.3g} s at {candidate})"
+            f"{seconds:.3g} s at {current}, {seconds_next:.3g} s at {candidate}{bounded})"
         )
         return candidate, reason
+
+    def run_efficiency(
+        self, samples: float, then: tuple[int, float] | None = None, budget: float | None = None
+    ) -> float:
+        """The modelled sample-weighted statistical efficiency of the run's first `samples` samples: each stretch
+        between changes at its size, with the noise scale its change was decided on (the start counts fully); with
+        `then=(size, noise_scale)`, the samples from `samples` to `budget` at that size too.
+
+        Example: 1,000 samples at the start 32, then 1,000 at 64 decided on a noise scale of 32, whose samples
+        count (32 + 32) / (32 + 64) = 2/3: 0.833."""
+        total, since, size, noise = 0.0, 0.0, self.start, math.inf
+        for change in self.changes:
+            if change.samples_seen >= samples:
+                break
+            total += (change.samples_seen - since) * statistical_efficiency(size, self.start, noise)
+            since, size, noise = change.samples_seen, change.size, change.noise_scale
+        total += (samples - since) * statistical_efficiency(size, self.start, noise)
+        if then is not None and budget is not None:
+            total += (budget - samples) * statistical_efficiency(then[0], self.start, then[1])
+            samples = budget
+        return total / samples if samples > 0 else 1.0
 
     def cut_every(self, current: int, costs: StepCosts) -> int:
         """Every how many steps one process cuts a step of one micro-batch in two to measure the noise scale at

@@ -69,6 +69,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     | `adaptive_batch/noise_scale` | noise scale B_simple = grad_variance / grad_norm_sq, in samples; measured steps only, never inf |
     | `adaptive_batch/grad_norm_sq` | squared norm of the true gradient, G^2 (averaged estimate, before clipping); measured steps only |
     | `adaptive_batch/grad_variance` | tr(Sigma), summed variance of one sample's gradient (averaged estimate); measured steps only |
+    | `adaptive_batch/statistical_efficiency` | with a `NoiseScaleSchedule`: the run's modelled sample-weighted statistical efficiency so far |
 
     The three noise keys are averages over the steps measured so far (their time constant in samples), and a log
     carries them only where its last step measured the noise scale: one of 2 or more micro-batches over all ranks,
@@ -126,7 +127,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         """Where the run stands after its last optimizer step (before training: what step 0 will run): `step`,
         `effective_batch_size`, `micro_batch_size` (the last step's largest; before training the first
         micro-batch's rows where a cut by rows knows them, else `None`), `accumulation_steps`, `samples_seen`,
-        `tokens_seen`, `lr_scale`, the noise scale's averages as they stand after the last step measured, whether
+        `tokens_seen`, `lr_scale`, `statistical_efficiency` (with a `NoiseScaleSchedule`), the noise scale's averages as they stand after the last step measured, whether
         or not the last step itself measured (`noise_scale`, `grad_norm_sq`, `grad_variance`: `None` before any step
         measured; `noise_scale` is `inf` while the averaged `grad_norm_sq` is not positive), `noise_steps` (steps
         the noise scale was measured on: 0 means the three are `None`), `cut_by` (`"rows"` or `"tokens"`),

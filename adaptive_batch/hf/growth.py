@@ -128,7 +128,7 @@ class Growth:
         # the size decided last: steps drawn before it took effect still run the one before
         current, samples = schedule(Progress(first, 0, 0.0)), plan.samples_before_step[step + 1]
         noise = session.noise.lower_bound(schedule.confidence_z)
-        proposal = schedule.propose(current, samples, noise, self._costs(session))
+        proposal = schedule.propose(current, samples, noise, self._costs(session), budget=plan.budget)
         size, reason = proposal if proposal is not None else (0, "")
         if session.runner.distributed:
             # timings differ between ranks: the largest proposal holds for all, from the latest undrawn step

@@ -20,7 +20,7 @@ def metrics(session) -> dict[str, float]:
 def step_metrics(session) -> dict[str, float]:
     """The last optimizer step's sizes and the run's counters, for every training log."""
     step, plan, last = session.last_step, session.plan, session.runner.last
-    return {
+    values = {
         "adaptive_batch/effective_batch_size": plan.sizes[step],
         "adaptive_batch/micro_batch_size": last.micro_batch_size,
         "adaptive_batch/accumulation_steps": last.accumulation_steps,
@@ -28,6 +28,10 @@ def step_metrics(session) -> dict[str, float]:
         "adaptive_batch/tokens_seen": session.tokens_seen,
         "adaptive_batch/lr_scale": session.run.clock.scale(step),
     }
+    if session.growth is not None:  # a NoiseScaleSchedule: what the run's samples teach, modelled
+        samples = plan.samples_before_step[step + 1]
+        values["adaptive_batch/statistical_efficiency"] = session.growth.schedule.run_efficiency(samples)
+    return values
 
 
 def noise_metrics(session) -> dict[str, float]:
