@@ -199,9 +199,8 @@ class RowController:
         as a stated one too large from the start, is not tried again) unless it failed too often."""
         self.size = size // 2
         self._settle(because)
-        if (
-            self.failed_this_step
-        ):  # the step failed again, lower: the size to try again is the one it first failed at
+        # the step failed again, lower: the size tried again is the one it first failed at
+        if self.failed_this_step:
             return
         self.failed_this_step = True
         again = size <= self.largest_run and self.tried_again.count(size) < MAX_FAILURES - 1
