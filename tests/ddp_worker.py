@@ -361,7 +361,8 @@ def growing_run(output_dir: str, micro: int) -> None:
 def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> None:
     """`Trainer.evaluate()` of the tiny Llama (float64) over 22 rows at `per_device_eval_batch_size=eval_batch`,
     on every rank; the rank `fake_oom_rank` runs out of memory above one row. Writes the metrics and what
-    `compute_metrics` got (its predictions as .npy)."""
+    `compute_metrics` got (its predictions as .npy). WORKER_UNEVEN: 21 rows with the Accelerator's
+    `even_batches=False`, so that the ranks' last eval batches differ."""
     import numpy as np
     from helpers import QUIET_CPU_RUN, keep_loss_in_float64
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
@@ -379,6 +380,7 @@ def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> Non
     tokenizer = train_tokenizer(texts[:1500], vocab_size=384)
     rows = token_dataset(tokenizer, texts[:60], max_length=24)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    uneven = bool(os.environ.get("WORKER_UNEVEN"))
     got = {}
 
     def compute_metrics(prediction):
@@ -392,9 +394,10 @@ def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> Non
             per_device_eval_batch_size=eval_batch,
             **QUIET_CPU_RUN,
             ddp_backend="gloo" if world_size > 1 else None,
+            accelerator_config={"even_batches": False} if uneven else None,
         ),
         train_dataset=rows[:16],
-        eval_dataset=rows[30:52],
+        eval_dataset=rows[30:51] if uneven else rows[30:52],
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
         compute_metrics=compute_metrics,
         callbacks=[AdaptiveBatch()],

@@ -8,6 +8,7 @@ runs with its ORDER_ONLY settings). A retried run and the clean run at the size 
 run, are compared bit for bit."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -247,3 +248,16 @@ def test_one_ranks_out_of_memory_in_evaluation_makes_every_rank_run_the_batch_in
         got, want = np.load(tmp_path / "oom" / name), np.load(tmp_path / "clean" / name)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_eval_batches_of_different_rows_on_the_ranks_end_with_one_clear_error_not_a_hang(tmp_path):
+    # without even batches the ranks' eval batches differ in rows (21 rows on two ranks): once an error made them
+    # run in pieces, they cannot run the same pieces there, and every rank stops with the error instead of waiting
+    uneven = {"WORKER_UNEVEN": "1"}
+    stderr = launch(
+        tmp_path, "uneven", "eval", micro=6, world_size=2, fake_oom_rank=1, fails=True, env=uneven
+    )
+    errors = [line for line in stderr.splitlines() if "RuntimeError: The eval batches hold" in line]
+    assert len(errors) == 2  # both ranks
+    assert re.search(r"hold \d+ to \d+ rows on different ranks", errors[0])
+    assert "even_batches=True" in errors[0]

@@ -86,9 +86,10 @@ class EvalPieces:
             self.cap, retried = size, True
             logger.warning(
                 "AdaptiveBatch: out of memory in evaluation at %d rows; running the eval batch again in pieces of "
-                "%d rows (the metrics are the whole batch's).",
+                "%d %s (the metrics are the whole batch's).",
                 self.failed[-1],
                 size,
+                "row" if size == 1 else "rows",
             )
 
     def metrics(self, prefix: str) -> dict[str, int]:
