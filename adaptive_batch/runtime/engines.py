@@ -201,6 +201,13 @@ def engine_for(trainer, world_size: int) -> Engine:
     return SingleProcess()
 
 
+def all_reduce_values(values: list[float], device: torch.device, op) -> list[float]:
+    """`values` reduced by `op` over every rank (a float64 tensor on `device`, one collective)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
 def average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20) -> None:
     """All-reduce the gradients of every trainable parameter and divide by `world_size`, as DDP does.
 

@@ -31,6 +31,7 @@ from ..core.microbatch import MicroBatchTooLargeError
 from ..core.rows import even_chunk
 from . import compat
 from .batch import IGNORE_INDEX
+from .engines import all_reduce_values
 from .memory import is_out_of_memory, release_memory
 
 logger = logging.getLogger("adaptive_batch")
@@ -113,7 +114,7 @@ class EvalPieces:
         rank (the others stopped with it, at the next collective of the Trainer or TRL they reached, or after the
         piece)."""
         if self.cap is not None and self.distributed:  # (every rank has the same cap: they failed together)
-            most, fewest = _all_reduce([rows, -rows], self.device, dist.ReduceOp.MAX)
+            most, fewest = all_reduce_values([rows, -rows], self.device, dist.ReduceOp.MAX)
             if most != -fewest:
                 raise RuntimeError(
                     f"The eval batches hold {int(-fewest)} to {int(most)} rows on different ranks, so they cannot "
@@ -146,7 +147,7 @@ class EvalPieces:
             start += piece
         if len(outputs) > 1:
             local = self._units(inputs, rows, size)
-            across = _all_reduce(local, self.device, dist.ReduceOp.SUM) if self.distributed else local
+            across = all_reduce_values(local, self.device, dist.ReduceOp.SUM) if self.distributed else local
             metrics.merge(across)  # TRL's per-batch means over label tokens of every rank
             over_ranks = self.distributed and compat.loss_normalised_over_ranks(self.trainer)
             return _combine(outputs, across if over_ranks else local)
@@ -180,7 +181,7 @@ class EvalPieces:
         """Whether any rank failed (this one's flag where there is one process)."""
         if not self.distributed:
             return failed
-        return bool(_all_reduce([float(failed)], self.device, dist.ReduceOp.MAX)[0])
+        return bool(all_reduce_values([float(failed)], self.device, dist.ReduceOp.MAX)[0])
 
     def _guard(self):
         """Under DDP, an exchange of flags before each collective of the Trainer or TRL inside a piece, so that no
@@ -249,9 +250,3 @@ def _concat(parts: list):
     if isinstance(first, dict):
         return {key: _concat([part[key] for part in parts]) for key in first}
     raise TypeError(f"An eval output of type {type(first).__name__} cannot be put back together from pieces.")
-
-
-def _all_reduce(values: list[float], device: torch.device, op) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=op)
-    return tensor.tolist()

@@ -37,7 +37,7 @@ from ..core.microbatch import CutController, MicroBatch, MicroBatchTooLargeError
 from ..core.noise import MicroBatchSums
 from . import compat
 from .batch import StepBatch, is_packed
-from .engines import Engine
+from .engines import Engine, all_reduce_values
 from .memory import Stopwatch, alloc_retries, is_out_of_memory, peak_allocated, release_memory, reset_peak
 from .noise_hooks import GradientNoiseMeter
 from .packed import PackedStepBatch, check_packed_inputs, flatten_padded
@@ -188,13 +188,13 @@ class MicroBatchRunner:
         if self.distributed and not (self.packed or self.flatten):
             # a collator not known to flatten: a rank whose flattened row holds one sequence cannot tell, so the
             # ranks must agree
-            packed = bool(_all_reduce([float(packed)], self.device, dist.ReduceOp.MAX)[0])
+            packed = bool(all_reduce_values([float(packed)], self.device, dist.ReduceOp.MAX)[0])
         batch = PackedStepBatch(inputs) if packed else StepBatch(inputs)
         if packed:  # its sequences are the rows, as many as the collator packed on each rank
             check_packed_inputs(inputs, model)
             max_rows = batch.rows
             if self.distributed:
-                max_rows = int(_all_reduce([max_rows], self.device, dist.ReduceOp.MAX)[0])
+                max_rows = int(all_reduce_values([max_rows], self.device, dist.ReduceOp.MAX)[0])
         elif batch.rows not in (max_rows, max_rows - 1):
             raise RuntimeError(f"Step batch of {batch.rows} rows where the plan gives {max_rows} per rank.")
         weights = _loss_weights(batch, self.trainer)
@@ -227,7 +227,7 @@ class MicroBatchRunner:
         )
         self.engine.finish_step(model)
         if self.distributed:  # the noise sums travel with the token count: no collective of their own
-            totals = _all_reduce([real_tokens, *sums.to_list()], self.device, dist.ReduceOp.SUM)
+            totals = all_reduce_values([real_tokens, *sums.to_list()], self.device, dist.ReduceOp.SUM)
             real_tokens, sums = int(totals[0]), MicroBatchSums.from_list(totals[1:])
         metrics.correct(real_tokens)
         self.last = StepStats(outcome.largest, outcome.chunks, real_tokens, retries, self._step_noise(sums))
@@ -315,7 +315,7 @@ class MicroBatchRunner:
 
     def agree(self, values: list[float]) -> list[float]:
         """The largest of each value over the ranks (the values themselves without DDP)."""
-        return _all_reduce(values, self.device, dist.ReduceOp.MAX) if self.distributed else values
+        return all_reduce_values(values, self.device, dist.ReduceOp.MAX) if self.distributed else values
 
     def _micro_batch(self, step: _Step, micro: MicroBatch, outcome: _Outcome) -> MicroBatchReport:
         """Forward and backward of the micro-batch's rows (none: a row that adds nothing), the loss added to
@@ -371,7 +371,7 @@ class MicroBatchRunner:
     def _exchange(self, report: MicroBatchReport) -> MicroBatchReport:
         if not self.distributed:
             return report
-        return MicroBatchReport.from_list(_all_reduce(report.to_list(), self.device, dist.ReduceOp.MAX))
+        return MicroBatchReport.from_list(all_reduce_values(report.to_list(), self.device, dist.ReduceOp.MAX))
 
     def _guard(self):
         """Under DDP, an exchange before each collective of the Trainer or TRL inside the micro-batch."""
@@ -438,12 +438,6 @@ class _LossWeights:
 
 def _loss_weights(batch: StepBatch | PackedStepBatch, trainer) -> _LossWeights:
     return _LossWeights(batch.label_counts(compat.loss_shifts_labels(trainer)))
-
-
-def _all_reduce(values: list[float], device: torch.device, op) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=op)
-    return tensor.tolist()
 
 
 def _too_large_message(batch: StepBatch | PackedStepBatch, device: torch.device) -> str:
