@@ -101,6 +101,58 @@ def test_a_checkpoint_written_with_the_plugin_resumes_in_a_plain_trainer(make_tr
     assert_close_parameters(parameters(left.model), parameters(whole.model))
 
 
+def test_a_checkpoint_a_plain_trainer_would_resume_elsewhere_makes_it_fail_with_the_reason(
+    make_trainer, tmp_path
+):
+    # 60 rows, 2 epochs at 8 (8 steps an epoch, the last of 4), then 16 from the second epoch: 12 steps
+    settings = dict(
+        RUN,
+        **{**ORDER_ONLY, "learning_rate": 0.05},
+        num_train_epochs=2,
+        trainer_class=Recording,
+        save_strategy="steps",
+        save_steps=2,
+    )
+    ours = make_trainer(
+        [AdaptiveBatch(schedule=PhaseSchedule([8, 16], boundaries=[0.5]), micro_batch_size=4)],
+        output_dir=str(tmp_path / "ours"),
+        **settings,
+    )
+    ours.train()
+    assert ours.state.global_step == 12
+
+    # checkpoint-10: ten steps took 60 + 2 x 16 = 92 samples; a plain Trainer's ten steps of 8 take 76
+    left = make_trainer(output_dir=str(tmp_path / "left"), **settings)
+    with pytest.raises(TypeError) as refused:
+        left.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-10"))
+    message = str(refused.value)
+    assert "a Trainer without AdaptiveBatch would resume this checkpoint at the wrong sample" in message
+    assert (
+        "its 10 optimizer steps took 92 samples, where the plain Trainer's 10 steps of 8 take 76" in message
+    )
+    assert "Resume it with callbacks=[AdaptiveBatch(...)]" in message
+    assert left.state.global_step == 0 and not getattr(left, "micro_batches", [])  # refused before training
+
+    # AdaptiveBatch itself resumes it: the last two steps, as the whole run had them
+    again = make_trainer(
+        [AdaptiveBatch(schedule=PhaseSchedule([8, 16], boundaries=[0.5]), micro_batch_size=4)],
+        output_dir=str(tmp_path / "again"),
+        **settings,
+    )
+    again.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-10"))
+    assert samples_per_step(again) == samples_per_step(ours)[10:]
+    assert_close_parameters(parameters(again.model), parameters(ours.model))
+
+    # checkpoint-4, before the batch grew: the plain Trainer's own steps, so no refusal; it goes on as the plain run
+    whole = make_trainer(output_dir=str(tmp_path / "whole"), **settings)
+    whole.train()
+    plain = make_trainer(output_dir=str(tmp_path / "plain"), **settings)
+    plain.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-4"))
+    after = [log["learning_rate"] for log in step_logs(plain) if log["step"] > 4]
+    assert after == [log["learning_rate"] for log in step_logs(whole) if log["step"] > 4]
+    assert samples_per_step(plain) == samples_per_step(whole)[4:]
+
+
 def test_a_plain_checkpoint_taken_over_mid_epoch_trains_the_rest_of_the_epoch_exactly(make_trainer, tmp_path):
     # taking the plugin up: AdaptiveBatch draws each epoch's permutation as the plain Trainer's seedable sampler does
     settings = dict(RUN, num_train_epochs=1, trainer_class=Recording, save_strategy="steps", save_steps=3)

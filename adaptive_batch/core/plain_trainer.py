@@ -69,3 +69,28 @@ class PlainBatching:
         sizes = self.step_sizes(num_steps)
         starts = [self.position_after(step) for step in range(num_steps)]
         return DoneSteps(starts, sizes, self.position_after(num_steps), self.effective_batch_size)
+
+
+def plain_resume_mismatch(
+    plain: PlainBatching, position: int, steps: int, lr_steps: int, plain_lr_steps: int
+) -> str | None:
+    """Why the plain Trainer, resuming a checkpoint that AdaptiveBatch wrote after `steps` optimizer steps, would not
+    go on from where that run was; `None` where it would.
+
+    The plain Trainer resumes by counting: it skips the samples its own `steps` steps take (`position_after`) and
+    builds its LR schedule for `plain_lr_steps` steps, then loads the scheduler's step count. That is where the run
+    was only if its steps took the same samples (`position`: the sample stream's position after them) and its LR
+    schedule was built for the same length (`lr_steps`).
+    """
+    expected = plain.position_after(steps)
+    if position != expected:
+        return (
+            f"its {steps:,} optimizer steps took {position:,} samples, where the plain Trainer's {steps:,} steps of "
+            f"{plain.effective_batch_size:,} take {expected:,}"
+        )
+    if lr_steps != plain_lr_steps:
+        return (
+            f"its learning-rate schedule was built for {lr_steps:,} steps, where the plain Trainer's is built for "
+            f"{plain_lr_steps:,}"
+        )
+    return None

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import IntervalStrategy
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy
 
 from ..core.config import AdaptiveBatchConfig, settings_doc, settings_signature
 from ..core.steps import StepPlan
 from ..runtime import compat
-from . import status
+from . import resume, status
 from .install import install
 from .session import Session
 
@@ -185,6 +186,12 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         """The loop's single epoch ends with the last step; a data epoch ending there was handled at that step."""
         if self._epoch_end_handled_at == state.global_step:
             control.should_log = control.should_evaluate = control.should_save = False
+
+    def on_save(self, args, state, control, **kwargs):
+        """A checkpoint that a Trainer without AdaptiveBatch would resume elsewhere says so in its state."""
+        if args.should_save and self.training_session is not None:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            resume.guard_plain_resume(self.training_session, folder, state.global_step)
 
     # -- checkpoint ------------------------------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 The Trainer instance gets a class of its own with `AdaptiveTrainerMixin` in front of its class:
 
 - `train`: reads the checkpoint to resume (if any) and plans the steps, then runs the Trainer's own loop with
-  gradient accumulation 1;
+  gradient accumulation 1 (reading past the key that makes a Trainer without AdaptiveBatch refuse a checkpoint it
+  would resume elsewhere, see [`resume.guard_plain_resume`]);
 - `get_train_dataloader`: one batch per optimizer step per rank, from a [`StepBatchSampler`];
 - `set_initial_training_values`: the loop's step count, epochs and samples come from the plan;
 - `create_scheduler`: the user's scheduler, built for the budget in steps of the starting batch, then driven by
@@ -28,7 +29,7 @@ from ..runtime import compat
 from ..runtime.engines import prepare as prepare_engine
 from ..runtime.lr_scheduler import follow_sample_clock
 from .checks import check_trainer
-from .resume import STATE_KEY, read_checkpoint
+from .resume import PLAIN_RESUME_KEY, STATE_KEY, read_checkpoint
 from .session import Session
 
 logger = logging.getLogger("adaptive_batch")
@@ -50,7 +51,7 @@ class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
         checkpoint = (
             read_checkpoint(resume_from_checkpoint) if isinstance(resume_from_checkpoint, str) else None
         )
-        with self._adaptive_batch.training(checkpoint):
+        with self._adaptive_batch.training(checkpoint), compat.trainer_state_ignoring(PLAIN_RESUME_KEY):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_train_dataloader(self) -> DataLoader:

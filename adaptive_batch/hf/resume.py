@@ -14,7 +14,7 @@ from ..core.checkpoint import (
     identity_error,
     learned_state_applies,
 )
-from ..core.plain_trainer import PlainBatching
+from ..core.plain_trainer import PlainBatching, plain_resume_mismatch
 from ..core.steps import DoneSteps
 from ..runtime import compat
 from ..runtime.stream import is_stream
@@ -24,6 +24,8 @@ logger = logging.getLogger("adaptive_batch")
 
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers' name for the file
 STATE_KEY = "AdaptiveBatch"  # the callback's class name, under which TrainerState stores its state
+# the start of the key that makes a Trainer without AdaptiveBatch refuse a checkpoint (`guard_plain_resume`)
+PLAIN_RESUME_KEY = "AdaptiveBatch:"
 
 
 def read_checkpoint(path: str) -> StoredCheckpoint:
@@ -166,3 +168,43 @@ def adoption_message(plan, checkpoint: StoredCheckpoint, same_order: bool) -> st
         ", which cannot replay the plain Trainer's (accelerator_config use_seedable_sampler=False): the rest of "
         "this epoch may repeat some of its samples and miss others; later epochs see every sample once."
     )
+
+
+def guard_plain_resume(session, checkpoint_dir: str, global_step: int) -> None:
+    """Make a Trainer without AdaptiveBatch refuse the checkpoint just saved in `checkpoint_dir` where it would resume
+    at another sample or learning rate than this run's (`plain_resume_mismatch`): a top-level key of
+    `trainer_state.json` that is the refusal's text, which `TrainerState(**json)` names in its `TypeError` before
+    any training. A checkpoint of steps the plain Trainer would have run alike gets none, and resumes without
+    AdaptiveBatch as the plain run would. AdaptiveBatch's own resume leaves the key out
+    (`compat.trainer_state_ignoring`)."""
+    file = os.path.join(checkpoint_dir, TRAINER_STATE_NAME)
+    if not os.path.isfile(file):  # (saved elsewhere: a hyperparameter search's trial folder)
+        return
+    plan, args = session.plan, session.trainer.args
+    plain = PlainBatching(
+        plan.dataset_size,
+        session.per_device_train_batch_size,
+        session.gradient_accumulation_steps,
+        session.world_size,
+        bool(args.dataloader_drop_last),
+    )
+    position = plan.end_position(global_step - 1) if global_step > 0 else 0
+    reason = plain_resume_mismatch(
+        plain,
+        position,
+        global_step,
+        session.run.clock.nominal_steps,
+        plain.total_steps(args.num_train_epochs, args.max_steps),
+    )
+    if reason is None:
+        return
+    refusal = (
+        f"{PLAIN_RESUME_KEY} a Trainer without AdaptiveBatch would resume this checkpoint at the wrong sample or "
+        f"learning rate: {reason}. Resume it with callbacks=[AdaptiveBatch(...)] and this run's settings, or "
+        "start a new run from its weights"
+    )
+    with open(file, encoding="utf-8") as handle:
+        fields = json.load(handle)
+    fields[refusal] = True
+    with open(file, "w", encoding="utf-8") as handle:  # (as TrainerState.save_to_json writes it)
+        handle.write(json.dumps(fields, indent=2, sort_keys=True) + "\n")
