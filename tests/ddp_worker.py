@@ -362,7 +362,8 @@ def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> Non
     """`Trainer.evaluate()` of the tiny Llama (float64) over 22 rows at `per_device_eval_batch_size=eval_batch`,
     on every rank; the rank `fake_oom_rank` runs out of memory above one row. Writes the metrics and what
     `compute_metrics` got (its predictions as .npy). WORKER_UNEVEN: 21 rows with the Accelerator's
-    `even_batches=False`, so that the ranks' last eval batches differ."""
+    `even_batches=False`, so that the ranks' last eval batches differ. WORKER_GROW="4,2,1;4,4,4": with
+    `adapt_evaluation="grow"`, one evaluation per duration, rank r's evaluations timed as the r-th list says."""
     import numpy as np
     from helpers import QUIET_CPU_RUN, keep_loss_in_float64
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
@@ -381,6 +382,7 @@ def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> Non
     rows = token_dataset(tokenizer, texts[:60], max_length=24)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     uneven = bool(os.environ.get("WORKER_UNEVEN"))
+    grow = os.environ.get("WORKER_GROW")
     got = {}
 
     def compute_metrics(prediction):
@@ -400,14 +402,27 @@ def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> Non
         eval_dataset=rows[30:51] if uneven else rows[30:52],
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
         compute_metrics=compute_metrics,
-        callbacks=[AdaptiveBatch()],
+        callbacks=[AdaptiveBatch(adapt_evaluation="grow" if grow else True)],
     )
     rank = trainer.args.process_index
     watcher = None
     if fake_oom_rank == str(rank):
         watcher = FakeOutOfMemory(trainer.model, max_rows=1, in_eval=True)
-    metrics = trainer.evaluate()
-    result = {"rank": rank, "metrics": metrics, "raised": watcher.raised if watcher else []}
+    durations = [float(d) for d in grow.split(";")[rank].split(",")] if grow else [0.0]
+    if grow:
+        from helpers import BlockClock
+
+        import adaptive_batch.runtime.memory
+
+        adaptive_batch.runtime.memory.time = BlockClock(durations)
+    evaluations = [trainer.evaluate() for _ in durations]
+    metrics = evaluations[-1]
+    result = {
+        "rank": rank,
+        "metrics": metrics,
+        "evaluations": evaluations,
+        "raised": watcher.raised if watcher else [],
+    }
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     np.save(os.path.join(output_dir, f"predictions{rank}.npy"), got["predictions"])

@@ -250,6 +250,22 @@ def test_one_ranks_out_of_memory_in_evaluation_makes_every_rank_run_the_batch_in
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_a_growing_eval_batch_is_the_same_on_every_rank(tmp_path):
+    # rank 0's evaluations get faster as the batch doubles, rank 1's do not: both go by the slowest rank, so both
+    # try 8 after 4, see that it did not pay, and keep 4 (each alone would run different eval batches and hang)
+    ranks, _ = launch(tmp_path, "grow", "eval", micro=4, world_size=2, env={"WORKER_GROW": "4,2,2;4,4,4"})
+    for rank in ranks:
+        sizes = [m["eval_adaptive_batch/micro_batch_size"] for m in rank["evaluations"]]
+        assert sizes == [4, 8, 4]
+    losses = [[m["eval_loss"] for m in rank["evaluations"]] for rank in ranks]
+    assert losses[0] == losses[1]
+    # each evaluation is the plain run's at its eval batch (the clean runs at 4 and 8)
+    for size, loss in zip([4, 8], losses[0]):
+        clean, _ = launch(tmp_path, f"clean{size}", "eval", micro=size, world_size=2)
+        assert loss == pytest.approx(clean[0]["metrics"]["eval_loss"], rel=1e-12)
+    assert ranks[0]["evaluations"][0]["eval_rows"] == 22
+
+
 def test_eval_batches_of_different_rows_on_the_ranks_end_with_one_clear_error_not_a_hang(tmp_path):
     # without even batches the ranks' eval batches differ in rows (21 rows on two ranks): once an error made them
     # run in pieces, they cannot run the same pieces there, and every rank stops with the error instead of waiting

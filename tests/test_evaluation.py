@@ -5,7 +5,9 @@ raises the real `torch.OutOfMemoryError` above a number of rows, in evaluation t
 import numpy as np
 import pytest
 import torch
+from helpers import BlockClock
 
+import adaptive_batch.runtime.memory
 from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
 from adaptive_batch.testing import FakeOutOfMemory
 
@@ -145,3 +147,53 @@ def test_sft_trainer_evaluation_survives_with_its_own_metrics(tokenizer, texts, 
     # (TRL divides its sums in float32, once per batch; the pieces' weighted mean is taken in float64)
     for key in ("eval_entropy", "eval_mean_token_accuracy"):
         assert metrics[key] == pytest.approx(expected[key], rel=1e-6), key
+
+
+def sizes_and_losses(trainer, evaluations: int) -> tuple[list[int], list[float]]:
+    sizes, losses = [], []
+    for _ in range(evaluations):
+        metrics = trainer.evaluate()
+        sizes.append(metrics["eval_adaptive_batch/micro_batch_size"])
+        losses.append(metrics["eval_loss"])
+    return sizes, losses
+
+
+def test_grow_doubles_the_eval_batch_between_evaluations_while_it_pays(
+    make_trainer, rows, monkeypatch, caplog
+):
+    # 27 rows in 4, 2, 1.5 and 1.49 s: 2 -> 4 -> 8 -> 16, which is less than 1% faster than 8, so 8 is kept
+    monkeypatch.setattr(adaptive_batch.runtime.memory, "time", BlockClock([4.0, 2.0, 1.5, 1.49, 1.5]))
+    trainer, _ = evaluated(
+        make_trainer, rows, [AdaptiveBatch(adapt_evaluation="grow")], per_device_eval_batch_size=2
+    )
+    with caplog.at_level("INFO", logger="adaptive_batch"):
+        sizes, losses = sizes_and_losses(trainer, 5)
+    assert sizes == [2, 4, 8, 16, 8]
+    assert "Eval batch settled at 8: 16 ran 18.1 rows/s against 18.0 at 8" in caplog.text
+    assert trainer.args.per_device_eval_batch_size == 2  # the user's, outside an evaluation
+    for size, loss in zip(
+        sizes, losses
+    ):  # each evaluation is the plain Trainer's at its eval batch, bit for bit
+        plain, _ = evaluated(make_trainer, rows, per_device_eval_batch_size=size)
+        assert plain.evaluate()["eval_loss"] == loss
+
+
+def test_grow_stops_at_the_size_that_ran_after_an_out_of_memory_error(make_trainer, rows, monkeypatch):
+    monkeypatch.setattr(adaptive_batch.runtime.memory, "time", BlockClock([4.0, 2.0, 1.0, 1.0, 1.0]))
+    trainer, watcher = evaluated(
+        make_trainer, rows, [AdaptiveBatch(adapt_evaluation="grow")], max_rows=5, per_device_eval_batch_size=2
+    )
+    metrics = [trainer.evaluate() for _ in range(4)]
+    # 8 runs out of memory: its batches run in pieces of 4, and 4 is the eval batch from then on
+    assert watcher.raised == [8]
+    assert [m["eval_adaptive_batch/micro_batch_size"] for m in metrics] == [2, 4, 4, 4]
+    assert [m["eval_adaptive_batch/batches_retried"] for m in metrics] == [0, 0, 1, 0]
+    plain, _ = evaluated(make_trainer, rows, per_device_eval_batch_size=8)
+    assert metrics[2]["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-12)
+
+
+def test_adapt_evaluation_takes_true_false_or_grow():
+    with pytest.raises(ValueError, match=r"adapt_evaluation='bigger' must be True .*'grow'"):
+        AdaptiveBatch(adapt_evaluation="bigger")
+    with pytest.raises(ValueError, match=r"adapt_evaluation=1 must be True"):
+        AdaptiveBatch(adapt_evaluation=1)

@@ -81,12 +81,15 @@ class AdaptiveBatchConfig:
     memory_headroom: float = setting(
         0.10, "The share of GPU memory `'auto'` keeps free when it predicts whether a size fits."
     )
-    adapt_evaluation: bool = setting(
+    adapt_evaluation: bool | str = setting(
         True,
         "Evaluation and prediction survive an out-of-memory error: the eval batch runs again in pieces of half its "
         "rows, put back together as the whole batch's (the same loss, logits and labels), and later batches start "
         "at the size that ran; `eval_adaptive_batch/micro_batch_size` logs the largest piece. Not under DeepSpeed "
-        "or FSDP. `False`: the Trainer's own evaluation.",
+        "or FSDP. `'grow'`: also double `per_device_eval_batch_size` from one evaluation to the next while the "
+        "eval set's rows/s rise by `growth_margin` and the doubled batch's predicted memory fits (the eval loss is "
+        "then the Trainer's mean over the larger batches: the same on rows of one length, not on ragged rows). "
+        "`False`: the Trainer's own evaluation.",
     )
     measure_noise: bool = setting(
         True,
@@ -157,6 +160,12 @@ class AdaptiveBatchConfig:
             )
         if not isinstance(self.padding_free, bool):
             raise ValueError(f"padding_free={self.padding_free!r} must be True or False.")
+        if not (isinstance(self.adapt_evaluation, bool) or self.adapt_evaluation == "grow"):
+            raise ValueError(
+                f"adapt_evaluation={self.adapt_evaluation!r} must be True (evaluation survives an out-of-memory "
+                "error), 'grow' (and its batch grows while it pays) or False (the Trainer's own), e.g. "
+                "adapt_evaluation='grow'."
+            )
         self.rule = resolve_rule(self.lr_scaling)
         if gain_power(self.lr_scaling) is not None and not isinstance(self.schedule, NoiseScaleSchedule):
             given = "the Trainer's" if self.schedule is None else describe(self.schedule)

@@ -11,7 +11,7 @@ from ..core.microbatch import CutController
 from ..core.noise import NoiseScale
 from ..runtime import compat, lengths
 from ..runtime.engines import Engine, engine_for
-from ..runtime.evaluation import EvalPieces
+from ..runtime.evaluation import EvalGrowth, EvalPieces
 from ..runtime.noise_hooks import GradientNoiseMeter
 from ..runtime.step import MicroBatchRunner
 from .facts import TrainerFacts
@@ -90,3 +90,11 @@ def eval_pieces(trainer, config: AdaptiveBatchConfig, world_size: int) -> EvalPi
     or the engine's forward gathers parameters from every rank (DeepSpeed, FSDP): there the Trainer's own."""
     sharded = getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)
     return EvalPieces(trainer, world_size) if config.adapt_evaluation and not sharded else None
+
+
+def eval_growth(trainer, config: AdaptiveBatchConfig, pieces: EvalPieces | None) -> EvalGrowth | None:
+    """The eval batch grown between evaluations, under `adapt_evaluation="grow"` (where evaluation runs in pieces
+    after an out-of-memory error: a batch grown too far must survive)."""
+    if config.adapt_evaluation != "grow" or pieces is None:
+        return None
+    return EvalGrowth(trainer, pieces, config.growth_margin, config.memory_headroom)

@@ -13,6 +13,7 @@ The Trainer instance gets a class of its own with `AdaptiveTrainerMixin` in fron
 - `log`: adds the `adaptive_batch/*` metrics to every training log;
 - `prediction_step` and `evaluation_loop`: an eval batch that runs out of memory runs again in pieces
   ([`runtime.evaluation`]), and the evaluation's metrics tell the largest piece and the batches run again;
+- `evaluate` and `predict`: under `adapt_evaluation="grow"`, each evaluation at the eval batch its sizer chose;
 - it keeps AdaptiveBatch's live callback when a checkpoint's callback states are restored (its state was read
   when `train` started).
 
@@ -21,6 +22,7 @@ Everything else (the evaluation loop itself, checkpoints, callbacks, mixed preci
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from torch.utils.data import DataLoader
@@ -77,15 +79,31 @@ class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         return pieces.run(super().prediction_step, model, inputs, prediction_loss_only, ignore_keys)
 
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval", *args, **kwargs):
+        with self._eval_sized(metric_key_prefix):
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, *args, **kwargs)
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test", *args, **kwargs):
+        with self._eval_sized(metric_key_prefix):
+            return super().predict(test_dataset, ignore_keys, metric_key_prefix, *args, **kwargs)
+
+    def _eval_sized(self, prefix: str):
+        growth = self._adaptive_batch.eval_growth
+        return growth.sized(prefix) if growth is not None else contextlib.nullcontext()
+
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
     ):
-        pieces = self._adaptive_batch.eval_pieces
+        pieces, growth = self._adaptive_batch.eval_pieces, self._adaptive_batch.eval_growth
         if pieces is not None:
             pieces.begin()
-        output = super().evaluation_loop(
-            dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
-        )
+        measured = contextlib.nullcontext()
+        if growth is not None:
+            measured = growth.measured(metric_key_prefix, getattr(dataloader, "dataset", None))
+        with measured:
+            output = super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
         if pieces is not None:
             output.metrics.update(pieces.metrics(metric_key_prefix))
         return output

@@ -57,6 +57,9 @@ class Session:
         self.eval_pieces = assemble.eval_pieces(
             trainer, self.config, self.world_size
         )  # None: the plain evaluation
+        self.eval_growth = assemble.eval_growth(
+            trainer, self.config, self.eval_pieces
+        )  # None: the user's size
 
     @property
     def plan(self) -> StepPlan | None:

@@ -123,6 +123,14 @@ def trainer_state_ignoring(prefix: str) -> Iterator[None]:
         TrainerState.load_from_json = original
 
 
+def forget_eval_dataloaders(trainer) -> None:
+    """`Trainer.get_eval_dataloader` keeps the loaders it built under `dataloader_persistent_workers`
+    (`_eval_dataloaders`); an eval batch that changed needs them built again."""
+    kept = getattr(trainer, "_eval_dataloaders", None)
+    if isinstance(kept, dict):
+        kept.clear()
+
+
 def set_loss_divisor(trainer, divisor: float) -> None:
     """`Trainer.training_step` divides a loss computed without `num_items_in_batch` (a per-micro-batch mean) by
     `current_gradient_accumulation_steps`; AdaptiveBatch sets it to the micro-batch's weight in the step."""

@@ -22,17 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
+from ..core.eval_size import EvalMeasure, EvalSizer
 from ..core.microbatch import MicroBatchTooLargeError
 from ..core.rows import even_chunk
 from . import compat
 from .batch import IGNORE_INDEX
 from .engines import all_reduce_values
-from .memory import is_out_of_memory, release_memory
+from .memory import Stopwatch, is_out_of_memory, release_memory
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -52,10 +54,11 @@ class EvalPieces:
         self.failed: list[int] = []  # the sizes that ran out of memory, in order
         self.largest = 0  # the largest piece that ran in the current evaluation
         self.retried = 0  # the batches of the current evaluation run again in pieces
+        self.rows = 0  # the rows of the current evaluation on this rank
 
     def begin(self) -> None:
         """A new evaluation starts: its counters from zero (the cap stays: the memory is the same)."""
-        self.largest, self.retried = 0, 0
+        self.largest, self.retried, self.rows = 0, 0, 0
 
     def run(self, prediction_step, model, inputs, prediction_loss_only: bool, ignore_keys):
         """The Trainer's `prediction_step(model, inputs, prediction_loss_only, ignore_keys)` of the whole batch,
@@ -72,6 +75,7 @@ class EvalPieces:
             if result is not None:
                 self.largest = max(self.largest, size)
                 self.retried += retried
+                self.rows += rows
                 return result
             release_memory(self.device)
             self.failed.append(size)
@@ -194,6 +198,92 @@ class EvalPieces:
                 raise _PeerFailed
 
         return compat.before_collectives(self.trainer.accelerator, check)
+
+
+class EvalGrowth:
+    """`adapt_evaluation="grow"`: every evaluation runs at the per-device eval batch an [`EvalSizer`] chose (one
+    sizer per metric prefix: each eval set has its own rows), and tells it what the evaluation measured.
+
+    Args:
+        trainer: the Trainer, whose `per_device_eval_batch_size` is set for the length of each evaluation.
+        pieces: the evaluation's [`EvalPieces`] (its rows, and the cap an out-of-memory error left).
+        growth_margin, memory_headroom: the sizer's.
+    """
+
+    def __init__(self, trainer, pieces: EvalPieces, growth_margin: float, memory_headroom: float):
+        self.trainer, self.pieces = trainer, pieces
+        self.start = trainer.args.per_device_eval_batch_size
+        self.growth_margin, self.memory_headroom = growth_margin, memory_headroom
+        self.sizers: dict[str, EvalSizer] = {}
+        self.rows: dict[str, int] = {}  # the rows per rank each prefix's last evaluation ran
+        self.built_at: int | None = None  # the batch size of the data loaders the Trainer may have kept
+
+    def sizer(self, prefix: str) -> EvalSizer:
+        if prefix not in self.sizers:
+            self.sizers[prefix] = EvalSizer(self.start, self.growth_margin, self.memory_headroom)
+        return self.sizers[prefix]
+
+    @contextlib.contextmanager
+    def sized(self, prefix: str):
+        """Around `evaluate` and `predict`: the data loader and the loop's loss weighting use the chosen size."""
+        args = self.trainer.args
+        size = self.sizer(prefix).batch_size(self.rows.get(prefix))
+        if size != self.built_at:  # loaders kept for persistent workers were built at another size
+            compat.forget_eval_dataloaders(self.trainer)
+            self.built_at = size
+        user, args.per_device_eval_batch_size = args.per_device_eval_batch_size, size
+        try:
+            yield
+        finally:
+            args.per_device_eval_batch_size = user
+
+    @contextlib.contextmanager
+    def measured(self, prefix: str, dataset):
+        """Around `evaluation_loop` over `dataset`: its seconds and peak memory, over all ranks, told to the prefix's
+        sizer with the dataset's rows per rank (or, for a dataset without a length, the rows run, which count the
+        rows even batches repeat)."""
+        device = self.pieces.device
+        size = self.trainer.args.per_device_eval_batch_size
+        base = float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
+        with Stopwatch(device) as watch:
+            yield
+        out_of_memory = self.pieces.retried > 0
+        local = [
+            watch.seconds,
+            float(
+                math.ceil(len(dataset) / self.pieces.world_size) if _has_length(dataset) else self.pieces.rows
+            ),
+            float(out_of_memory),
+            (watch.peak_bytes or 0.0) - (base or 0.0),
+            base or 0.0,
+        ]
+        seconds, rows, failed, above, most_base = (
+            all_reduce_values(local, device, dist.ReduceOp.MAX) if self.pieces.distributed else local
+        )
+        measured_memory = watch.peak_bytes is not None
+        self.rows[prefix] = int(rows)
+        line = self.sizer(prefix).record(
+            EvalMeasure(
+                size=size,
+                rows=int(rows),
+                seconds=seconds,
+                largest=min(size, self.pieces.cap or size) if failed else size,
+                peak_bytes=most_base + above if measured_memory else None,
+                base_bytes=most_base if measured_memory else None,
+                limit_bytes=float(torch.cuda.get_device_properties(device).total_memory)
+                if measured_memory
+                else None,
+            )
+        )
+        if line and self.trainer.args.should_log:
+            logger.info("AdaptiveBatch: %s", line)
+
+
+def _has_length(dataset) -> bool:
+    try:
+        return len(dataset) >= 0
+    except TypeError:
+        return False
 
 
 class _PeerFailed(Exception):
