@@ -13,7 +13,7 @@ from adaptive_batch import AdaptiveBatch
 from adaptive_batch.cli.main import main
 from adaptive_batch.probe import load
 from adaptive_batch.probe.boundary import split_reason
-from adaptive_batch.probe.cache import CachedStart, cached_start, save_report
+from adaptive_batch.probe.cache import CachedStart, cached_start, describe_setup, save_report
 from adaptive_batch.probe.search import ProbeReport, probe
 from adaptive_batch.probe.trials import TrialRunner
 from adaptive_batch.testing import FakeOutOfMemory, tiny_llama
@@ -338,6 +338,33 @@ def test_a_setup_probed_at_shorter_sequences_says_how_long():
         "adaptive-batch probe's cache holds this setup up to 1,024 tokens, and this run needs 4,096: re-run "
         "`adaptive-batch probe` with --seq-len 4096.",
     )
+
+
+def test_a_stated_micro_batch_or_eval_batch_above_the_probed_boundary_is_warned(make_trainer, caplog):
+    trainer = make_trainer([AdaptiveBatch(micro_batch_size=8)], per_device_eval_batch_size=16, max_steps=1)
+    setup = describe_setup(trainer.model, trainer.args.optim, bool(trainer.args.gradient_checkpointing))
+    # the probe saw 5 rows fail in training and 9 in evaluation, at 512 tokens (the run's rows are shorter)
+    save_report(
+        ProbeReport(setup, 512, None, [], 4, 5, None, 4, "", 0, eval_boundary=8, eval_first_failing=9)
+    )
+    with caplog.at_level("WARNING", logger="adaptive_batch"):
+        trainer.train()
+    assert (
+        "micro_batch_size=8 is above the largest micro-batch adaptive-batch probe found to fit for this setup at "
+        "512 tokens (4): the first step will run out of memory and run again smaller. Set micro_batch_size=4, or "
+        "'auto' to start from the probe's choice."
+    ) in caplog.text
+    assert (
+        "per_device_eval_batch_size=16 is above the largest eval batch adaptive-batch probe found to fit for this "
+        "setup at 512 tokens (8)"
+    ) in caplog.text
+    # where no size failed, the boundary is a lower bound: nothing to warn about
+    caplog.clear()
+    save_report(ProbeReport(setup, 512, None, [], 4, None, None, 4, "", 0, eval_boundary=8))
+    again = make_trainer([AdaptiveBatch(micro_batch_size=8)], per_device_eval_batch_size=16, max_steps=1)
+    with caplog.at_level("WARNING", logger="adaptive_batch"):
+        again.train()
+    assert "adaptive-batch probe found to fit" not in caplog.text
 
 
 def test_the_cache_module_imports_neither_the_trials_nor_model_loading():

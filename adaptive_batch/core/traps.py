@@ -7,7 +7,9 @@ fix. `adaptive-batch plan` prints them and the Trainer wiring logs them when `tr
 - a schedule boundary never reached within the budget, or a schedule that never leaves its first phase;
 - a budget in epochs that ends mid-epoch;
 - a schedule's effective batch above the dataset size (refused once reached);
-- an explicit schedule whose first size is not `per_device x accumulation x world size`.
+- an explicit schedule whose first size is not `per_device x accumulation x world size`;
+- a stated micro-batch, or an eval batch, above the largest `adaptive-batch probe` found to fit for this setup
+  (`probed_traps`: the Trainer only, where the model tells the probe's cache key).
 
 Pure Python: no torch, no transformers.
 """
@@ -49,6 +51,33 @@ def run_traps(
         *_above_dataset_traps(run, schedule),
         *_start_traps(run, schedule_given),
     ]
+
+
+def probed_traps(
+    micro_batch_size: int | str,
+    per_device_eval_batch_size: int,
+    seq_len: int,
+    boundary: int | None,
+    eval_boundary: int | None,
+) -> list[str]:
+    """A start above what `adaptive-batch probe` found to fit at `seq_len` tokens (`boundary`, `eval_boundary`:
+    the largest sizes that fit where a larger one failed, else `None`): the first such step or eval batch runs out of
+    memory and runs again smaller, which costs its time."""
+    warnings = []
+    if isinstance(micro_batch_size, int) and boundary is not None and micro_batch_size > boundary:
+        warnings.append(
+            f"micro_batch_size={micro_batch_size} is above the largest micro-batch adaptive-batch probe found to "
+            f"fit for this setup at {seq_len:,} tokens ({boundary}): the first step will run out of memory and run "
+            f"again smaller. Set micro_batch_size={boundary}, or 'auto' to start from the probe's choice."
+        )
+    if eval_boundary is not None and per_device_eval_batch_size > eval_boundary:
+        warnings.append(
+            f"per_device_eval_batch_size={per_device_eval_batch_size} is above the largest eval batch "
+            f"adaptive-batch probe found to fit for this setup at {seq_len:,} tokens ({eval_boundary}): the first "
+            f"eval batch will run out of memory and run again in pieces. Set per_device_eval_batch_size="
+            f"{eval_boundary}."
+        )
+    return warnings
 
 
 def _max_steps_traps(run: RunPlan, schedule: Schedule, epochs_given: float | None) -> list[str]:

@@ -31,6 +31,14 @@ def controller(session, engine: Engine) -> CutController:
     return controller_for(session.config, facts, session.plan.max_rows_per_rank)
 
 
+def probed_traps(session) -> list[str]:
+    """A stated micro-batch or eval batch above what `adaptive-batch probe` found to fit for this setup."""
+    facts = TrainerFacts(
+        session.trainer, session.config, session.runner.engine, session.per_device_train_batch_size
+    )
+    return facts.probed_traps()
+
+
 def lengths_from_step(session, inputs) -> None:
     """The first step's rows tell their lengths where the dataset could not: rows that vary are cut by padded
     tokens from this step on, as the dataset's lengths would have chosen (every rank alike: they agree on the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from functools import cached_property
 
+from ..core import traps
 from ..core.config import AdaptiveBatchConfig
 from ..probe.cache import cached_start, describe_setup
 from ..runtime import compat, lengths
@@ -59,15 +60,36 @@ class TrainerFacts:
         return memory_limit(self.trainer.args.device, self.config.memory_headroom)
 
     @cached_property
-    def start(self) -> int:
-        """Where "auto" starts: a cached `adaptive-batch probe` result for this setup, else the per-device size.
-        When the cache holds another setup, one line says which field differs."""
+    def probed(self):
+        """The `adaptive-batch probe` cache's entry for this setup at the run's length ([`probe.cache.CachedStart`]),
+        or `None` where the run's length or the model's config is unknown."""
         trainer, args = self.trainer, self.trainer.args
         seq_len = getattr(args, "max_length", None) or lengths.longest(trainer.train_dataset)
         if seq_len is None or not hasattr(trainer.model, "config"):
-            return self.per_device_train_batch_size
+            return None
         setup = describe_setup(trainer.model, args.optim, bool(args.gradient_checkpointing))
-        start = cached_start(setup, seq_len)
-        if start.message is not None:
-            logger.info("%s", start.message)
-        return start.size if start.size is not None else self.per_device_train_batch_size
+        return cached_start(setup, seq_len)
+
+    @cached_property
+    def start(self) -> int:
+        """Where "auto" starts: a cached `adaptive-batch probe` result for this setup, else the per-device size.
+        When the cache holds another setup, one line says which field differs."""
+        probed = self.probed
+        if probed is None:
+            return self.per_device_train_batch_size
+        if probed.message is not None:
+            logger.info("%s", probed.message)
+        return probed.size if probed.size is not None else self.per_device_train_batch_size
+
+    def probed_traps(self) -> list[str]:
+        """A stated micro-batch or eval batch above what the probe found to fit ([`core.traps.probed_traps`])."""
+        probed = self.probed
+        if probed is None or probed.seq_len is None:
+            return []
+        return traps.probed_traps(
+            self.config.micro_batch_size,
+            self.trainer.args.per_device_eval_batch_size,
+            probed.seq_len,
+            probed.boundary,
+            probed.eval_boundary,
+        )

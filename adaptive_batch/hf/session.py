@@ -165,6 +165,8 @@ class Session:
             epochs, given = traps.explicit_epochs(args.num_train_epochs), self.config.schedule is not None
             for warning in traps.run_traps(self.run, self.schedule, epochs, schedule_given=given):
                 logger.warning("%s", warning)
+            for warning in assemble.probed_traps(self):
+                logger.warning("%s", warning)
             if self.config.measure_noise and not self.runner.engine.measures_noise:
                 logger.info("The gradient noise scale is not measured under %s.", self.runner.engine.name)
         assemble.check_longest_row(self)

@@ -45,11 +45,15 @@ class CachedStart:
         seq_len: the sequence length that size was probed at (the shortest cached one that covers the run's).
         message: one line for the log: where the run starts, or why the cache was not used; `None` when the cache
             holds nothing for this model (nothing was probed for it, so there is nothing to say).
+        boundary, eval_boundary: the largest micro-batch and eval batch the probe found to fit where a larger one
+            failed (`None`: none failed, or not searched).
     """
 
     size: int | None
     seq_len: int | None
     message: str | None
+    boundary: int | None = None
+    eval_boundary: int | None = None
 
 
 def cached_start(setup: dict, seq_len: int) -> CachedStart:
@@ -83,12 +87,18 @@ def cached_start(setup: dict, seq_len: int) -> CachedStart:
             f"adaptive-batch probe's cache holds this setup up to {lengths[-1]:,} tokens, and this run needs "
             f"{seq_len:,}: re-run `adaptive-batch probe` with --seq-len {seq_len}.",
         )
-    size = int(entries[str(covering[0])]["recommended"])
+    entry = entries[str(covering[0])]
+    size = int(entry["recommended"])
+    failed, eval_failed = entry.get("first_failing"), entry.get("eval_first_failing")
     return CachedStart(
         size,
         covering[0],
         f"adaptive-batch probe's choice for this setup at {covering[0]:,} tokens: {size} samples per micro-batch; "
         '"auto" starts from it, at most what a step holds (the plan table says where).',
+        boundary=int(entry["boundary"]) if failed is not None else None,
+        eval_boundary=int(entry["eval_boundary"])
+        if eval_failed is not None and entry.get("eval_boundary")
+        else None,
     )
 
 
