@@ -19,6 +19,9 @@ Arms (with `--start` S, 16 by default):
 - `phase`: S -> 2S -> 4S -> 8S -> 16S at 1/16, 1/8, 1/4 and 1/2 of the budget, `lr_scaling="sqrt"`;
 - `noise`: `NoiseScaleSchedule(S, max_size=16S)` with its defaults (goodput alone);
 - `noise_eff0.9`, `noise_eff0.95`: the same with `min_efficiency` 0.9 and 0.95 (`--efficiencies`);
+- `seesaw`: Seesaw (Meterez et al., 2025) on the cosine schedule: where the cosine would have halved the LR, the
+  batch doubles instead and the LR rule `sqrt` multiplies the LR by sqrt(2) (so each halving becomes a division by
+  sqrt(2) and a doubling of the batch), S -> 16S at the cosine's halvings after the warmup (`seesaw_boundaries`);
 
 the last three at the user's LR with no sweep: `fixedS`'s best LR (the LR a user tuned at their starting batch),
 scaled as the batch grows by the LR rule (`sqrt` for the phases, `--noise-lr-scaling`, `sqrt_gain` by default, for
@@ -75,6 +78,7 @@ GRIDS = {  # the middle one first: a call cut short still holds the likeliest be
 }
 WITHIN = 0.01  # the goal: final eval loss within 1% of the best fixed arm's ...
 TIME_GOAL = 0.8  # ... reached in at most 0.8x that arm's training time
+WARMUP_RATIO = 0.02  # of the cosine schedule's steps
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -185,7 +189,16 @@ def fixed_arms(start: int) -> list[str]:
 
 
 def all_arms(start: int, efficiencies: list[float]) -> list[str]:
-    return fixed_arms(start) + ["phase", "noise"] + [f"noise_eff{e:g}" for e in efficiencies]
+    return fixed_arms(start) + ["phase", "noise"] + [f"noise_eff{e:g}" for e in efficiencies] + ["seesaw"]
+
+
+def seesaw_boundaries(doublings: int = 4, warmup: float = WARMUP_RATIO) -> list[float]:
+    """Fractions of the budget where a cosine schedule (to 0 after a linear warmup over `warmup` of it) has fallen
+    to 1/2, 1/4, ... of its peak: Seesaw's points to double the batch instead.
+
+    Example: without warmup the cosine halves at 0.5, quarters at 2/3, then 0.770 and 0.839.
+    """
+    return [warmup + (1 - warmup) * math.acos(2.0 ** (1 - k) - 1) / math.pi for k in range(1, doublings + 1)]
 
 
 def schedule_for(arm: str, start: int, noise_rule: str):
@@ -201,6 +214,8 @@ def schedule_for(arm: str, start: int, noise_rule: str):
     if arm.startswith("noise_eff"):
         bound = float(arm[len("noise_eff") :])
         return NoiseScaleSchedule(start, max_size=16 * start, min_efficiency=bound), noise_rule
+    if arm == "seesaw":
+        return PhaseSchedule([start << k for k in range(5)], boundaries=seesaw_boundaries()), "sqrt"
     raise ValueError(f"unknown arm {arm!r}")
 
 
@@ -216,7 +231,7 @@ def train_args(
         num_train_epochs=epochs,
         learning_rate=lr,
         lr_scheduler_type="cosine",
-        warmup_steps=0.02,  # a ratio of the (nominal) steps
+        warmup_steps=WARMUP_RATIO,  # a ratio of the (nominal) steps
         weight_decay=weight_decay,
         adam_beta2=0.95,
         max_grad_norm=1.0,
