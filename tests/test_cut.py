@@ -166,7 +166,9 @@ def test_the_budget_stops_growing_when_a_larger_one_would_not_change_the_cut():
     assert controller.max_tokens == 200 and not controller.exploring
     assert (
         controller.settled_because
-        == "token budget 200 (a larger one would not change the cut), overhead 0 tokens"
+        == "token budget 200 (a larger one would not change the cut), overhead 0 tokens (a micro-batch's time rose "
+        "with its padded tokens alone, as on a CPU: rows of different lengths then run in micro-batches of their "
+        "own, down to one row, to save padding)"
     )
 
 

@@ -231,7 +231,12 @@ class TokenController:
             else:
                 self.max_tokens = bigger
         if not self.exploring:
-            if self.overhead is not None:
+            if self.overhead == 0:
+                overhead = (
+                    "overhead 0 tokens (a micro-batch's time rose with its padded tokens alone, as on a CPU: rows "
+                    "of different lengths then run in micro-batches of their own, down to one row, to save padding)"
+                )
+            elif self.overhead is not None:
                 overhead = f"overhead {self.overhead:,} tokens"
             else:
                 overhead = "overhead one longest row (the time of a micro-batch did not rise with its tokens)"
