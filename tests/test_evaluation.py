@@ -197,3 +197,24 @@ def test_adapt_evaluation_takes_true_false_or_grow():
         AdaptiveBatch(adapt_evaluation="bigger")
     with pytest.raises(ValueError, match=r"adapt_evaluation=1 must be True"):
         AdaptiveBatch(adapt_evaluation=1)
+
+
+def test_grow_runs_loss_only_batches_of_ragged_rows_in_pieces_of_similar_lengths(make_trainer, rows):
+    # without compute_metrics the Trainer keeps no logits: each batch's rows run grouped by length, each group padded
+    # to its own longest row, and the loss is the batch's (weighted by label tokens)
+    ragged = [{"input_ids": row["input_ids"][: 3 + (7 * i) % 30]} for i, row in enumerate(rows[:27])]
+
+    def run(callbacks):
+        trainer = make_trainer(callbacks, eval_dataset=ragged, **EVAL)
+        watcher = FakeOutOfMemory(trainer.model, None, in_eval=True)
+        return trainer.evaluate(), watcher
+
+    expected, plain = run([])
+    metrics, cut = run([AdaptiveBatch(adapt_evaluation="grow")])
+    assert metrics["eval_adaptive_batch/batches_cut_by_tokens"] >= 1
+    assert len(cut.sizes) > len(plain.sizes) and sum(cut.sizes) == sum(plain.sizes) == 27
+    assert sum(cut.tokens) < sum(plain.tokens)  # fewer padded tokens
+    assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-12)
+    # the default keeps the Trainer's batches, bit for bit
+    default, same = run([AdaptiveBatch()])
+    assert same.sizes == plain.sizes and default["eval_loss"] == expected["eval_loss"]

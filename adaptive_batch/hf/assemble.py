@@ -97,7 +97,9 @@ def eval_pieces(trainer, config: AdaptiveBatchConfig, world_size: int) -> EvalPi
     """Evaluation that survives an out-of-memory error ([`runtime.evaluation`]), unless `adapt_evaluation=False`
     or the engine's forward gathers parameters from every rank (DeepSpeed, FSDP): there the Trainer's own."""
     sharded = getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)
-    return EvalPieces(trainer, world_size) if config.adapt_evaluation and not sharded else None
+    if not config.adapt_evaluation or sharded:
+        return None
+    return EvalPieces(trainer, world_size, cut_by_tokens=config.adapt_evaluation == "grow")
 
 
 def eval_growth(trainer, config: AdaptiveBatchConfig, pieces: EvalPieces | None) -> EvalGrowth | None:

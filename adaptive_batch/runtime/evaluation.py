@@ -16,6 +16,11 @@ next. Under DDP the ranks exchange a flag after every piece, so that all run aga
 (the Trainer's count of label tokens may be a collective). Not under DeepSpeed or FSDP, whose forward gathers
 parameters from every rank: there an out-of-memory error in evaluation ends the run, as it does without
 AdaptiveBatch.
+
+Under `adapt_evaluation="grow"` ([`EvalGrowth`]) the eval batch also grows between evaluations, and on one process
+a loss-only batch (no logits kept: an evaluation without `compute_metrics`) of right-padded rows of different lengths
+runs in pieces of similar lengths, each padded only to its own longest row ([`token_pieces`]): the same loss from
+fewer padded tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from ..core.cut import cheapest_chunks
 from ..core.eval_size import EvalMeasure, EvalSizer
 from ..core.microbatch import MicroBatchTooLargeError
 from ..core.rows import even_chunk
@@ -47,18 +53,22 @@ class EvalPieces:
         world_size: the processes that evaluate together (their flags are exchanged where more than one).
     """
 
-    def __init__(self, trainer, world_size: int):
+    def __init__(self, trainer, world_size: int, cut_by_tokens: bool = False):
         self.trainer = trainer
         self.world_size = world_size
+        self.cut_by_tokens = (
+            cut_by_tokens  # loss-only batches of ragged rows run in pieces of similar lengths
+        )
         self.cap: int | None = None  # the most rows a piece holds since an out-of-memory error (None: any)
         self.failed: list[int] = []  # the sizes that ran out of memory, in order
         self.largest = 0  # the largest piece that ran in the current evaluation
         self.retried = 0  # the batches of the current evaluation run again in pieces
         self.rows = 0  # the rows of the current evaluation on this rank
+        self.cut_batches = 0  # the batches of the current evaluation run in pieces of similar lengths
 
     def begin(self) -> None:
         """A new evaluation starts: its counters from zero (the cap stays: the memory is the same)."""
-        self.largest, self.retried, self.rows = 0, 0, 0
+        self.largest, self.retried, self.rows, self.cut_batches = 0, 0, 0, 0
 
     def run(self, prediction_step, model, inputs, prediction_loss_only: bool, ignore_keys):
         """The Trainer's `prediction_step(model, inputs, prediction_loss_only, ignore_keys)` of the whole batch,
@@ -66,11 +76,21 @@ class EvalPieces:
         rows = batch_rows(inputs)
         if rows is None:  # nothing to cut by rows: the Trainer's own step
             return prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if self.cut_by_tokens and prediction_loss_only and self.cap is None and not self.distributed:
+            pieces = token_pieces(inputs, rows)
+            if pieces is not None:
+                result = self._attempt(prediction_step, model, inputs, rows, pieces, True, ignore_keys)
+                if result is not None:
+                    self.largest = max(self.largest, rows)
+                    self.rows += rows
+                    self.cut_batches += 1
+                    return result
+                release_memory(self.device)  # then in halves, as any batch that ran out of memory
         size = rows if self.cap is None else min(rows, self.cap)
         retried = False
         while True:
             result = self._attempt(
-                prediction_step, model, inputs, rows, size, prediction_loss_only, ignore_keys
+                prediction_step, model, inputs, rows, halves(rows, size), prediction_loss_only, ignore_keys
             )
             if result is not None:
                 self.largest = max(self.largest, size)
@@ -98,12 +118,15 @@ class EvalPieces:
             )
 
     def metrics(self, prefix: str) -> dict[str, int]:
-        """The evaluation's keys: the largest piece that ran (the eval batch itself where nothing failed), and the
-        batches run again in pieces."""
-        return {
+        """The evaluation's keys: the largest piece that ran (the eval batch itself where nothing failed), the
+        batches run again in pieces, and with `cut_by_tokens` the batches run in pieces of similar lengths."""
+        metrics = {
             f"{prefix}_adaptive_batch/micro_batch_size": self.largest,
             f"{prefix}_adaptive_batch/batches_retried": self.retried,
         }
+        if self.cut_by_tokens:
+            metrics[f"{prefix}_adaptive_batch/batches_cut_by_tokens"] = self.cut_batches
+        return metrics
 
     @property
     def device(self) -> torch.device:
@@ -113,10 +136,10 @@ class EvalPieces:
     def distributed(self) -> bool:
         return self.world_size > 1 and dist.is_available() and dist.is_initialized()
 
-    def _attempt(self, prediction_step, model, inputs, rows, size, prediction_loss_only, ignore_keys):
-        """The batch's (loss, logits, labels) from pieces of `size` rows, or `None` where one ran out of memory on any
-        rank (the others stopped with it, at the next collective of the Trainer or TRL they reached, or after the
-        piece)."""
+    def _attempt(self, prediction_step, model, inputs, rows, pieces, prediction_loss_only, ignore_keys):
+        """The batch's (loss, logits, labels) from `pieces` (each its rows and the width it runs at), or `None` where
+        one ran out of memory on any rank (the others stopped with it, at the next collective of the Trainer or TRL
+        they reached, or after the piece). Pieces out of the batch's row order are only run loss-only."""
         if self.cap is not None and self.distributed:  # (every rank has the same cap: they failed together)
             most, fewest = all_reduce_values([rows, -rows], self.device, dist.ReduceOp.MAX)
             if most != -fewest:
@@ -126,15 +149,14 @@ class EvalPieces:
                     "(its default), or set AdaptiveBatch(adapt_evaluation=False)."
                 )
         metrics = compat.TrlMetrics(self.trainer, mode="eval")
-        outputs, start = [], 0
-        while start < rows:
-            piece = even_chunk(rows - start, size)
+        outputs = []
+        for index, width in pieces:
             failed = False
             try:
                 with self._guard():
                     outputs.append(
                         prediction_step(
-                            model, take(inputs, rows, start, piece), prediction_loss_only, ignore_keys
+                            model, take(inputs, rows, index, width), prediction_loss_only, ignore_keys
                         )
                     )
             except _PeerFailed:  # the flags were exchanged where this rank waited
@@ -148,16 +170,15 @@ class EvalPieces:
             if failed:
                 metrics.restore()
                 return None
-            start += piece
         if len(outputs) > 1:
-            local = self._units(inputs, rows, size)
+            local = self._units(inputs, rows, pieces)
             across = all_reduce_values(local, self.device, dist.ReduceOp.SUM) if self.distributed else local
             metrics.merge(across)  # TRL's per-batch means over label tokens of every rank
             over_ranks = self.distributed and compat.loss_normalised_over_ranks(self.trainer)
             return _combine(outputs, across if over_ranks else local)
         return outputs[0]
 
-    def _units(self, inputs, rows: int, size: int) -> list[float]:
+    def _units(self, inputs, rows: int, pieces: list) -> list[float]:
         """What each piece's loss is averaged over on this rank, as the Trainer counts it (label tokens, shifted
         where it shifts them; rows where the batch has no labels)."""
         labels = inputs.get("shift_labels")
@@ -174,12 +195,10 @@ class EvalPieces:
             if isinstance(labels, torch.Tensor) and labels.dim() >= 1 and labels.shape[0] == rows
             else torch.ones(rows, dtype=torch.float64)
         )
-        units, start = [], 0
-        while start < rows:
-            piece = even_chunk(rows - start, size)
-            units.append(float(per_row[start : start + piece].sum()))
-            start += piece
-        return units
+        return [
+            float(per_row[index.cpu() if isinstance(index, torch.Tensor) else index].sum())
+            for index, _ in pieces
+        ]
 
     def _exchange(self, failed: bool) -> bool:
         """Whether any rank failed (this one's flag where there is one process)."""
@@ -317,15 +336,64 @@ def batch_rows(inputs) -> int | None:
     return int(tensor.shape[0])
 
 
-def take(inputs: Mapping, rows: int, start: int, size: int) -> dict:
-    """Rows `start` to `start + size` of every tensor whose first dimension is the batch's rows; the rest as is.
-    The padded width stays the batch's, so the piece's outputs line up with the whole batch's."""
-    return {
-        key: value[start : start + size]
-        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows
-        else value
-        for key, value in inputs.items()
-    }
+def halves(rows: int, size: int) -> list[tuple[slice, None]]:
+    """The batch's rows in order, in near-equal pieces of at most `size`, each at the batch's padded width (so the
+    pieces' outputs line up with the whole batch's)."""
+    pieces, start = [], 0
+    while start < rows:
+        piece = even_chunk(rows - start, size)
+        pieces.append((slice(start, start + piece), None))
+        start += piece
+    return pieces
+
+
+def token_pieces(inputs: Mapping, rows: int) -> list[tuple[torch.Tensor, int]] | None:
+    """A right-padded batch's rows grouped by length, longest first, each group run at its own longest row: the cut
+    of [`core.cut.cheapest_chunks`] within the batch's own tokens (rows x width, so no piece needs more than the
+    batch), with the fixed cost of a forward taken as one batch width of tokens. `None` where it has no attention
+    mask to read lengths from, is not right-padded, holds a tensor of more than two dimensions, or one piece is
+    best."""
+    mask = inputs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != rows or rows < 2:
+        return None
+    if any(isinstance(v, torch.Tensor) and v.dim() > 2 for v in inputs.values()):
+        return None
+    width = int(mask.shape[1])
+    ones = mask != 0
+    if bool((ones[:, 1:] & ~ones[:, :-1]).any()):  # a real token after padding: not right-padded
+        return None
+    lengths = ones.sum(dim=1).tolist()
+    if min(lengths) == width:
+        return None
+    order = sorted(range(rows), key=lambda row: -lengths[row])
+    sizes = cheapest_chunks([lengths[row] for row in order], rows * width, None, overhead=width)
+    if len(sizes) < 2:
+        return None
+    pieces, start = [], 0
+    for size in sizes:
+        group = order[start : start + size]
+        pieces.append((torch.tensor(group, device=mask.device), max(1, lengths[group[0]])))
+        start += size
+    return pieces
+
+
+def take(inputs: Mapping, rows: int, index, width: int | None = None) -> dict:
+    """Rows `index` (a slice or a tensor of row numbers) of every tensor whose first dimension is the batch's rows,
+    cut to the first `width` columns where given (a two-dimensional tensor of the batch's width); the rest as is."""
+    full = _width(inputs, rows)
+    piece = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
+            value = value[index]
+            if width is not None and value.dim() == 2 and value.shape[1] == full:
+                value = value[:, :width]
+        piece[key] = value
+    return piece
+
+
+def _width(inputs: Mapping, rows: int) -> int | None:
+    mask = inputs.get("attention_mask")
+    return int(mask.shape[1]) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
 
 def _concat(parts: list):
