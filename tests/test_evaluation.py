@@ -204,13 +204,15 @@ def test_grow_runs_loss_only_batches_of_ragged_rows_in_pieces_of_similar_lengths
     # to its own longest row, and the loss is the batch's (weighted by label tokens)
     ragged = [{"input_ids": row["input_ids"][: 3 + (7 * i) % 30]} for i, row in enumerate(rows[:27])]
 
-    def run(callbacks):
+    def run(callbacks, overhead=None):
         trainer = make_trainer(callbacks, eval_dataset=ragged, **EVAL)
+        if overhead is not None:  # (a forward's fixed time, as fitted from earlier forwards' times)
+            trainer._adaptive_batch.eval_pieces.overhead = overhead
         watcher = FakeOutOfMemory(trainer.model, None, in_eval=True)
         return trainer.evaluate(), watcher
 
     expected, plain = run([])
-    metrics, cut = run([AdaptiveBatch(adapt_evaluation="grow")])
+    metrics, cut = run([AdaptiveBatch(adapt_evaluation="grow")], overhead=8)
     assert metrics["eval_adaptive_batch/batches_cut_by_tokens"] >= 1
     assert len(cut.sizes) > len(plain.sizes) and sum(cut.sizes) == sum(plain.sizes) == 27
     assert sum(cut.tokens) < sum(plain.tokens)  # fewer padded tokens
@@ -218,3 +220,19 @@ def test_grow_runs_loss_only_batches_of_ragged_rows_in_pieces_of_similar_lengths
     # the default keeps the Trainer's batches, bit for bit
     default, same = run([AdaptiveBatch()])
     assert same.sizes == plain.sizes and default["eval_loss"] == expected["eval_loss"]
+
+
+def test_the_fixed_time_of_an_eval_forward_is_fitted_from_the_forwards_times(make_trainer, rows):
+    # until four forwards are timed the batches run whole; then the line of seconds against padded tokens gives
+    # the fixed time of a forward: here 0.5 s + 1 ms per token, so 500 tokens' worth
+    trainer = make_trainer([AdaptiveBatch(adapt_evaluation="grow")], eval_dataset=rows[:27], **EVAL)
+    pieces = trainer._adaptive_batch.eval_pieces
+    batch = {
+        "input_ids": torch.ones(4, 10, dtype=torch.long),
+        "attention_mask": torch.ones(4, 10, dtype=torch.long),
+    }
+    for count, seconds in ((1, 0.51), (2, 0.52), (3, 0.53)):
+        pieces._timed(batch, 4, slice(0, count), None, seconds)
+        assert pieces.overhead is None
+    pieces._timed(batch, 4, torch.tensor([0, 1, 2, 3]), 5, 0.52)  # 4 rows at their own width of 5
+    assert pieces.points[-1] == (20.0, 0.52) and pieces.overhead == 500

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Mapping
 
 import torch
@@ -37,12 +38,16 @@ from ..core.cut import cheapest_chunks
 from ..core.eval_size import EvalMeasure, EvalSizer
 from ..core.microbatch import MicroBatchTooLargeError
 from ..core.rows import even_chunk
+from ..core.tokens import fitted_overhead
 from . import compat
 from .batch import IGNORE_INDEX
 from .engines import all_reduce_values
-from .memory import Stopwatch, is_out_of_memory, release_memory
+from .memory import Stopwatch, is_out_of_memory, release_memory, synchronize
 
 logger = logging.getLogger("adaptive_batch")
+
+# the cut of ragged eval batches: a forward's fixed time is fitted on the last MAX_POINTS forwards, from MIN_POINTS on
+MIN_POINTS, MAX_POINTS = 4, 64
 
 
 class EvalPieces:
@@ -56,8 +61,13 @@ class EvalPieces:
     def __init__(self, trainer, world_size: int, cut_by_tokens: bool = False):
         self.trainer = trainer
         self.world_size = world_size
-        self.cut_by_tokens = (
-            cut_by_tokens  # loss-only batches of ragged rows run in pieces of similar lengths
+        # loss-only batches of ragged rows run in pieces of similar lengths
+        self.cut_by_tokens = cut_by_tokens
+        self.points: list[
+            tuple[float, float]
+        ] = []  # (padded tokens, seconds) of the forwards timed for the cut
+        self.overhead: int | None = (
+            None  # a forward's fixed time in padded tokens' worth, fitted from `points`
         )
         self.cap: int | None = None  # the most rows a piece holds since an out-of-memory error (None: any)
         self.failed: list[int] = []  # the sizes that ran out of memory, in order
@@ -77,7 +87,7 @@ class EvalPieces:
         if rows is None:  # nothing to cut by rows: the Trainer's own step
             return prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         if self.cut_by_tokens and prediction_loss_only and self.cap is None and not self.distributed:
-            pieces = token_pieces(inputs, rows)
+            pieces = token_pieces(inputs, rows, self.overhead) if self.overhead is not None else None
             if pieces is not None:
                 result = self._attempt(prediction_step, model, inputs, rows, pieces, True, ignore_keys)
                 if result is not None:
@@ -150,15 +160,19 @@ class EvalPieces:
                 )
         metrics = compat.TrlMetrics(self.trainer, mode="eval")
         outputs = []
+        timed = self.cut_by_tokens and not self.distributed
         for index, width in pieces:
             failed = False
             try:
                 with self._guard():
-                    outputs.append(
-                        prediction_step(
-                            model, take(inputs, rows, index, width), prediction_loss_only, ignore_keys
-                        )
-                    )
+                    if timed:
+                        synchronize(self.device)
+                        began = time.perf_counter()
+                    piece = take(inputs, rows, index, width)
+                    outputs.append(prediction_step(model, piece, prediction_loss_only, ignore_keys))
+                    if timed:
+                        synchronize(self.device)
+                        self._timed(inputs, rows, index, width, time.perf_counter() - began)
             except _PeerFailed:  # the flags were exchanged where this rank waited
                 failed = True
             except Exception as error:  # noqa: BLE001 (only an out-of-memory error is caught below)
@@ -177,6 +191,17 @@ class EvalPieces:
             over_ranks = self.distributed and compat.loss_normalised_over_ranks(self.trainer)
             return _combine(outputs, across if over_ranks else local)
         return outputs[0]
+
+    def _timed(self, inputs, rows: int, index, width: int | None, seconds: float) -> None:
+        """A forward of rows `index` at `width` took `seconds`: a point of the line whose intercept over its slope is a
+        forward's fixed time in padded tokens (over the last `MAX_POINTS`; `None` until they give a rising line)."""
+        full = _width(inputs, rows)
+        if full is None or seconds <= 0:
+            return
+        count = len(range(rows)[index]) if isinstance(index, slice) else len(index)
+        self.points = [*self.points[-(MAX_POINTS - 1) :], (float(count * (width or full)), seconds)]
+        if len(self.points) >= MIN_POINTS:
+            self.overhead = fitted_overhead(self.points)
 
     def _units(self, inputs, rows: int, pieces: list) -> list[float]:
         """What each piece's loss is averaged over on this rank, as the Trainer counts it (label tokens, shifted
@@ -347,12 +372,11 @@ def halves(rows: int, size: int) -> list[tuple[slice, None]]:
     return pieces
 
 
-def token_pieces(inputs: Mapping, rows: int) -> list[tuple[torch.Tensor, int]] | None:
+def token_pieces(inputs: Mapping, rows: int, overhead: int) -> list[tuple[torch.Tensor, int]] | None:
     """A right-padded batch's rows grouped by length, longest first, each group run at its own longest row: the cut
     of [`core.cut.cheapest_chunks`] within the batch's own tokens (rows x width, so no piece needs more than the
-    batch), with the fixed cost of a forward taken as one batch width of tokens. `None` where it has no attention
-    mask to read lengths from, is not right-padded, holds a tensor of more than two dimensions, or one piece is
-    best."""
+    batch), a forward's fixed time taken as `overhead` padded tokens. `None` where it has no attention mask to read
+    lengths from, is not right-padded, holds a tensor of more than two dimensions, or one piece is best."""
     mask = inputs.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != rows or rows < 2:
         return None
@@ -366,7 +390,7 @@ def token_pieces(inputs: Mapping, rows: int) -> list[tuple[torch.Tensor, int]] |
     if min(lengths) == width:
         return None
     order = sorted(range(rows), key=lambda row: -lengths[row])
-    sizes = cheapest_chunks([lengths[row] for row in order], rows * width, None, overhead=width)
+    sizes = cheapest_chunks([lengths[row] for row in order], rows * width, None, overhead=overhead)
     if len(sizes) < 2:
         return None
     pieces, start = [], 0
