@@ -50,6 +50,28 @@ def test_the_default_margin_goes_on_to_the_largest_size_that_pays():
     assert controller.size == 64 and not controller.exploring
 
 
+# tokens/s of packed rows of 2,048 tokens under sdpa on the H200 (packing_throughput.py, 2026-12-05: plain 2 x 8,
+# 4 x 4, 16 x 1 and 1 x 16; 8 between 4 and 16): its packed mask is quadratic in a micro-batch's tokens
+PACKED_SDPA = {1: 5077, 2: 5693, 4: 4192, 8: 3300, 16: 2431}
+
+
+def test_where_the_first_doubling_does_not_pay_it_halves_while_that_pays():
+    controller = RowController(start=8, row_limit=16)
+    first = run_step(controller, 16, PACKED_SDPA.__getitem__)
+    # 8 and 16 timed twice, 16 slower; then 4 (27% faster: decisive), 2 (36%), 1 (11% slower, twice): back at 2
+    assert first == [8, 8]
+    steps = [run_step(controller, 16, PACKED_SDPA.__getitem__) for _ in range(4)]
+    assert steps[:3] == [[16], [16], [4, 2, 1, 1, 2, 2, 2, 2]]  # (16 holds a whole step: one a step)
+    assert not controller.exploring and controller.size == 2
+    assert controller.settled_because == "1 was less than 1% faster than 2"
+    assert steps[3] == [2] * 8
+    # where the first doubling paid, a later one that does not settles there: no halving
+    rising = RowController(start=8, row_limit=64)
+    for _ in range(4):
+        run_step(rising, 64, H200.__getitem__)
+    assert rising.size == 64 and min(rising.throughput) == 8
+
+
 def test_a_noisy_first_measurement_is_repeated():
     speeds = iter([1000, 1000, 1015, 1030])  # 4 is 1.5% faster, then 3%: not decisive, so timed twice
     controller = RowController(start=2, row_limit=8, growth_margin=0.02)

@@ -37,7 +37,8 @@ class AdaptiveBatchConfig:
     micro_batch_size: int | str = setting(
         "auto",
         "Samples per forward/backward on one GPU: `'auto'` starts at `per_device_train_batch_size` (or a size "
-        "`adaptive-batch probe` cached for this setup) and doubles while tokens/s improve by `growth_margin`; on "
+        "`adaptive-batch probe` cached for this setup) and doubles while tokens/s improve by `growth_margin` (or "
+        "halves while they do, where the first doubling does not); on "
         "rows whose lengths vary (read from the dataset's `input_ids`) it cuts each step by padded tokens instead, "
         "with a budget that starts at that size x the longest row and doubles while the cut needs more and memory "
         "allows. An `int` keeps that size (and caps the rows of a cut by tokens). Both shrink and retry the step "
