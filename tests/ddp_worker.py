@@ -363,7 +363,9 @@ def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> Non
     on every rank; the rank `fake_oom_rank` runs out of memory above one row. Writes the metrics and what
     `compute_metrics` got (its predictions as .npy). WORKER_UNEVEN: 21 rows with the Accelerator's
     `even_batches=False`, so that the ranks' last eval batches differ. WORKER_GROW="4,2,1;4,4,4": with
-    `adapt_evaluation="grow"`, one evaluation per duration, rank r's evaluations timed as the r-th list says."""
+    `adapt_evaluation="grow"`, one evaluation per duration, rank r's evaluations timed as the r-th list says.
+    WORKER_RAGGED: rows cut to lengths 3 to 24 and no `compute_metrics` (the Trainer keeps no logits);
+    WORKER_OVERHEAD_RANK0=N: rank 0's fitted fixed time of an eval forward, N tokens (the other ranks' unknown)."""
     import numpy as np
     from helpers import QUIET_CPU_RUN, keep_loss_in_float64
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
@@ -383,6 +385,7 @@ def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> Non
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     uneven = bool(os.environ.get("WORKER_UNEVEN"))
     grow = os.environ.get("WORKER_GROW")
+    ragged = bool(os.environ.get("WORKER_RAGGED"))
     got = {}
 
     def compute_metrics(prediction):
@@ -401,10 +404,16 @@ def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> Non
         train_dataset=rows[:16],
         eval_dataset=rows[30:51] if uneven else rows[30:52],
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-        compute_metrics=compute_metrics,
+        compute_metrics=None if ragged else compute_metrics,
         callbacks=[AdaptiveBatch(adapt_evaluation="grow" if grow else True)],
     )
+    if ragged:
+        trainer.eval_dataset = [
+            {"input_ids": row["input_ids"][: 3 + (5 * i) % 22]} for i, row in enumerate(trainer.eval_dataset)
+        ]
     rank = trainer.args.process_index
+    if os.environ.get("WORKER_OVERHEAD_RANK0") and rank == 0:
+        trainer._adaptive_batch.eval_pieces.overhead = int(os.environ["WORKER_OVERHEAD_RANK0"])
     watcher = None
     if fake_oom_rank == str(rank):
         watcher = FakeOutOfMemory(trainer.model, max_rows=1, in_eval=True)
@@ -425,8 +434,9 @@ def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> Non
     }
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    np.save(os.path.join(output_dir, f"predictions{rank}.npy"), got["predictions"])
-    np.save(os.path.join(output_dir, f"labels{rank}.npy"), got["label_ids"])
+    if got:
+        np.save(os.path.join(output_dir, f"predictions{rank}.npy"), got["predictions"])
+        np.save(os.path.join(output_dir, f"labels{rank}.npy"), got["label_ids"])
     torch.save({}, f"{output_dir}/rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -266,6 +266,19 @@ def test_a_growing_eval_batch_is_the_same_on_every_rank(tmp_path):
     assert ranks[0]["evaluations"][0]["eval_rows"] == 22
 
 
+def test_ranks_that_cut_ragged_eval_batches_differently_run_as_many_pieces(tmp_path):
+    # loss-only evaluation of ragged rows under "grow": rank 0 knows a forward's fixed time and cuts its batches by
+    # tokens, rank 1 does not yet and would run them whole; it splits them so that both run as many forwards
+    ragged = {"WORKER_RAGGED": "1"}
+    clean, _ = launch(tmp_path, "clean", "eval", micro=8, world_size=2, env=ragged)
+    env = {**ragged, "WORKER_GROW": "1;1", "WORKER_OVERHEAD_RANK0": "4"}
+    ranks, _ = launch(tmp_path, "cut", "eval", micro=8, world_size=2, env=env)
+    assert ranks[0]["metrics"]["eval_adaptive_batch/batches_cut_by_tokens"] >= 1
+    assert ranks[1]["metrics"]["eval_adaptive_batch/batches_cut_by_tokens"] >= 1  # (split to rank 0's count)
+    for rank in ranks:
+        assert rank["metrics"]["eval_loss"] == pytest.approx(clean[0]["metrics"]["eval_loss"], rel=1e-12)
+
+
 def test_eval_batches_of_different_rows_on_the_ranks_end_with_one_clear_error_not_a_hang(tmp_path):
     # without even batches the ranks' eval batches differ in rows (21 rows on two ranks): once an error made them
     # run in pieces, they cannot run the same pieces there, and every rank stops with the error instead of waiting

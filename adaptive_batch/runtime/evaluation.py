@@ -17,10 +17,11 @@ next. Under DDP the ranks exchange a flag after every piece, so that all run aga
 parameters from every rank: there an out-of-memory error in evaluation ends the run, as it does without
 AdaptiveBatch.
 
-Under `adapt_evaluation="grow"` ([`EvalGrowth`]) the eval batch also grows between evaluations, and on one process
-a loss-only batch (no logits kept: an evaluation without `compute_metrics`) of right-padded rows of different lengths
-runs in pieces of similar lengths, each padded only to its own longest row ([`token_pieces`]): the same loss from
-fewer padded tokens.
+Under `adapt_evaluation="grow"` ([`EvalGrowth`]) the eval batch also grows between evaluations, and a loss-only
+batch (no logits kept: an evaluation without `compute_metrics`) of right-padded rows of different lengths runs in
+pieces of similar lengths, each padded only to its own longest row ([`token_pieces`]): the same loss from fewer
+padded tokens. Under DDP every rank runs as many pieces as the rank that cut its batch into most
+([`as_many_pieces`]).
 """
 
 from __future__ import annotations
@@ -86,9 +87,12 @@ class EvalPieces:
         rows = batch_rows(inputs)
         if rows is None:  # nothing to cut by rows: the Trainer's own step
             return prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        if self.cut_by_tokens and prediction_loss_only and self.cap is None and not self.distributed:
+        if self.cut_by_tokens and prediction_loss_only and self.cap is None:
             pieces = token_pieces(inputs, rows, self.overhead) if self.overhead is not None else None
-            if pieces is not None:
+            if self.distributed:  # every rank runs as many pieces (a collective follows each)
+                count = all_reduce_values([float(len(pieces or [0]))], self.device, dist.ReduceOp.MAX)[0]
+                pieces = as_many_pieces(pieces or [(slice(0, rows), None)], int(count), rows)
+            if pieces is not None and len(pieces) > 1:
                 result = self._attempt(prediction_step, model, inputs, rows, pieces, True, ignore_keys)
                 if result is not None:
                     self.largest = max(self.largest, rows)
@@ -398,6 +402,31 @@ def token_pieces(inputs: Mapping, rows: int, overhead: int) -> list[tuple[torch.
         group = order[start : start + size]
         pieces.append((torch.tensor(group, device=mask.device), max(1, lengths[group[0]])))
         start += size
+    return pieces
+
+
+def as_many_pieces(pieces: list, count: int, rows: int) -> list:
+    """`pieces` split until there are `count` of them, the one of most rows halved each time (keeping its width), so
+    that ranks whose cuts differ run as many forwards.
+
+    Raises:
+        RuntimeError: where this rank's rows cannot make `count` pieces (the ranks' eval batches differ in rows).
+    """
+    pieces = list(pieces)
+    while len(pieces) < count:
+        sizes = [len(range(rows)[index]) if isinstance(index, slice) else len(index) for index, _ in pieces]
+        largest = max(range(len(pieces)), key=lambda i: sizes[i])
+        if sizes[largest] < 2:
+            raise RuntimeError(
+                f"An eval batch of {rows} rows cannot run in the {count} pieces another rank's batch needs: the "
+                "ranks' eval batches differ in rows. Keep the Accelerator's even_batches=True (its default), or "
+                "set AdaptiveBatch(adapt_evaluation=True)."
+            )
+        index, width = pieces[largest]
+        if isinstance(index, slice):
+            index = torch.arange(index.start, index.stop)
+        half = sizes[largest] // 2
+        pieces[largest : largest + 1] = [(index[:half], width), (index[half:], width)]
     return pieces
 
 
