@@ -204,11 +204,11 @@ def test_grow_runs_loss_only_batches_of_ragged_rows_in_pieces_of_similar_lengths
     # to its own longest row, and the loss is the batch's (weighted by label tokens)
     ragged = [{"input_ids": row["input_ids"][: 3 + (7 * i) % 30]} for i, row in enumerate(rows[:27])]
 
-    def run(callbacks, overhead=None):
+    def run(callbacks, overhead=None, max_rows=None):
         trainer = make_trainer(callbacks, eval_dataset=ragged, **EVAL)
         if overhead is not None:  # (a forward's fixed time, as fitted from earlier forwards' times)
             trainer._adaptive_batch.eval_pieces.overhead = overhead
-        watcher = FakeOutOfMemory(trainer.model, None, in_eval=True)
+        watcher = FakeOutOfMemory(trainer.model, max_rows, in_eval=True)
         return trainer.evaluate(), watcher
 
     expected, plain = run([])
@@ -217,6 +217,10 @@ def test_grow_runs_loss_only_batches_of_ragged_rows_in_pieces_of_similar_lengths
     assert len(cut.sizes) > len(plain.sizes) and sum(cut.sizes) == sum(plain.sizes) == 27
     assert sum(cut.tokens) < sum(plain.tokens)  # fewer padded tokens
     assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-12)
+    # a piece that runs out of memory: the batch runs again in halves of its rows, and the loss is still the batch's
+    oom, _ = run([AdaptiveBatch(adapt_evaluation="grow")], overhead=8, max_rows=2)
+    assert oom["eval_adaptive_batch/batches_retried"] >= 1
+    assert oom["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-12)
     # the default keeps the Trainer's batches, bit for bit
     default, same = run([AdaptiveBatch()])
     assert same.sizes == plain.sizes and default["eval_loss"] == expected["eval_loss"]

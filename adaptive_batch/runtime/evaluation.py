@@ -64,12 +64,9 @@ class EvalPieces:
         self.world_size = world_size
         # loss-only batches of ragged rows run in pieces of similar lengths
         self.cut_by_tokens = cut_by_tokens
-        self.points: list[
-            tuple[float, float]
-        ] = []  # (padded tokens, seconds) of the forwards timed for the cut
-        self.overhead: int | None = (
-            None  # a forward's fixed time in padded tokens' worth, fitted from `points`
-        )
+        # (padded tokens, seconds) of the forwards timed for that cut, and a forward's fixed time fitted from them
+        self.points: list[tuple[float, float]] = []
+        self.overhead: int | None = None
         self.cap: int | None = None  # the most rows a piece holds since an out-of-memory error (None: any)
         self.failed: list[int] = []  # the sizes that ran out of memory, in order
         self.largest = 0  # the largest piece that ran in the current evaluation
@@ -87,6 +84,7 @@ class EvalPieces:
         rows = batch_rows(inputs)
         if rows is None:  # nothing to cut by rows: the Trainer's own step
             return prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        retried = False
         if self.cut_by_tokens and prediction_loss_only and self.cap is None:
             pieces = token_pieces(inputs, rows, self.overhead) if self.overhead is not None else None
             if self.distributed:  # every rank runs as many pieces (a collective follows each)
@@ -99,9 +97,15 @@ class EvalPieces:
                     self.rows += rows
                     self.cut_batches += 1
                     return result
-                release_memory(self.device)  # then in halves, as any batch that ran out of memory
+                release_memory(self.device)  # then in halves of its rows, as any batch that ran out of memory
+                self.failed.append(rows)
+                self.cap, retried = max(1, rows // 2), True
+                logger.warning(
+                    "AdaptiveBatch: out of memory in evaluation in pieces of similar lengths; running the eval batch "
+                    "again in pieces of %d rows (the metrics are the whole batch's).",
+                    self.cap,
+                )
         size = rows if self.cap is None else min(rows, self.cap)
-        retried = False
         while True:
             result = self._attempt(
                 prediction_step, model, inputs, rows, halves(rows, size), prediction_loss_only, ignore_keys
