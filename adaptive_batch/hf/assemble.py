@@ -9,6 +9,7 @@ from ..core.config import AdaptiveBatchConfig
 from ..core.controllers import controller_for, waits_for_lengths
 from ..core.microbatch import CutController
 from ..core.noise import NoiseScale
+from ..core.plain_trainer import PlainBatching
 from ..runtime import compat, lengths
 from ..runtime.engines import Engine, engine_for
 from ..runtime.evaluation import EvalGrowth, EvalPieces
@@ -29,6 +30,17 @@ def controller(session, engine: Engine) -> CutController:
     facts = TrainerFacts(session.trainer, session.config, engine, session.per_device_train_batch_size)
     session.lengths_pending = waits_for_lengths(session.config, facts)
     return controller_for(session.config, facts, session.plan.max_rows_per_rank)
+
+
+def plain_batching(session) -> PlainBatching:
+    """The plain Trainer at the user's batch settings, over the plan's dataset."""
+    return PlainBatching(
+        session.plan.dataset_size,
+        session.per_device_train_batch_size,
+        session.gradient_accumulation_steps,
+        session.world_size,
+        bool(session.trainer.args.dataloader_drop_last),
+    )
 
 
 def probed_traps(session) -> list[str]:

@@ -181,13 +181,7 @@ def guard_plain_resume(session, checkpoint_dir: str, global_step: int) -> None:
     if not os.path.isfile(file):  # (saved elsewhere: a hyperparameter search's trial folder)
         return
     plan, args = session.plan, session.trainer.args
-    plain = PlainBatching(
-        plan.dataset_size,
-        session.per_device_train_batch_size,
-        session.gradient_accumulation_steps,
-        session.world_size,
-        bool(args.dataloader_drop_last),
-    )
+    plain = assemble.plain_batching(session)
     position = plan.end_position(global_step - 1) if global_step > 0 else 0
     reason = plain_resume_mismatch(
         plain,

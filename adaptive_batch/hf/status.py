@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 from ..core import report
-from ..core.plain_trainer import PlainBatching
 from ..core.schedule import describe
 from ..runtime import lengths
+from . import assemble
 
 
 def metrics(session) -> dict[str, float]:
@@ -104,13 +104,7 @@ def plan_rows(session) -> list[tuple[str, str]]:
     """The plan as (label, value) rows: what the log shows when training starts."""
     config, controller, run, args = session.config, session.controller, session.run, session.trainer.args
     plan = run.plan
-    plain = PlainBatching(
-        plan.dataset_size,
-        session.per_device_train_batch_size,
-        session.gradient_accumulation_steps,
-        session.world_size,
-        bool(args.dataloader_drop_last),
-    )
+    plain = assemble.plain_batching(session)
     total_tokens = lengths.total_tokens(session.trainer.train_dataset)
     rows = report.plan_rows(
         plan,
