@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from base_model import qlora_trainer  # noqa: E402
+from packing_throughput import Deadline  # noqa: E402
 from qlora_throughput import build_model, sync  # noqa: E402
 from ragged_throughput import CountingCollator, header, interleaved, lengths  # noqa: E402
 
@@ -191,7 +192,7 @@ def main():
     options = parser.parse_args()
     os.makedirs(options.out, exist_ok=True)
     os.makedirs(options.workdir, exist_ok=True)
-    began = time.perf_counter()
+    deadline = Deadline(options.time_limit)
 
     model, config = build_model(options.tiny, options.workdir)
     count = options.rows or (96 if options.tiny else 1024)
@@ -215,16 +216,12 @@ def main():
         "left_out": [],
     }
     path = os.path.join(options.out, "eval_throughput.json")
-    longest_arm = 0.0
     for round_, name in interleaved(arms, options.rounds):
-        elapsed = time.perf_counter() - began
-        if options.time_limit and elapsed + longest_arm > options.time_limit:
+        if not deadline.allows_another():
             report["left_out"].append(f"{name} (round {round_})")
             continue
-        started = time.perf_counter()
-        record = run_arm(name, model, rows, options.tiny, options.workdir, options.evaluations)
+        record = deadline.run(run_arm, name, model, rows, options.tiny, options.workdir, options.evaluations)
         record["round"] = round_
-        longest_arm = max(longest_arm, time.perf_counter() - started)
         report["runs"].append(record)
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
