@@ -1,11 +1,13 @@
 """The model the GPU benchmarks train: a Llama-2-7B shape with random weights (speed and memory do not depend on
 the values), created in bf16 on the GPU and saved, so that each benchmark loads it as a user's run would; and the
-Trainer of the classic QLoRA recipe they all train it with."""
+Trainer of the classic QLoRA recipe they all train it with; and the header every report starts with."""
 
 from __future__ import annotations
 
 import gc
 import os
+import platform
+import sys
 
 import torch
 
@@ -53,15 +55,10 @@ def save_random_llama(path: str, shape: dict = LLAMA2_7B, on_gpu: bool = True) -
     return os.fspath(path)
 
 
-def qlora_trainer(
-    model, dataset, callbacks, output_dir, per_device, accumulation, steps, tiny, data_collator=None, **extra
-):
-    """The plain Trainer as a QLoRA script sets it up (paged 8-bit AdamW, bf16, gradient checkpointing, a constant
-    LR); `tiny` runs the same code on the CPU. `data_collator`: the default one if `None`; `extra`: more
-    TrainingArguments."""
-    from transformers import Trainer, TrainingArguments, default_data_collator
-
-    args = TrainingArguments(
+def qlora_arguments(output_dir: str, per_device: int, accumulation: int, steps: int, tiny: bool) -> dict:
+    """The TrainingArguments of the classic QLoRA recipe (paged 8-bit AdamW, bf16, gradient checkpointing, a constant
+    LR), as keywords, for `TrainingArguments` or TRL's `SFTConfig`; `tiny` runs the same on the CPU."""
+    return dict(
         output_dir=output_dir,
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
@@ -79,8 +76,18 @@ def qlora_trainer(
         dataloader_num_workers=0,
         use_cpu=tiny,
         seed=0,
-        **extra,
     )
+
+
+def qlora_trainer(
+    model, dataset, callbacks, output_dir, per_device, accumulation, steps, tiny, data_collator=None, **extra
+):
+    """The plain Trainer as a QLoRA script sets it up (paged 8-bit AdamW, bf16, gradient checkpointing, a constant
+    LR); `tiny` runs the same code on the CPU. `data_collator`: the default one if `None`; `extra`: more
+    TrainingArguments."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    args = TrainingArguments(**qlora_arguments(output_dir, per_device, accumulation, steps, tiny), **extra)
     return Trainer(
         model=model,
         args=args,
@@ -88,3 +95,27 @@ def qlora_trainer(
         data_collator=data_collator or default_data_collator,
         callbacks=callbacks,
     )
+
+
+def header(tiny: bool, packages: tuple[str, ...] = ()) -> dict:
+    """What every report starts with: the command, the device, the versions (with those of `packages`)."""
+    import importlib
+
+    import transformers
+
+    import adaptive_batch
+
+    return {
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "adaptive_batch": adaptive_batch.__version__,
+            "python": platform.python_version(),
+            **{name: importlib.import_module(name).__version__ for name in packages},
+        },
+        "model": "tiny" if tiny else "Llama-2-7B shape, NF4 double-quant, bf16 compute, LoRA r=16 q/v",
+    }

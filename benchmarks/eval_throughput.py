@@ -42,10 +42,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from base_model import qlora_trainer  # noqa: E402
+from base_model import header, qlora_trainer  # noqa: E402
 from packing_throughput import Deadline  # noqa: E402
 from qlora_throughput import build_model, sync  # noqa: E402
-from ragged_throughput import CountingCollator, header, interleaved, lengths  # noqa: E402
+from ragged_throughput import CountingCollator, interleaved, lengths  # noqa: E402
 
 
 class LogLines(logging.Handler):

@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from base_model import qlora_trainer  # noqa: E402
+from base_model import header, qlora_trainer  # noqa: E402
 from qlora_throughput import StepClock, build_model  # noqa: E402
 
 
@@ -68,29 +67,13 @@ def main():
     os.makedirs(options.out, exist_ok=True)
     os.makedirs(options.workdir, exist_ok=True)
 
-    import transformers
-
-    import adaptive_batch
-
     model, config = build_model(options.tiny, options.workdir)
     generator = torch.Generator().manual_seed(0)
     rows = 64 * options.steps
     ids = torch.randint(0, config.vocab_size, (rows, options.seq_len), generator=generator)
     dataset = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids]
     report = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "adaptive_batch": adaptive_batch.__version__,
-            "python": platform.python_version(),
-        },
-        "model": "tiny"
-        if options.tiny
-        else "Llama-2-7B shape, NF4 double-quant, bf16 compute, LoRA r=16 q/v",
+        **header(options.tiny),
         "seq_len": options.seq_len,
         "pair": "8 x 8, micro_batch_size=8",
         "runs": [],

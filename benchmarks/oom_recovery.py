@@ -40,10 +40,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from base_model import qlora_trainer  # noqa: E402
+from base_model import header, qlora_trainer  # noqa: E402
 from packing_throughput import Deadline, increments, logged, save, train  # noqa: E402
 from qlora_throughput import StepClock, build_model  # noqa: E402
-from ragged_throughput import header, interleaved, step_record  # noqa: E402
+from ragged_throughput import interleaved, step_record  # noqa: E402
 
 LONGER = 4  # the long step's rows, in usual lengths
 AFTER_RECOVERY_AIM = 0.97

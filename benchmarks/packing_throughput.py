@@ -43,8 +43,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+from base_model import header, qlora_arguments  # noqa: E402
 from qlora_throughput import StepClock, build_model  # noqa: E402
-from ragged_throughput import header, interleaved, lengths, settled, steady_part, step_record  # noqa: E402
+from ragged_throughput import interleaved, lengths, settled, steady_part, step_record  # noqa: E402
 
 EFFECTIVE = 16
 ARMS = {  # name: (per-device, accumulation, AdaptiveBatch or not)
@@ -176,25 +177,11 @@ def run_arm(name, model, dataset, tokenizer, steps, options):
     if callback is not None:
         callbacks.append(callback)
     args = SFTConfig(  # the QLoRA recipe of base_model.qlora_trainer, under SFTTrainer's packing
-        output_dir=os.path.join(options.workdir, "trainer"),
+        **qlora_arguments(
+            os.path.join(options.workdir, "trainer"), per_device, accumulation, steps, options.tiny
+        ),
         packing=True,
         max_length=options.max_length,
-        per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=accumulation,
-        max_steps=steps,
-        learning_rate=2e-4,
-        lr_scheduler_type="constant",
-        optim="adamw_torch" if options.tiny else "paged_adamw_8bit",
-        bf16=not options.tiny,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        use_cpu=options.tiny,
-        seed=0,
     )
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=callbacks

@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import sys
 import time
 
@@ -32,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from base_model import LLAMA2_7B, TINY, qlora_trainer, save_random_llama  # noqa: E402
+from base_model import LLAMA2_7B, TINY, header, qlora_trainer, save_random_llama  # noqa: E402
 
 
 def sync():
@@ -195,10 +194,6 @@ def main():
     os.makedirs(options.out, exist_ok=True)
     os.makedirs(options.workdir, exist_ok=True)
 
-    import transformers
-
-    import adaptive_batch
-
     model, config = build_model(options.tiny, options.workdir)
     pairs = parse_pairs(options.plain) + parse_pairs(options.overhead) + parse_pairs(options.auto)
     largest = max(p * a * s for p, a, s in pairs)
@@ -207,19 +202,7 @@ def main():
     dataset = [{"input_ids": row, "attention_mask": [1] * options.seq_len, "labels": row} for row in ids]
 
     report = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "adaptive_batch": adaptive_batch.__version__,
-            "python": platform.python_version(),
-        },
-        "model": "tiny"
-        if options.tiny
-        else "Llama-2-7B shape, NF4 double-quant, bf16 compute, LoRA r=16 q/v",
+        **header(options.tiny),
         "seq_len": options.seq_len,
         "runs": [],
     }

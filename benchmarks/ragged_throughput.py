@@ -46,7 +46,6 @@ import gc
 import json
 import math
 import os
-import platform
 import sys
 import time
 
@@ -55,7 +54,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from base_model import qlora_trainer  # noqa: E402
+from base_model import header, qlora_trainer  # noqa: E402
 from qlora_throughput import StepClock, build_model  # noqa: E402
 
 MEDIAN, SIGMA, SHORTEST, LONGEST = 200, 0.8, 16, 1024
@@ -99,30 +98,6 @@ class TorchRows(torch.utils.data.Dataset):
 def interleaved(arms: list[str], rounds: int) -> list[tuple[int, str]]:
     """(round, arm) in the order to run them: A B C, C B A, ... so that every arm's mean position is the same."""
     return [(r, name) for r in range(rounds) for name in (arms if r % 2 == 0 else arms[::-1])]
-
-
-def header(tiny: bool, packages: tuple[str, ...] = ()) -> dict:
-    """What every report starts with: the command, the device, the versions (with those of `packages`)."""
-    import importlib
-
-    import transformers
-
-    import adaptive_batch
-
-    return {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "adaptive_batch": adaptive_batch.__version__,
-            "python": platform.python_version(),
-            **{name: importlib.import_module(name).__version__ for name in packages},
-        },
-        "model": "tiny" if tiny else "Llama-2-7B shape, NF4 double-quant, bf16 compute, LoRA r=16 q/v",
-    }
 
 
 class CountingCollator:
