@@ -141,6 +141,8 @@ def run_config(model, dataset, seq_len, per_device, accumulation, steps, adaptiv
     if callback is not None:
         now = callback.current()
         result["current"] = now
+        # what the micro-batch search measured (its state as a checkpoint stores it), for the summary and the plot
+        result["controller"] = callback.state()["attributes"]["checkpoint"]["micro_batch"]
         settled_size = now["micro_batch_size"]
         settled = [i for i, m in enumerate(result["micro_batch_size_per_step"]) if m == settled_size]
         # steady state: the steps after the last one that still explored
