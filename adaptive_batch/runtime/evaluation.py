@@ -43,7 +43,8 @@ from ..core.tokens import fitted_overhead
 from . import compat
 from .batch import IGNORE_INDEX
 from .engines import all_reduce_values
-from .memory import Stopwatch, is_out_of_memory, release_memory, synchronize
+from .memory import Stopwatch, is_out_of_memory, memory_limit, release_memory, synchronize
+from .stream import is_stream
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -303,7 +304,7 @@ class EvalGrowth:
         local = [
             watch.seconds,
             float(
-                math.ceil(len(dataset) / self.pieces.world_size) if _has_length(dataset) else self.pieces.rows
+                self.pieces.rows if is_stream(dataset) else math.ceil(len(dataset) / self.pieces.world_size)
             ),
             float(out_of_memory),
             (watch.peak_bytes or 0.0) - (base or 0.0),
@@ -322,20 +323,11 @@ class EvalGrowth:
                 largest=min(size, self.pieces.cap or size) if failed else size,
                 peak_bytes=most_base + above if measured_memory else None,
                 base_bytes=most_base if measured_memory else None,
-                limit_bytes=float(torch.cuda.get_device_properties(device).total_memory)
-                if measured_memory
-                else None,
+                limit_bytes=memory_limit(device, headroom=0.0),  # (the sizer leaves its headroom)
             )
         )
         if line and self.trainer.args.should_log:
             logger.info("AdaptiveBatch: %s", line)
-
-
-def _has_length(dataset) -> bool:
-    try:
-        return len(dataset) >= 0
-    except TypeError:
-        return False
 
 
 class _PeerFailed(Exception):
