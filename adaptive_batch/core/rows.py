@@ -4,9 +4,9 @@ Order within an optimizer step does not change its gradient, so the step batch m
 any sizes. The controller starts from the user's per-device batch and, with `auto`, grows it by doubling while
 tokens per second improve by more than `growth_margin` (1%: on an H200, QLoRA 7B, 8 -> 16 -> 32 -> 64 samples
 gain a few percent each). Where the first doubling does not pay, it halves instead while that pays (on packed rows
-under sdpa, whose mask is quadratic in a micro-batch's tokens, 2 rows of 2,048 tokens ran 2.3x faster than 16). It measures *inside* steps: a trial size runs up to `repeats` micro-batches of that size
-and is timed, while the rest of the step uses the best size known so far, so finding the size costs about one step,
-not one step per size. An out-of-memory error halves the size and runs the step again from its first micro-batch;
+under sdpa, whose mask is quadratic in a micro-batch's tokens, 2 rows of 2,048 tokens ran 2.3x faster than 16).
+It measures *inside* steps: a trial size runs up to `repeats` micro-batches of that size and is timed, while the
+rest of the step uses the best size known so far, so finding the size costs about one step, not one step per size. An out-of-memory error halves the size and runs the step again from its first micro-batch;
 a size that had run is tried again a step later (see `RowController`), a trial size that failed never again.
 
 Its unit is rows: the samples of a step, or the sequences of a padding-free one. Cutting by padded tokens instead
@@ -35,9 +35,8 @@ def even_chunk(remaining: int, size: int) -> int:
 DECISIVE = 5  # a gain of this many margins needs no second measurement
 FIXED = "fixed by micro_batch_size"
 REGROW_AFTER_STEPS = 1  # steps run at the halved size before the size that ran out of memory is tried again
-MAX_FAILURES = (
-    2  # steps failed at a size (out of memory, or allocator thrash) after which it is not tried again
-)
+# steps failed at a size (out of memory, or allocator thrash) after which it is not tried again
+MAX_FAILURES = 2
 
 
 class RowController:
