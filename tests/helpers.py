@@ -149,6 +149,12 @@ class MeanLossModel(torch.nn.Module):
         return {"loss": loss, "logits": logits}
 
 
+def first_step_batch(trainer) -> dict:
+    """The first step batch of a Trainer with AdaptiveBatch: its data loader yields each step in the last of the
+    loop's `gradient_accumulation_steps` slots, the others empty (`None`)."""
+    return next(batch for batch in trainer.get_train_dataloader() if batch is not None)
+
+
 class Recording(RecordingMixin, Trainer):
     """A `transformers.Trainer` that records its micro-batches (see `RecordingMixin`)."""
 

@@ -13,6 +13,7 @@ from helpers import (
     Recording,
     adaptive_of,
     assert_close_parameters,
+    first_step_batch,
     logged,
     parameters,
 )
@@ -79,7 +80,7 @@ def test_adaptive_micro_batches_under_a_phase_schedule_match_whole_steps(make_tr
 def test_accumulated_gradient_equals_one_full_batch_backward(make_trainer, micro_batch_size):
     trainer = make_trainer([AdaptiveBatch(micro_batch_size=micro_batch_size)], num_rows=40)
     model = trainer.model
-    batch = next(iter(trainer.get_train_dataloader()))
+    batch = first_step_batch(trainer)
     num_items = (batch["labels"][:, 1:] != -100).sum()
 
     loss = model(**batch, num_items_in_batch=num_items).loss
@@ -100,7 +101,7 @@ def test_per_micro_batch_mean_losses_are_weighted_by_label_tokens(make_trainer, 
     model = MeanLossModel(tiny_llama(tokenizer))
     trainer = make_trainer([AdaptiveBatch(micro_batch_size=3)], model=model, num_rows=40)
     assert not trainer.model_accepts_loss_kwargs
-    batch = next(iter(trainer.get_train_dataloader()))
+    batch = first_step_batch(trainer)
     model(**batch)["loss"].backward()
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -117,7 +118,7 @@ def test_each_step_trains_on_exactly_the_planned_samples(make_trainer, rows):
     )
     trainer.train()
     plan = adaptive_of(trainer).plan
-    sampler = trainer.get_train_dataloader().batch_sampler
+    sampler = trainer.get_train_dataloader().batch_sampler.steps  # (in the slots of the loop)
     trained = [[] for _ in range(plan.num_steps)]
     for step, _, _, _, content in trainer.micro_batches:
         assert len(content) <= 5

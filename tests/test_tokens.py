@@ -15,6 +15,7 @@ from helpers import (
     adaptive_of,
     assert_close_parameters,
     assert_same_parameters,
+    first_step_batch,
     parameters,
     saved_state,
     step_logs,
@@ -212,7 +213,7 @@ def test_the_gradient_of_a_step_cut_by_tokens_is_the_whole_batch_gradient(
         per_device_train_batch_size=16,
         gradient_accumulation_steps=1,
     )
-    batch = next(iter(trainer.get_train_dataloader()))
+    batch = first_step_batch(trainer)
     num_items = None if mean_loss else (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
     extra = {} if mean_loss else {"num_items_in_batch": num_items}
     loss = model(**batch, **extra)["loss"]
@@ -288,7 +289,7 @@ def test_out_of_memory_halves_the_budget_and_the_result_is_unchanged(make_traine
     # an overhead of 16 tokens cuts the first step's 28, 25, 20, 17, 14, 9, 6 and 3 tokens into 2, 3 and 3 rows
     callback = AdaptiveBatch(max_tokens_per_micro_batch=128, micro_batch_overhead=16)
     trainer = make_trainer([callback], dataset=varied, **SETTINGS)
-    first_step = StepBatch(next(iter(trainer.get_train_dataloader())))
+    first_step = StepBatch(first_step_batch(trainer))
     sizes = first_step.token_chunks(128, 8, 16)
     tokens = padded_tokens(first_step, sizes)
     fits = tokens[0]  # the first micro-batch of the first step fits, the second (more tokens) does not

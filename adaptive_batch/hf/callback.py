@@ -42,8 +42,9 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
 
     With no arguments the effective batch is the user's (`per_device_train_batch_size x
     gradient_accumulation_steps x world size`) and only the micro-batching changes. The train dataloader then
-    yields one batch per optimizer step per rank; the Trainer runs with gradient accumulation 1 and as many steps as
-    the plan holds; each step is cut into micro-batches that go through the Trainer's own `training_step`.
+    yields one batch per optimizer step per rank (in the last of the loop's `gradient_accumulation_steps` batches,
+    the others empty: the arguments stay the user's); the Trainer runs as many steps as the plan holds; each step is
+    cut into micro-batches that go through the Trainer's own `training_step`.
 
     Args:
     {settings}

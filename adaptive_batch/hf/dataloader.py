@@ -1,9 +1,18 @@
-"""The training dataloader: one batch per optimizer step per rank, as the plan cuts the sample stream."""
+"""The training dataloader: one batch per optimizer step per rank, as the plan cuts the sample stream.
+
+The Trainer's loop reads `gradient_accumulation_steps` batches per optimizer step, and that argument stays the
+user's: each step is yielded as that many slots, the step batch last and `None` before it (an empty slot, which
+[`batch_samples`] gives the loop as an [`EmptySlot`], and the Trainer's `training_step` passes over). So the loop's
+counts (a resumed run skips `steps x accumulation` batches, callbacks' substeps) are the plain Trainer's.
+"""
 
 from __future__ import annotations
 
+import itertools
+
+import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..core.steps import StepPlan
 from ..runtime import compat
@@ -19,15 +28,16 @@ def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: boo
     dataset, collator = compat.train_dataset_and_collator(
         trainer, trainer.train_dataset, trainer.data_collator
     )
+    slots = args.gradient_accumulation_steps
     if is_stream(dataset):  # the steps come out of the stream itself, one list of samples each
         shared = args.dataloader_num_workers == 0 and dist.is_available() and dist.is_initialized()
-        dataset = steps = StepStream(dataset, plan, rank=rank, max_steps=args.max_steps, shared=shared)
-        params = {"batch_size": None}
+        steps = StepStream(dataset, plan, rank=rank, max_steps=args.max_steps, shared=shared)
+        dataset, params = _SlottedStream(steps, slots), {"batch_size": None}
     else:
         steps = StepBatchSampler(plan, seed=seed, rank=rank, shuffle=shuffle)
-        params = {"batch_sampler": steps}
+        params = {"batch_sampler": _SlottedSteps(steps, slots)}
     params |= {
-        "collate_fn": collator,
+        "collate_fn": _EmptySlotsCollator(collator),
         "num_workers": args.dataloader_num_workers,
         "pin_memory": args.dataloader_pin_memory,
     }
@@ -40,6 +50,46 @@ def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: boo
     return DataLoader(dataset, **params), steps
 
 
+def _slotted(steps, slots: int):
+    for batch in steps:
+        for _ in range(slots - 1):
+            yield []
+        yield batch
+
+
+class _SlottedSteps(Sampler[list[int]]):
+    """Each step's indices as the last of `slots` batches of indices, the others empty."""
+
+    def __init__(self, steps: StepBatchSampler, slots: int):
+        self.steps, self.slots = steps, slots
+
+    def __len__(self) -> int:
+        return len(self.steps) * self.slots
+
+    def __iter__(self):
+        return _slotted(self.steps, self.slots)
+
+
+class _SlottedStream(IterableDataset):
+    """Each step's samples as the last of `slots` lists of samples, the others empty."""
+
+    def __init__(self, steps: StepStream, slots: int):
+        self.steps, self.slots = steps, slots
+
+    def __iter__(self):
+        return _slotted(self.steps, self.slots)
+
+
+class _EmptySlotsCollator:
+    """The user's collator for the step batches; `None` for an empty slot (no samples to collate)."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, samples):
+        return self.collator(samples) if len(samples) else None
+
+
 class _WorkerInit:
     """Picklable `worker_init_fn` seeding dataloader workers as the Trainer does."""
 
@@ -48,3 +98,22 @@ class _WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         self.seed_worker(worker_id, num_workers=self.num_workers, rank=self.rank)
+
+
+class EmptySlot(dict):
+    """What the Trainer's loop is given for an empty slot: the step batch's tensors with no rows, so that what the
+    loop reads of every batch (its tokens, its floating-point operations) counts nothing."""
+
+
+def empty_slot(batch) -> EmptySlot:
+    return EmptySlot({key: value[:0] for key, value in batch.items() if isinstance(value, torch.Tensor)})
+
+
+def batch_samples(inner, epoch_iterator, slots: int, device) -> tuple[list, object]:
+    """`Trainer.get_batch_samples` over the slots of one step: the Trainer counts `num_items_in_batch` over the step
+    batch alone, and the empty slots come before it (the loop synchronises gradients at a step's last batch)."""
+    drawn = list(itertools.islice(epoch_iterator, slots))
+    steps = [batch for batch in drawn if batch is not None]
+    batches, num_items = inner(iter(steps), len(steps), device)
+    empty = [empty_slot(batches[0]) for _ in range(len(drawn) - len(steps))] if batches else []
+    return empty + batches, num_items

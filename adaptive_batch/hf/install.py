@@ -2,14 +2,17 @@
 
 The Trainer instance gets a class of its own with `AdaptiveTrainerMixin` in front of its class:
 
-- `train`: reads the checkpoint to resume (if any) and plans the steps, then runs the Trainer's own loop with
-  gradient accumulation 1 (reading past the key that makes a Trainer without AdaptiveBatch refuse a checkpoint it
-  would resume elsewhere, see [`resume.guard_plain_resume`]);
-- `get_train_dataloader`: one batch per optimizer step per rank, from a [`StepBatchSampler`];
+- `train`: reads the checkpoint to resume (if any) and plans the steps, then runs the Trainer's own loop (reading
+  past the key that makes a Trainer without AdaptiveBatch refuse a checkpoint it would resume elsewhere, see
+  [`resume.guard_plain_resume`]);
+- `get_train_dataloader`: one batch per optimizer step per rank, from a [`StepBatchSampler`], in the last of the
+  `gradient_accumulation_steps` slots the loop reads per step ([`dataloader`]);
+- `get_batch_samples`: the loop's batches of one step, the empty slots first and `num_items_in_batch` the step's;
 - `set_initial_training_values`: the loop's step count, epochs and samples come from the plan;
 - `create_scheduler`: the user's scheduler, built for the budget in steps of the starting batch, then driven by
   the sample clock and the LR rule;
-- `training_step`: cuts the step batch into micro-batches, each through the user's class's `training_step`;
+- `training_step`: cuts the step batch into micro-batches, each through the user's class's `training_step` (an
+  empty slot does nothing);
 - `log`: adds the `adaptive_batch/*` metrics to every training log;
 - `prediction_step` and `evaluation_loop`: an eval batch that runs out of memory runs again in pieces
   ([`runtime.evaluation`]), and the evaluation's metrics tell the largest piece and the batches run again;
@@ -25,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import torch
 from torch.utils.data import DataLoader
 
 from ..runtime import compat
 from ..runtime.engines import prepare as prepare_engine
 from ..runtime.lr_scheduler import follow_sample_clock
+from . import dataloader
 from .checks import check_trainer
 from .resume import PLAIN_RESUME_KEY, STATE_KEY, read_checkpoint
 from .session import Session
@@ -59,7 +64,10 @@ class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
     def get_train_dataloader(self) -> DataLoader:
         return self._adaptive_batch.train_dataloader()
 
-    def set_initial_training_values(self, args, dataloader):
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        return dataloader.batch_samples(super().get_batch_samples, epoch_iterator, num_batches, device)
+
+    def set_initial_training_values(self, args, train_dataloader):
         return self._adaptive_batch.initial_training_values()
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -71,6 +79,8 @@ class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
         return self.lr_scheduler
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if isinstance(inputs, dataloader.EmptySlot):
+            return torch.zeros((), device=self.args.device)
         return self._adaptive_batch.training_step(super().training_step, model, inputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -37,9 +37,6 @@ class Session:
     def __init__(self, trainer, callback):
         self.trainer, self.callback, self.config = trainer, callback, callback.config
         args = trainer.args
-        # the user's settings, read before AdaptiveBatch runs the loop with gradient accumulation 1
-        self.per_device_train_batch_size = args.per_device_train_batch_size
-        self.gradient_accumulation_steps = args.gradient_accumulation_steps
         self.world_size = max(1, args.world_size)
         self.rank = args.process_index
         self.run: RunPlan | None = None
@@ -60,6 +57,14 @@ class Session:
         self.eval_growth = assemble.eval_growth(
             trainer, self.config, self.eval_pieces
         )  # None: the user's size
+
+    @property
+    def per_device_train_batch_size(self) -> int:
+        return self.trainer.args.per_device_train_batch_size
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.trainer.args.gradient_accumulation_steps
 
     @property
     def plan(self) -> StepPlan | None:
@@ -147,8 +152,8 @@ class Session:
 
     @contextlib.contextmanager
     def training(self, checkpoint: StoredCheckpoint | None):
-        """Around `Trainer.train`: plan (taking the checkpoint into account), log the plan, run the loop with
-        accumulation 1 as the callback's training session, then put the argument back."""
+        """Around `Trainer.train`: plan (taking the checkpoint into account), log the plan, run the loop as the
+        callback's training session."""
         args = self.trainer.args
         if checkpoint is None:
             self.tokens_seen, self.last_step, self.settled_at_step = 0, -1, None
@@ -170,17 +175,16 @@ class Session:
             if self.config.measure_noise and not self.runner.engine.measures_noise:
                 logger.info("The gradient noise scale is not measured under %s.", self.runner.engine.name)
         assemble.check_longest_row(self)
-        args.gradient_accumulation_steps = 1
         previous, self.callback.training_session = self.callback.training_session, self
         try:
             yield
         finally:
             self.callback.training_session = previous
-            args.gradient_accumulation_steps = self.gradient_accumulation_steps
             self.runner.close()
 
     def initial_training_values(self) -> tuple:
-        """What `Trainer.set_initial_training_values` returns, from the plan: the loop sees one epoch of all steps.
+        """What `Trainer.set_initial_training_values` returns, from the plan: the loop sees one epoch of all steps,
+        each `gradient_accumulation_steps` batches of the data loader (the step batch in the last).
 
         Data epochs are tracked by the callback (`state.epoch`, epoch-end evaluation and saving).
         """
@@ -191,7 +195,7 @@ class Session:
             plan.dataset_size,  # num_examples
             plan.num_samples,  # num_train_samples
             plan.scheduled[plan.done_steps],  # total_train_batch_size (the first scheduled effective batch)
-            plan.num_steps,  # steps_in_epoch
+            plan.num_steps * self.gradient_accumulation_steps,  # steps_in_epoch: the loop's batches
             plan.num_steps,  # max_steps
         )
 
