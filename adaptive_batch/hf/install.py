@@ -13,6 +13,7 @@ The Trainer instance gets a class of its own with `AdaptiveTrainerMixin` in fron
   the sample clock and the LR rule;
 - `training_step`: cuts the step batch into micro-batches, each through the user's class's `training_step` (an
   empty slot does nothing);
+- `compute_loss`: a loss that ignores `num_items_in_batch` weighted to the plain Trainer's scale ([`loss_scale`]);
 - `log`: adds the `adaptive_batch/*` metrics to every training log;
 - `prediction_step` and `evaluation_loop`: an eval batch that runs out of memory runs again in pieces
   ([`runtime.evaluation`]), and the evaluation's metrics tell the largest piece and the batches run again;
@@ -82,6 +83,11 @@ class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
         if isinstance(inputs, dataloader.EmptySlot):
             return torch.zeros((), device=self.args.device)
         return self._adaptive_batch.training_step(super().training_step, model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        return self._adaptive_batch.loss_scale.compute_loss(
+            super().compute_loss, model, inputs, *args, **kwargs
+        )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         pieces = self._adaptive_batch.eval_pieces

@@ -23,6 +23,7 @@ from ..runtime.stream import is_stream
 from . import assemble, dataloader, resume, status
 from .checks import check_trainer
 from .growth import Growth, growth_for
+from .loss_scale import LossScale, plain_micro_batches
 
 if TYPE_CHECKING:
     # (through planning: the session imports at most 10 of the package's modules, tests/test_layers.py)
@@ -49,6 +50,7 @@ class Session:
         self.sampler = None  # what the data loader draws steps from (it tells the last step drawn)
         self.growth: Growth | None = None
         self.noise = assemble.noise_averages(self.config)
+        self.loss_scale = LossScale(trainer)
         self.tokens_seen, self.last_step = 0, -1
         self.settled_at_step: int | None = None  # the first step run after the controller stopped measuring
         self.eval_pieces = assemble.eval_pieces(
@@ -223,9 +225,11 @@ class Session:
         split = growth is not None and growth.split(self, step)
         if self.lengths_pending:
             assemble.lengths_from_step(self, inputs)
-        loss = self.runner.run(
-            inner_step, model, inputs, num_items_in_batch, self.plan.max_rows(step), split=split
-        )
+        plain = plain_micro_batches(self.plan.sizes[step], self.per_device_train_batch_size, self.world_size)
+        with self.loss_scale.step(plain):
+            loss = self.runner.run(
+                inner_step, model, inputs, num_items_in_batch, self.plan.max_rows(step), split=split
+            )
         self.tokens_seen += self.runner.last.real_tokens
         self.last_step = step
         if self.settled_at_step is None and not self.controller.exploring:

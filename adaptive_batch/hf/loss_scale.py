@@ -1,0 +1,123 @@
+"""Custom losses at the plain Trainer's scale: a loss that does not use `num_items_in_batch`.
+
+The Trainer leaves a step's normalisation to the loss where the model takes loss kwargs or a `compute_loss_func` is
+given: it passes `num_items_in_batch` (the step's label tokens) and adds up the micro-batches' losses undivided. A
+`compute_loss` override or a `compute_loss_func` that ignores it returns each micro-batch's mean, and the plain
+Trainer's step gradient is then the sum of its `gradient_accumulation_steps` micro-batch means: that many times the
+step's mean. Cut into another number of micro-batches, the sum would change scale from step to step. So where such a
+loss does not read `num_items_in_batch`, each micro-batch's loss is weighted by its share of the step's label tokens
+(or rows) times the plain Trainer's micro-batches in the step: the plain scale, whatever the cut.
+
+Whether the loss reads `num_items_in_batch` is seen, not guessed: the first training micro-batch gets it as a tensor
+that notes any torch operation on it (`__torch_function__`), and the result holds for the run. transformers' and
+TRL's own `compute_loss` use it whenever the Trainer passes it, and are not watched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import torch
+
+logger = logging.getLogger("adaptive_batch")
+
+# where `compute_loss` is defined by these, it normalises by `num_items_in_batch` whenever the Trainer leaves it to
+# the loss (the model's own loss with loss kwargs; TRL's token-summed losses)
+TRUSTED_MODULES = ("transformers.", "trl.")
+
+
+def _watched(tensor: torch.Tensor):
+    """`tensor` as a tensor that records whether any torch operation read it (`read()`); what the operations
+    return are plain tensors."""
+
+    class Watched(torch.Tensor):
+        was_read = False
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.was_read = True
+            # torch's own handling, for plain tensors: the arguments' subclass is not passed on to the results
+            return torch.Tensor.__torch_function__.__func__(torch.Tensor, func, (torch.Tensor,), args, kwargs)
+
+    return tensor.as_subclass(Watched), lambda: Watched.was_read
+
+
+class LossScale:
+    """Weights a `compute_loss` that ignores `num_items_in_batch` as the plain Trainer's steps weigh it (see the
+    module docstring). `step(plain_micro_batches)` is entered around each optimizer step's micro-batches."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.reads_items: bool | None = None  # whether the loss reads num_items_in_batch (None: not seen yet)
+        self.plain_micro_batches: int | None = (
+            None  # while a step runs: the plain Trainer's micro-batches in it
+        )
+
+    @contextlib.contextmanager
+    def step(self, plain_micro_batches: int):
+        self.plain_micro_batches = plain_micro_batches
+        try:
+            yield
+        finally:
+            self.plain_micro_batches = None
+
+    def compute_loss(self, inner, model, inputs, *args, **kwargs):
+        """The user's `compute_loss`, its loss weighted where it ignores `num_items_in_batch` in a training step."""
+        items = kwargs.get("num_items_in_batch")
+        func = getattr(self.trainer, "compute_loss_func", None)
+        # where the Trainer divides the loss itself (as it does without num_items_in_batch or loss kwargs, and no
+        # compute_loss_func), the divisor is the micro-batch's share ([`compat.set_loss_divisor`])
+        divides = (
+            items is None or not getattr(self.trainer, "model_accepts_loss_kwargs", False)
+        ) and func is None
+        if self.plain_micro_batches is None or divides:
+            return inner(model, inputs, *args, **kwargs)
+        if func is None and _user_class(self.trainer).__module__.startswith(TRUSTED_MODULES):
+            return inner(model, inputs, *args, **kwargs)
+        if self.reads_items is None:
+            was_read = lambda: False  # (a compute_loss_func given no num_items_in_batch cannot read it)
+            if torch.is_tensor(items):
+                kwargs["num_items_in_batch"], was_read = _watched(items)
+            result = inner(model, inputs, *args, **kwargs)
+            self.reads_items = was_read()
+            if not self.reads_items:
+                logger.warning("%s", self._warning(func))
+        else:
+            result = inner(model, inputs, *args, **kwargs)
+        if self.reads_items:
+            return result
+        # the micro-batch's share of the step (its divisor is the step's units over its own) x the plain micro-batches
+        factor = self.plain_micro_batches / self.trainer.current_gradient_accumulation_steps
+        if isinstance(result, tuple):
+            return (result[0] * factor, *result[1:])
+        return result * factor
+
+    def _warning(self, func) -> str:
+        where = (
+            "compute_loss_func" if func is not None else f"{_user_class(self.trainer).__name__}.compute_loss"
+        )
+        accumulation = self.trainer.args.gradient_accumulation_steps
+        return (
+            f"AdaptiveBatch: {where} does not use num_items_in_batch, so each micro-batch's loss is its own mean. "
+            "Each is weighted by its share of the step's label tokens times the plain Trainer's micro-batches in the "
+            f"step ({accumulation}, gradient_accumulation_steps, at the starting batch), so the gradient and the "
+            f"logged loss have the plain Trainer's scale (the sum of {accumulation} micro-batch means) whatever the "
+            "cut. For a loss that is exactly the step's mean over its label tokens, sum the per-token losses and "
+            "divide by num_items_in_batch, as transformers' model losses do."
+        )
+
+
+def plain_micro_batches(step_size: int, per_device_train_batch_size: int, world_size: int) -> int:
+    """The micro-batches the plain Trainer runs on each rank for a step of `step_size` samples (all ranks)."""
+    return math.ceil(step_size / (per_device_train_batch_size * world_size))
+
+
+def _user_class(trainer) -> type:
+    """The class whose `compute_loss` the Trainer calls (past AdaptiveBatch's own, placed in front)."""
+    return next(
+        cls
+        for cls in type(trainer).__mro__
+        if "compute_loss" in cls.__dict__ and not cls.__dict__.get("_adaptive_batch_mixin", False)
+    )
