@@ -7,11 +7,16 @@ trainer = Trainer(..., callbacks=[AdaptiveBatch()])
 ```
 """
 
+import logging
+
 from .core.goodput import NoiseScaleSchedule
 from .core.microbatch import MicroBatchTooLargeError
 from .core.schedule import ConstantSchedule, PhaseSchedule, Progress
 
 __version__ = "0.1.0"
+
+# as a library configures its logger: records propagate to whatever the application configured
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "AdaptiveBatch",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 
 import torch
 from torch.utils.data import DataLoader
@@ -37,7 +38,8 @@ from ..runtime.engines import prepare as prepare_engine
 from ..runtime.lr_scheduler import follow_sample_clock
 from . import dataloader
 from .checks import check_trainer
-from .resume import PLAIN_RESUME_KEY, STATE_KEY, read_checkpoint
+from .loss_scale import LossScale
+from .resume import STATE_KEY, read_checkpoint, readable_by_the_trainer
 from .session import Session
 
 logger = logging.getLogger("adaptive_batch")
@@ -59,8 +61,11 @@ class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
         checkpoint = (
             read_checkpoint(resume_from_checkpoint) if isinstance(resume_from_checkpoint, str) else None
         )
-        with self._adaptive_batch.training(checkpoint), compat.trainer_state_ignoring(PLAIN_RESUME_KEY):
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+        with (
+            self._adaptive_batch.training(checkpoint),
+            readable_by_the_trainer(checkpoint.path if checkpoint else None) as path,
+        ):
+            return super().train(path if checkpoint else resume_from_checkpoint, *args, **kwargs)
 
     def get_train_dataloader(self) -> DataLoader:
         return self._adaptive_batch.train_dataloader()
@@ -140,7 +145,7 @@ def install(trainer, callback) -> Session:
     check_trainer(trainer)
     prepare_engine(trainer)
     _configure_logger(trainer.args)
-    session = Session(trainer, callback)
+    session = Session(trainer, callback, LossScale(trainer))
     compat.put_in_front(trainer, AdaptiveTrainerMixin, prefix="AdaptiveBatch")
     trainer._adaptive_batch = session
     if trainer.train_dataset is not None:
@@ -149,18 +154,48 @@ def install(trainer, callback) -> Session:
 
 
 def _configure_logger(args) -> None:
-    """Show the plan table by default: INFO on the main process unless `log_level` says otherwise.
+    """Show the plan table by default: INFO on the main process unless `log_level` says otherwise (as the Trainer
+    sets transformers' verbosity from it).
 
-    A handler is added only where none would receive the records (the user configured no logging), as
-    transformers does for its own logger.
+    Records propagate as a library's do; where no handler above would receive them (the script configured no
+    logging), [`_ShownWhereUnconfigured`] writes them to stderr, as Python's last-resort handler does for warnings.
     """
     if args.should_log:
         level = logging.INFO if args.log_level == "passive" else args.get_process_log_level()
     else:
         level = args.get_process_log_level()
     logger.setLevel(level)
-    if not logger.hasHandlers():
-        handler = logging.StreamHandler()
+    if not any(isinstance(handler, _ShownWhereUnconfigured) for handler in logger.handlers):
+        handler = _ShownWhereUnconfigured()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
-        logger.propagate = False
+
+
+class _ShownWhereUnconfigured(logging.StreamHandler):
+    """Writes a record to stderr only where no other handler on its way up would receive it."""
+
+    def __init__(self):
+        super().__init__()  # (stderr, read when a record is written)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not _handled_elsewhere(logging.getLogger(record.name), self):
+            super().emit(record)
+
+
+def _handled_elsewhere(logger: logging.Logger, this: logging.Handler) -> bool:
+    current = logger
+    while current is not None:
+        if any(h is not this and not isinstance(h, logging.NullHandler) for h in current.handlers):
+            return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False

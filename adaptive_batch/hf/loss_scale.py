@@ -46,7 +46,7 @@ def _watched(tensor: torch.Tensor):
 
 class LossScale:
     """Weights a `compute_loss` that ignores `num_items_in_batch` as the plain Trainer's steps weigh it (see the
-    module docstring). `step(plain_micro_batches)` is entered around each optimizer step's micro-batches."""
+    module docstring). `step(...)` is entered around each optimizer step's micro-batches."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -56,8 +56,10 @@ class LossScale:
         )
 
     @contextlib.contextmanager
-    def step(self, plain_micro_batches: int):
-        self.plain_micro_batches = plain_micro_batches
+    def step(self, step_size: int, per_device_train_batch_size: int, world_size: int):
+        """Around a step of `step_size` samples (all ranks): the plain Trainer runs it as this many micro-batches on
+        each rank."""
+        self.plain_micro_batches = math.ceil(step_size / (per_device_train_batch_size * world_size))
         try:
             yield
         finally:
@@ -107,11 +109,6 @@ class LossScale:
             "cut. For a loss that is exactly the step's mean over its label tokens, sum the per-token losses and "
             "divide by num_items_in_batch, as transformers' model losses do."
         )
-
-
-def plain_micro_batches(step_size: int, per_device_train_batch_size: int, world_size: int) -> int:
-    """The micro-batches the plain Trainer runs on each rank for a step of `step_size` samples (all ranks)."""
-    return math.ceil(step_size / (per_device_train_batch_size * world_size))
 
 
 def _user_class(trainer) -> type:

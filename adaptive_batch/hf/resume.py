@@ -3,9 +3,13 @@ restoring what a run learned, by the rules of [`core.checkpoint`]."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 from ..core.checkpoint import (
     Adoption,
@@ -175,8 +179,7 @@ def guard_plain_resume(session, checkpoint_dir: str, global_step: int) -> None:
     at another sample or learning rate than this run's (`plain_resume_mismatch`): a top-level key of
     `trainer_state.json` that is the refusal's text, which `TrainerState(**json)` names in its `TypeError` before
     any training. A checkpoint of steps the plain Trainer would have run alike gets none, and resumes without
-    AdaptiveBatch as the plain run would. AdaptiveBatch's own resume leaves the key out
-    (`compat.trainer_state_ignoring`)."""
+    AdaptiveBatch as the plain run would. AdaptiveBatch's own resume reads past it ([`readable_by_the_trainer`])."""
     file = os.path.join(checkpoint_dir, TRAINER_STATE_NAME)
     if not os.path.isfile(file):  # (saved elsewhere: a hyperparameter search's trial folder)
         return
@@ -202,3 +205,40 @@ def guard_plain_resume(session, checkpoint_dir: str, global_step: int) -> None:
     fields[refusal] = True
     with open(file, "w", encoding="utf-8") as handle:  # (as TrainerState.save_to_json writes it)
         handle.write(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def readable_by_the_trainer(path: str | None) -> Iterator[str | None]:
+    """The checkpoint folder to give this Trainer's `train`: `path` itself, or where it carries the key of
+    [`guard_plain_resume`] (which the Trainer's `TrainerState(**json)` refuses), a view of it in a temporary folder
+    of the same name: its `trainer_state.json` without the key, every other entry a link to the checkpoint's own
+    (a copy where the file system makes no links). Nothing of the checkpoint, or of transformers, is changed."""
+    if path is None:
+        yield path
+        return
+    with open(os.path.join(path, TRAINER_STATE_NAME), encoding="utf-8") as handle:
+        fields = json.load(handle)
+    if not any(key.startswith(PLAIN_RESUME_KEY) for key in fields):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="adaptive-batch-resume-") as folder:
+        view = os.path.join(folder, os.path.basename(os.path.normpath(path)))
+        os.mkdir(view)
+        for name in os.listdir(path):
+            if name != TRAINER_STATE_NAME:
+                _link(os.path.abspath(os.path.join(path, name)), os.path.join(view, name))
+        with open(os.path.join(view, TRAINER_STATE_NAME), "w", encoding="utf-8") as handle:
+            json.dump(
+                {key: value for key, value in fields.items() if not key.startswith(PLAIN_RESUME_KEY)}, handle
+            )
+        yield view
+
+
+def _link(source: str, target: str) -> None:
+    try:
+        os.symlink(source, target, target_is_directory=os.path.isdir(source))
+    except OSError:
+        if os.path.isdir(source):
+            shutil.copytree(source, target)
+        else:
+            shutil.copy2(source, target)

@@ -3,7 +3,8 @@
 A `Session` is made when AdaptiveBatch is attached to a Trainer and planned again when `train()` starts (the
 arguments or the dataset may have changed, and a checkpoint may be resumed). Each job is done elsewhere: the plan
 by [`core.planning`], the choice of the controller and the step runner by [`assemble`], resuming by [`resume`],
-growing the batch by [`growth`], the dataloader by [`dataloader`], the metrics and the plan table by [`status`].
+growing the batch by [`growth`], the dataloader by [`dataloader`], the metrics and the plan table by [`status`],
+a custom loss's scale by [`loss_scale`].
 While its Trainer is inside `train()`, the session is its callback's `training_session`: the callback's events and
 checkpoint state follow that one, so one AdaptiveBatch instance can serve several Trainers in turn (a sweep, a
 notebook cell run twice).
@@ -23,7 +24,6 @@ from ..runtime.stream import is_stream
 from . import assemble, dataloader, resume, status
 from .checks import check_trainer
 from .growth import Growth, growth_for
-from .loss_scale import LossScale, plain_micro_batches
 
 if TYPE_CHECKING:
     # (through planning: the session imports at most 10 of the package's modules, tests/test_layers.py)
@@ -35,7 +35,7 @@ logger = logging.getLogger("adaptive_batch")
 class Session:
     """AdaptiveBatch's state for one Trainer. See the module docstring."""
 
-    def __init__(self, trainer, callback):
+    def __init__(self, trainer, callback, loss_scale):
         self.trainer, self.callback, self.config = trainer, callback, callback.config
         args = trainer.args
         self.world_size = max(1, args.world_size)
@@ -50,7 +50,7 @@ class Session:
         self.sampler = None  # what the data loader draws steps from (it tells the last step drawn)
         self.growth: Growth | None = None
         self.noise = assemble.noise_averages(self.config)
-        self.loss_scale = LossScale(trainer)
+        self.loss_scale = loss_scale  # (the Trainer's compute_loss goes through it: [`loss_scale`])
         self.tokens_seen, self.last_step = 0, -1
         self.settled_at_step: int | None = None  # the first step run after the controller stopped measuring
         self.eval_pieces = assemble.eval_pieces(
@@ -225,8 +225,7 @@ class Session:
         split = growth is not None and growth.split(self, step)
         if self.lengths_pending:
             assemble.lengths_from_step(self, inputs)
-        plain = plain_micro_batches(self.plan.sizes[step], self.per_device_train_batch_size, self.world_size)
-        with self.loss_scale.step(plain):
+        with self.loss_scale.step(self.plan.sizes[step], self.per_device_train_batch_size, self.world_size):
             loss = self.runner.run(
                 inner_step, model, inputs, num_items_in_batch, self.plan.max_rows(step), split=split
             )

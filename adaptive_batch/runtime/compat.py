@@ -95,34 +95,6 @@ def saved_callback_state(trainer_state: dict, name: str) -> dict | None:
     return entry.get("attributes") if isinstance(entry, dict) else None
 
 
-@contextlib.contextmanager
-def trainer_state_ignoring(prefix: str) -> Iterator[None]:
-    """While a Trainer with AdaptiveBatch resumes: `TrainerState.load_from_json` leaves out the top-level keys of
-    `trainer_state.json` that start with `prefix`.
-
-    `TrainerState(**json)` refuses a key it has no field for, naming the key; AdaptiveBatch writes one (a sentence
-    saying why and what to do) into a checkpoint that a Trainer without it would resume at the wrong sample or
-    learning rate, so that such a resume fails before training. The Trainer reads the file in `train` at two places;
-    the class method is patched for the duration of AdaptiveBatch's `train` only.
-    """
-    from transformers.trainer_callback import TrainerState
-
-    original = TrainerState.__dict__["load_from_json"]
-
-    def load_from_json(cls, json_path: str):
-        import json
-
-        with open(json_path, encoding="utf-8") as handle:
-            fields = json.load(handle)
-        return cls(**{key: value for key, value in fields.items() if not key.startswith(prefix)})
-
-    TrainerState.load_from_json = classmethod(load_from_json)
-    try:
-        yield
-    finally:
-        TrainerState.load_from_json = original
-
-
 def forget_eval_dataloaders(trainer) -> None:
     """`Trainer.get_eval_dataloader` keeps the loaders it built under `dataloader_persistent_workers`
     (`_eval_dataloaders`); an eval batch that changed needs them built again."""
