@@ -22,12 +22,23 @@ Arms (with `--start` S, 16 by default):
 - `seesaw`: Seesaw (Meterez et al., 2025) on the cosine schedule: where the cosine would have halved the LR, the
   batch doubles instead and the LR rule `sqrt` multiplies the LR by sqrt(2) (so each halving becomes a division by
   sqrt(2) and a doubling of the batch), S -> 16S at the cosine's halvings after the warmup (`seesaw_boundaries`);
+- `late`: the late switch (issue 33): S for the first `LATE_AT` = 0.7 of the budget, then `LATE_FACTOR` = 8 x S to
+  the end, one switch, `lr_scaling="sqrt"` (at the switch the LR is multiplied by sqrt(8) = 2.83: the cosine is at
+  0.21 of its peak there, so the LR goes back to 0.61 of it and decays from there). Why 0.7 and 8x (the issue
+  allows 0.6-0.8 and 4x-8x): against `fixedS` the arm costs about f + (1 - f) c of its time, f the fraction at S
+  and c the cost per sample at 8S over that at S, about 0.19 on the H200 for this model (`time_to_loss.py`: one
+  epoch at 16 took 60 s, at 128 11.5 s, at 64 15 s, so 4x would give c = 0.25 and little more time saved); 0.7
+  puts the arm at about 0.76 T, under the goal's 0.8 T with some room for the seeds' spread, where 0.8 (0.84 T)
+  could not meet it and 0.6 would hand 40% of the data to the large batch; and `time_to_loss.py`'s noise arm, on
+  this model from scratch, had grown to 8S = 128 by a third of its budget (its measured noise scale allowing it),
+  so 8S at 0.7 should not be past the critical batch;
 
-the last three at the user's LR with no sweep: `fixedS`'s best LR (the LR a user tuned at their starting batch),
-scaled as the batch grows by the LR rule (`sqrt` for the phases, `--noise-lr-scaling`, `sqrt_gain` by default, for
-the noise arms). In the `seeds` phase every arm runs seeds 0, 1, 2 interleaved: all arms of seed 0, then of seed 1,
-... so that arms compared share the machine's state. The seed sets the initial weights from scratch and the LoRA
-adapter's, and in fine-tuning also the order of the samples (from scratch every arm reads them in one order).
+every arm but the fixed ones at the user's LR with no sweep: `fixedS`'s best LR (the LR a user tuned at their
+starting batch), scaled as the batch grows by the LR rule (`sqrt` for the phases, Seesaw and the late switch,
+`--noise-lr-scaling`, `sqrt_gain` by default, for the noise arms). In the `seeds` phase every arm runs seeds 0, 1,
+2 interleaved: all arms of seed 0, then of seed 1, ... so that arms compared share the machine's state. The seed
+sets the initial weights from scratch and the LoRA adapter's, and in fine-tuning also the order of the samples
+(from scratch every arm reads them in one order).
 
 Each run holds the held-out loss at every evaluation (every `--eval-every` samples: samples, steps, training seconds
 without evaluation; `EvalClock` of `time_to_loss.py`) and its log (effective batch, LR, noise scale, statistical
@@ -79,6 +90,7 @@ GRIDS = {  # the middle one first: a call cut short still holds the likeliest be
 WITHIN = 0.01  # the goal: final eval loss within 1% of the best fixed arm's ...
 TIME_GOAL = 0.8  # ... reached in at most 0.8x that arm's training time
 WARMUP_RATIO = 0.02  # of the cosine schedule's steps
+LATE_AT, LATE_FACTOR = 0.7, 8  # the late switch: S up to this fraction of the budget, then this many times S
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -189,7 +201,12 @@ def fixed_arms(start: int) -> list[str]:
 
 
 def all_arms(start: int, efficiencies: list[float]) -> list[str]:
-    return fixed_arms(start) + ["phase", "noise"] + [f"noise_eff{e:g}" for e in efficiencies] + ["seesaw"]
+    return (
+        fixed_arms(start)
+        + ["phase", "noise"]
+        + [f"noise_eff{e:g}" for e in efficiencies]
+        + ["seesaw", "late"]
+    )
 
 
 def seesaw_boundaries(doublings: int = 4, warmup: float = WARMUP_RATIO) -> list[float]:
@@ -216,6 +233,8 @@ def schedule_for(arm: str, start: int, noise_rule: str):
         return NoiseScaleSchedule(start, max_size=16 * start, min_efficiency=bound), noise_rule
     if arm == "seesaw":
         return PhaseSchedule([start << k for k in range(5)], boundaries=seesaw_boundaries()), "sqrt"
+    if arm == "late":
+        return PhaseSchedule([start, LATE_FACTOR * start], boundaries=[LATE_AT]), "sqrt"
     raise ValueError(f"unknown arm {arm!r}")
 
 
@@ -496,22 +515,23 @@ def plot(setup: str, runs: list[dict], summary: dict, path: str) -> str | None:
     figure = Figure(figsize=(15, 4.5))
     FigureCanvasAgg(figure)
     loss_axes, batch_axes, efficiency_axes = figure.subplots(1, 3)
-    colours = {}
+    styles = {}  # ten colours, then the same ten dashed: 11 arms by default
     for r in runs:
-        colour = colours.setdefault(r["arm"], f"C{len(colours) % 10}")
+        n = styles.setdefault(r["arm"], len(styles))
+        style = {"color": f"C{n % 10}", "linestyle": "-" if n < 10 else "--"}
         label = r["arm"] if r["seed"] == min(x["seed"] for x in runs if x["arm"] == r["arm"]) else None
         points = [p for p in r["points"] if p["samples"] > 0]
         loss_axes.plot(
-            [p["train_seconds"] for p in points], [p["eval_loss"] for p in points], color=colour, label=label
+            [p["train_seconds"] for p in points], [p["eval_loss"] for p in points], label=label, **style
         )
         sizes = [
             (log["adaptive_batch/samples_seen"], log["adaptive_batch/effective_batch_size"])
             for log in r["logs"]
         ]
-        batch_axes.step([x for x, _ in sizes], [y for _, y in sizes], where="post", color=colour, label=label)
+        batch_axes.step([x for x, _ in sizes], [y for _, y in sizes], where="post", label=label, **style)
         if r["statistical_efficiency"]:
             xs, ys = zip(*r["statistical_efficiency"])
-            efficiency_axes.plot(xs, ys, color=colour, label=label)
+            efficiency_axes.plot(xs, ys, label=label, **style)
     if summary:
         loss = summary["best_fixed_final_eval_loss"]
         loss_axes.axhline(
