@@ -282,7 +282,7 @@ def test_a_padded_step_flattened_is_the_batch_the_flattening_collator_makes(toke
         (lambda b: b.update(attention_mask=b["attention_mask"].flip(1)), "has padding before a token"),
         (lambda b: b.update(weights=torch.ones(len(b["input_ids"]))), r"'weights' is \[6\]"),
         (lambda b: b["labels"].masked_fill_(b["attention_mask"] == 0, 5), "labels on padding"),
-        (lambda b: b.pop("attention_mask"), "needs the step batch's attention_mask"),
+        (lambda b: b.pop("attention_mask"), "need the step batch's attention_mask"),
     ],
     ids=["left padding", "per-row value", "labels on padding", "no mask"],
 )

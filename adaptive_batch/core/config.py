@@ -63,12 +63,15 @@ class AdaptiveBatchConfig:
         "the rows' lengths alone from the first step.",
         micro_batch=True,
     )
-    padding_free: bool = setting(
-        False,
+    padding_free: bool | None = setting(
+        None,
         "Run a padding collator's rows padding-free: each step batch flattened into one row of sequences "
         "(`position_ids` restarting at each, no `attention_mask`, each row's first label ignored) and cut between "
-        "sequences. The loss terms are the padded batch's; no padding is computed. Needs right padding and an "
-        "attention implementation that keeps packed sequences apart (eager, sdpa, flex, flash).",
+        "sequences. The loss terms are the padded batch's; no padding is computed. `None` chooses: padding-free on "
+        "rows of varying length where the model's attention reads packed sequences at no cost beyond their tokens "
+        "(flex and flash attention), the padded cut by tokens under sdpa and eager (their mask for a flattened "
+        "step is quadratic in all its tokens). `True` also under sdpa and eager (right padding needed); `False` "
+        "keeps the padded cut.",
         micro_batch=True,
     )
     lr_scaling: str | LRRule = setting(
@@ -159,8 +162,10 @@ class AdaptiveBatchConfig:
                 f"micro_batch_overhead={self.micro_batch_overhead!r} must be an int >= 0 (padded tokens' worth of "
                 "time per micro-batch) or None to measure it, e.g. 1024."
             )
-        if not isinstance(self.padding_free, bool):
-            raise ValueError(f"padding_free={self.padding_free!r} must be True or False.")
+        if self.padding_free is not None and not isinstance(self.padding_free, bool):
+            raise ValueError(
+                f"padding_free={self.padding_free!r} must be True, False or None (None: chosen from the attention)."
+            )
         if not (isinstance(self.adapt_evaluation, bool) or self.adapt_evaluation == "grow"):
             raise ValueError(
                 f"adapt_evaluation={self.adapt_evaluation!r} must be True (evaluation survives an out-of-memory "

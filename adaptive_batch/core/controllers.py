@@ -11,11 +11,15 @@
   of whole sequences of at most `n x max_length` tokens, so that `per_device_train_batch_size`, `micro_batch_size`
   and `max_micro_batch_size` all count packed rows, and a step the plain Trainer runs as one forward starts as one.
 
+The layout of a padding collator's steps is chosen here too ([`choose_layout`]): flattened into one row of sequences
+where the attention reads packed sequences at no cost beyond their tokens, padded otherwise.
+
 Pure Python: no torch, no transformers.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from .config import AdaptiveBatchConfig
@@ -29,7 +33,9 @@ class RunFacts(Protocol):
     or a dataset's lengths, costs time and may log a line)."""
 
     lengths_vary: bool | None  # the dataset's rows differ in length; None: not known before training
-    padding_free: bool  # the collator flattens each batch into one row of sequences (or padding_free=True)
+    padding_free: (
+        bool  # the steps are padding-free: the collator flattens each batch, or the layout flattens them
+    )
     start: int  # where "auto" starts: a probed size for this setup, else the per-device batch
     longest_row: int  # tokens of the dataset's longest row (at most max_length)
     memory_limit: float | None  # bytes a micro-batch's peak may reach (None: unknown, as on the CPU)
@@ -85,3 +91,56 @@ def stated_max_rows(config: AdaptiveBatchConfig) -> int | None:
     caps = [config.max_micro_batch_size, None if config.auto else config.micro_batch_size]
     caps = [cap for cap in caps if cap is not None]
     return min(caps) if caps else None
+
+
+# attention implementations (transformers' names, or a kernel's named after them) that read a flattened step's
+# sequences from `position_ids` with work in proportion to each sequence's tokens: flex attention's block mask, flash
+# attention's variable-length kernels. Eager and sdpa build a dense mask over all the step's tokens instead.
+PACKED_ATTENTION = ("flex", "flash")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a padding collator's step batches run: `flatten`ed into one row of sequences or padded; `text` says which
+    and why (the plan table's words)."""
+
+    flatten: bool
+    text: str
+
+
+def choose_layout(
+    padding_free: bool | None, collator_packs: bool, attention: str | None, lengths_vary: bool | None
+) -> Layout:
+    """The layout for a run: the setting `padding_free` (`None`: chosen), whether the collator flattens each batch
+    itself, the model's attention implementation (`None`: unknown), whether the rows vary in length."""
+    if collator_packs:
+        return Layout(False, "padding-free: the collator flattens each batch into one row of sequences")
+    if padding_free is not None:
+        chosen = "padding-free" if padding_free else "padded"
+        return Layout(padding_free, f"{chosen} (padding_free={padding_free})")
+    packs = attention is not None and any(name in attention for name in PACKED_ATTENTION)
+    if not packs:
+        name = attention or "this attention"
+        why = f"padded: under {name} a flattened step's mask is quadratic in all its tokens"
+        if lengths_vary is False:
+            return Layout(False, "padded: the rows are of one length")
+        return Layout(False, f"{why}; {SWITCH}")
+    if lengths_vary is False:
+        return Layout(False, "padded: the rows are of one length, nothing to leave out")
+    if lengths_vary is None:
+        return Layout(
+            False,
+            f"padded until the first step tells the rows' lengths; padding-free if they vary ({attention})",
+        )
+    return Layout(
+        True,
+        f"padding-free: {attention} reads a flattened step's sequences at no cost beyond their tokens, so no padding "
+        "is computed (padding_free=False keeps the padded cut)",
+    )
+
+
+SWITCH = (
+    'on rows of varying length padding-free steps under attn_implementation="flex_attention" (or a flash '
+    "attention) compute no padding and no cross-sequence mask; AdaptiveBatch() flattens them there by itself "
+    "(benchmarks/RESULTS.md: the ragged rows' figures by attention)"
+)

@@ -19,6 +19,7 @@ def plan_rows(
     tokens: int | None = None,
     rule_text: str = "none",
     accumulation_text: str = "samples per rank per step / micro-batch, decided while training",
+    layout_text: str | None = None,
 ) -> list[tuple[str, str]]:
     """(label, value) rows describing a plan, in reading order."""
     phases = plan.phases()
@@ -31,6 +32,7 @@ def plan_rows(
     rows = [
         ("effective batch", schedule_text),
         ("micro-batch", micro_batch_text),
+        *([("layout", layout_text)] if layout_text is not None else []),
         ("samples per rank per step", per_rank),
         ("accumulation", accumulation_text),
         ("world size", str(world)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from ..core.config import AdaptiveBatchConfig
-from ..core.controllers import controller_for, waits_for_lengths
+from ..core.controllers import Layout, controller_for, waits_for_lengths
 from ..core.microbatch import CutController
 from ..core.noise import NoiseScale
 from ..core.plain_trainer import PlainBatching
@@ -52,31 +52,41 @@ def probed_traps(session) -> list[str]:
 
 
 def lengths_from_step(session, inputs) -> None:
-    """The first step's rows tell their lengths where the dataset could not: rows that vary are cut by padded
-    tokens from this step on, as the dataset's lengths would have chosen (every rank alike: they agree on the
-    longest row and on whether any rank's rows vary)."""
+    """The first step's rows tell their lengths where the dataset could not: rows that vary are run as the
+    dataset's lengths would have chosen from this step on, padding-free or cut by padded tokens (every rank alike:
+    they agree on the longest row and on whether any rank's rows vary)."""
     row_lengths = lengths.step_row_lengths(inputs) or [0]
     varies, longest = session.runner.agree(
         [float(min(row_lengths) != max(row_lengths)), float(max(row_lengths))]
     )
     if varies:
-        choose_by_tokens(session, int(longest))
+        flatten = choose_from_lengths(session, int(longest))
         logger.info(
             "AdaptiveBatch: the first step's rows vary in length (the longest %d tokens; the dataset could not tell "
-            "before training): steps are cut by padded tokens from here on.",
+            "before training): steps are %s from here on.",
             int(longest),
+            "flattened padding-free" if flatten else "cut by padded tokens",
         )
     session.lengths_pending = False
 
 
-def choose_by_tokens(session, longest_row: int) -> None:
-    """Cut by padded tokens from now on, the budget starting at the starting size x `longest_row`."""
+def choose_from_lengths(session, longest_row: int) -> bool:
+    """Rows of varying length from now on: padding-free where the layout says so, else cut by padded tokens with a
+    budget starting at the starting size x `longest_row`. Returns whether steps are flattened."""
     engine = session.runner.engine
     facts = TrainerFacts(session.trainer, session.config, engine, session.per_device_train_batch_size)
     facts.observe(True, longest_row)
+    session.runner.flatten = facts.layout.flatten
     session.controller = session.runner.controller = controller_for(
         session.config, facts, session.plan.max_rows_per_rank
     )
+    return facts.layout.flatten
+
+
+def layout(session, engine: Engine | None = None) -> Layout:
+    """How the session's padding collator's steps run ([`core.controllers.choose_layout`])."""
+    engine = engine or session.runner.engine
+    return TrainerFacts(session.trainer, session.config, engine, session.per_device_train_batch_size).layout
 
 
 def runner(session, engine: Engine) -> MicroBatchRunner:
@@ -88,7 +98,7 @@ def runner(session, engine: Engine) -> MicroBatchRunner:
         session.world_size,
         engine,
         packed=compat.padding_free(trainer),
-        flatten=config.padding_free,
+        flatten=layout(session, engine).flatten,
         noise=GradientNoiseMeter(config.noise_preconditioner, trainer.args.device) if measures else None,
     )
 

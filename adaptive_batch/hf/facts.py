@@ -8,6 +8,7 @@ from functools import cached_property
 
 from ..core import traps
 from ..core.config import AdaptiveBatchConfig
+from ..core.controllers import Layout, choose_layout
 from ..probe.cache import cached_start, describe_setup
 from ..runtime import compat, lengths
 from ..runtime.engines import Engine
@@ -38,9 +39,20 @@ class TrainerFacts:
         max_length = getattr(self.trainer.args, "max_length", None)
         self.longest_row = min(longest_row, max_length) if max_length else longest_row
 
-    @cached_property
+    @property
+    def layout(self) -> Layout:
+        """How a padding collator's steps run ([`core.controllers.choose_layout`]; it changes once the first step
+        tells lengths the dataset could not)."""
+        return choose_layout(
+            self.config.padding_free,
+            compat.padding_free(self.trainer),
+            compat.attention_implementation(self.trainer.model),
+            self.lengths_vary,
+        )
+
+    @property
     def padding_free(self) -> bool:
-        return compat.padding_free(self.trainer) or self.config.padding_free
+        return compat.padding_free(self.trainer) or self.layout.flatten
 
     @cached_property
     def longest_row(self) -> int:

@@ -130,9 +130,13 @@ def restore(session, checkpoint: StoredCheckpoint) -> None:
     ):  # (the schedule's changes were read before planning)
         session.growth.load_step_time(state["step_time"])
     learned = state["micro_batch"]
-    if session.lengths_pending and learned is not None and learned["kind"] == "tokens":
-        # the run's first step told that its rows vary: cut by tokens as then (the budget is the one learned)
-        assemble.choose_by_tokens(session, longest_row=1)
+    if (
+        session.lengths_pending
+        and learned is not None
+        and (learned["kind"] == "tokens" or state.get("flattened"))
+    ):
+        # the run's first step told that its rows vary: padding-free or cut by tokens as then (the budget learned)
+        assemble.choose_from_lengths(session, longest_row=1)
     session.lengths_pending = False  # (rows: the first step's rows were of one length)
     controller, config = session.controller, session.config
     applies, message = learned_state_applies(state["settings"], config.micro_batch_settings())

@@ -276,6 +276,7 @@ class Session:
             "micro_batch": self.controller.state_dict() if self.controller else None,
             "last_micro_batch_size": self.runner.last.micro_batch_size if self.runner else 0,
             "last_accumulation_steps": self.runner.last.accumulation_steps if self.runner else 0,
+            "flattened": bool(self.runner.flatten) if self.runner else False,
             "noise": self.noise.state_dict() if self.noise is not None else None,
             **growth,
         }

@@ -125,6 +125,7 @@ def plan_rows(session) -> list[tuple[str, str]]:
             [effective // plan.world_size for _, _, effective in plan.phases()],
             session.gradient_accumulation_steps,
         ),
+        layout_text=assemble.layout(session).text,
     )
     if session.is_stream:
         stream = ("epochs", f"a stream: its first {plan.budget:,} samples, read once in order")

@@ -95,6 +95,13 @@ def saved_callback_state(trainer_state: dict, name: str) -> dict | None:
     return entry.get("attributes") if isinstance(entry, dict) else None
 
 
+def attention_implementation(model) -> str | None:
+    """The model's attention implementation ("sdpa", "flex_attention", ...): its config's `_attn_implementation`,
+    where transformers keeps the one in use (`attn_implementation` at loading sets it). `None` without a config."""
+    config = getattr(getattr(model, "module", model), "config", None)  # (DDP wraps the model)
+    return getattr(config, "_attn_implementation", None)
+
+
 def forget_eval_dataloaders(trainer) -> None:
     """`Trainer.get_eval_dataloader` keeps the loaders it built under `dataloader_persistent_workers`
     (`_eval_dataloaders`); an eval batch that changed needs them built again."""

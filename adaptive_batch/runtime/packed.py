@@ -139,15 +139,15 @@ def flatten_padded(batch: Mapping[str, Any]) -> dict[str, Any]:
             neither per token (`[rows, length]`) nor the `attention_mask`; naming it and a fix.
     """
     mask = batch.get("attention_mask")
-    fix = "use a right-padding collator, or leave padding_free=False"
+    fix = "use a right-padding collator, or pass AdaptiveBatch(padding_free=False) to keep the padded rows"
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(
-            f"padding_free=True needs the step batch's attention_mask ([rows, length]) to flatten it; {fix}."
+            f"Padding-free steps (padding_free=True, or chosen for flex or flash attention) need the step batch's attention_mask ([rows, length]) to flatten it; {fix}."
         )
     rows, width = mask.shape
     if not bool((mask[:, :-1] >= mask[:, 1:]).all()):
         raise ValueError(
-            "padding_free=True flattens right-padded rows, and this step batch's attention_mask has padding before a "
+            "Padding-free steps flatten right-padded rows, and this step batch's attention_mask has padding before a "
             f"token (left padding would move every position); {fix}."
         )
     lengths = mask.sum(dim=1)
@@ -158,13 +158,13 @@ def flatten_padded(batch: Mapping[str, Any]) -> dict[str, Any]:
             continue
         if key == "shift_labels" or not isinstance(value, torch.Tensor) or value.shape[:2] != (rows, width):
             raise ValueError(
-                f"padding_free=True flattens per-token tensors ([{rows}, {width}]), and the step batch's {key!r} is "
+                f"Padding-free steps flatten per-token tensors ([{rows}, {width}]), and the step batch's {key!r} is "
                 f"{'a ' + type(value).__name__ if not isinstance(value, torch.Tensor) else list(value.shape)}; {fix}."
             )
         if key == "labels":
             if bool((value[~keep] != IGNORE_INDEX).any()):
                 raise ValueError(
-                    f"The step batch has labels on padding, which padding_free=True would drop; {fix}."
+                    f"The step batch has labels on padding, which padding-free steps would drop; {fix}."
                 )
             value = value.clone()
             value[:, 0] = IGNORE_INDEX  # never a target within its row; no target across rows once flattened

@@ -1,0 +1,96 @@
+"""The layout of a padding collator's steps, chosen for the user: padding-free where the model's attention reads
+packed sequences at no cost beyond their tokens (flex, flash), padded and cut by tokens under sdpa and eager.
+
+Flex attention has no backward on the CPU, and flash attention no CPU kernel, so the end-to-end runs register an
+attention under a flash-like name that computes as sdpa does (with sdpa's mask): what the choice reads is the
+name, and the padding-free steps are checked against the padded run as under any attention."""
+
+import pytest
+import torch
+from helpers import ORDER_ONLY, ORDER_TOLERANCE, Recording, assert_close_parameters, parameters
+
+from adaptive_batch import AdaptiveBatch
+from adaptive_batch.core.controllers import choose_layout
+
+FLASH_LIKE = "flash_like_sdpa_for_tests"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def flash_like_attention():
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(FLASH_LIKE, sdpa_attention_forward)
+    AttentionMaskInterface.register(FLASH_LIKE, sdpa_mask)
+
+
+@pytest.fixture
+def varied(rows):
+    """Rows of 3 to 24 tokens."""
+    return [{"input_ids": row["input_ids"][: 3 + (7 * i) % 22]} for i, row in enumerate(rows[:40])]
+
+
+def test_the_layout_is_chosen_from_the_setting_the_collator_the_attention_and_the_lengths():
+    assert choose_layout(None, False, "flex_attention", True).flatten
+    assert choose_layout(None, False, "flash_attention_2", True).flatten
+    assert not choose_layout(None, False, "sdpa", True).flatten
+    assert not choose_layout(None, False, "eager", True).flatten
+    assert not choose_layout(None, False, "flex_attention", False).flatten  # one length: nothing to leave out
+    assert not choose_layout(None, False, "flex_attention", None).flatten  # the first step tells
+    assert not choose_layout(None, True, "flex_attention", True).flatten  # the collator flattens already
+    assert choose_layout(True, False, "sdpa", True).flatten  # as stated
+    assert not choose_layout(False, False, "flex_attention", True).flatten
+    sdpa = choose_layout(None, False, "sdpa", True).text
+    assert sdpa.startswith("padded: under sdpa a flattened step's mask is quadratic")
+    assert 'attn_implementation="flex_attention"' in sdpa  # how to switch
+
+
+def run(make_trainer, dataset, attention, callbacks):
+    trainer = make_trainer(
+        callbacks,
+        dataset=dataset,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        num_train_epochs=2,
+        train_sampling_strategy="sequential",
+        trainer_class=Recording,
+        **ORDER_ONLY,
+    )
+    trainer.model.config._attn_implementation = attention
+    trainer.train()
+    return trainer
+
+
+class TorchRows(torch.utils.data.Dataset):
+    """The rows behind a map-style torch Dataset, which cannot tell their lengths before training."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+
+@pytest.mark.parametrize("wrap", [list, TorchRows], ids=["list", "torch Dataset"])
+def test_by_default_ragged_steps_run_padding_free_where_the_attention_reads_packed_sequences(
+    make_trainer, varied, wrap
+):
+    padded = run(make_trainer, varied, "sdpa", [])
+    adaptive = AdaptiveBatch()
+    flat = run(make_trainer, wrap(varied), FLASH_LIKE, [adaptive])
+    assert {rows for _, rows, *_ in flat.micro_batches} == {1}  # every micro-batch one flattened row
+    layout = dict(adaptive.plan_table())["layout"]
+    assert layout.startswith("padding-free" if wrap is list else "padded until the first step")
+    assert_close_parameters(parameters(flat.model), parameters(padded.model), rtol=ORDER_TOLERANCE)
+
+
+def test_padding_free_false_and_sdpa_keep_the_padded_cut(make_trainer, varied):
+    for attention, setting in [(FLASH_LIKE, dict(padding_free=False)), ("sdpa", {})]:
+        adaptive = AdaptiveBatch(**setting)
+        trainer = run(make_trainer, varied, attention, [adaptive])
+        assert max(rows for _, rows, *_ in trainer.micro_batches) > 1  # padded rows
+        assert dict(adaptive.plan_table())["layout"].startswith("padded")
