@@ -209,11 +209,20 @@ def all_reduce_values(values: list[float], device: torch.device, op) -> list[flo
 
 
 def average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20) -> None:
-    """All-reduce the gradients of every trainable parameter and divide by `world_size`, as DDP does.
+    """Average the trainable parameters' gradients over the ranks, as DDP's reducer does.
 
-    A parameter without a gradient on this rank takes part with zeros, so every rank sends the same buffers.
+    A parameter that no rank made a gradient for keeps `grad=None`, so the optimizer skips it (AdamW neither
+    decays nor moves it), as under DDP with `find_unused_parameters`. One that only some ranks made a gradient
+    for is averaged with zeros from the others.
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    # which parameters have a gradient on some rank: one small all-reduce (DDP with find_unused_parameters
+    # all-reduces its `local_used_map` likewise)
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=params[0].device)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX)
+    params = [p for p, on_some_rank in zip(params, used.tolist(), strict=True) if on_some_rank]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
