@@ -239,8 +239,12 @@ def average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int
     for lists in buckets.values():
         for bucket in lists:
             flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            # torch 2.13's reducer (no comm hook, `batched_grad_copy=False`) multiplies each gradient by
+            # 1 / world_size as it copies it into its bucket, then sums: so here too (checked on 3 gloo ranks, one
+            # parameter: this is DDP's gradient bit for bit, the sum then a division is not; on 2 ranks both are
+            # exact). With more than 2 ranks the sum's order follows the bucket layout, and DDP's is not copied.
+            flat.mul_(1.0 / world_size)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat.div_(world_size)
             offset = 0
             for p in bucket:
                 count = p.grad.numel()
