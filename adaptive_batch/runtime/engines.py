@@ -85,8 +85,21 @@ class SingleProcess:
 
 
 class DataParallel(SingleProcess):
-    """DDP (or several processes without a wrapper): gradients stay local during the step's micro-batches
-    (`no_sync`), then are averaged once over the ranks, as DDP's own accumulation would."""
+    """DDP (or several processes without a wrapper): gradients stay local during every micro-batch of the step
+    (`no_sync`), the last one too, then are averaged once over the ranks with DDP's numbers ([`average_gradients`]).
+
+    Why the last micro-batch does not run through DDP's own reducer, whose bucket all-reduces would overlap its
+    backward: an out-of-memory error is retried on every rank, which is safe only while no rank waits in a
+    collective that the failing rank will not make (the ranks exchange an "ok so far" flag after each micro-batch
+    and before each collective of the Trainer inside one, see [`step`]). The reducer launches a bucket's all-reduce
+    from inside the backward as soon as its gradients are made. A rank that runs out of memory in that backward has
+    launched some buckets and not the rest, while the others launch all of them and wait for them; its next
+    collective, the flag, would be matched with one of their buckets: a hang, or a wrong gradient. A flag exchange
+    between buckets would have to live inside DDP's C++ reducer, which has no public place for it, and the failed
+    rank's reducer would be left in the middle of an iteration. So the step keeps one all-reduce after its last
+    micro-batch, and an out-of-memory error anywhere in a step stays retryable. What the overlap would save is not
+    measured (no machine with several GPUs was available).
+    """
 
     name = "DDP"
 
