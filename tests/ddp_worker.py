@@ -1,7 +1,8 @@
 """Run by launch.py for test_ddp.py and test_deepspeed.py, under torchrun (2 ranks, gloo) or alone: a short run
 whose results the test compares.
 
-usage: ddp_worker.py OUTPUT_DIR {trainer,stream,stream_workers,sft,tokens,packed,noise,growing} MICRO_BATCH_SIZE [FAKE_OOM_RANK]
+usage: ddp_worker.py OUTPUT_DIR {trainer,stream,stream_workers,sft,tokens,packed,noise,growing,eval,branches}
+       MICRO_BATCH_SIZE [FAKE_OOM_RANK]
 
 `stream` is `trainer` with the rows given as a stream (an IterableDataset without a length) and max_steps=10;
 `stream_workers` the same read through a DataLoader worker (so every rank reads the stream, instead of rank 0).
@@ -19,6 +20,9 @@ Runs use the ORDER_ONLY settings of helpers.py (float64, SGD): two ranks and one
 `noise` is another run (`noise_run`): helpers.py's `LinearRegression` at learning rate 0, whose gradient noise scale is
 known in closed form, with every micro-batch's gradient captured on each rank. `growing` trains it with SGD under a
 NoiseScaleSchedule, the ranks modelling their step times differently (`growing_run`).
+
+`branches` trains helpers.py's `Branches`, whose branches get a gradient on one rank or none, with AdamW
+(`branches_run`).
 """
 
 import json
@@ -37,6 +41,8 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         return growing_run(output_dir, int(micro))
     if kind == "eval":
         return eval_run(output_dir, int(micro), fake_oom_rank)
+    if kind == "branches":
+        return branches_run(output_dir, int(micro))
     from helpers import ORDER_ONLY, QUIET_CPU_RUN, Recording, keep_loss_in_float64
     from transformers import (
         DataCollatorForLanguageModeling,
@@ -352,6 +358,48 @@ def growing_run(output_dir: str, micro: int) -> None:
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     weights = {k: _full(v).detach().cpu() for k, v in trainer.model.named_parameters()}
+    torch.save(weights, f"{output_dir}/rank{rank}.pt")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def branches_run(output_dir: str, micro: int) -> None:
+    """`Branches` (helpers.py) under AdamW with weight decay 0.1: 64 rows, one epoch of steps of 8 rows,
+    micro-batches (per-device batches) of `micro` rows. WORKER_PLAIN: the plain Trainer without AdaptiveBatch.
+    At one row, its per-device batches are the rows of AdaptiveBatch's micro-batches, in the same order, on the
+    same rank: the gradients add up in the same order, so the two runs may be compared bit for bit."""
+    from helpers import QUIET_CPU_RUN, REGRESSION_NOISE_STD, REGRESSION_TARGET, Branches, RegressionRows
+    from transformers import Trainer, TrainingArguments
+
+    from adaptive_batch import AdaptiveBatch
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    plain = bool(os.environ.get("WORKER_PLAIN"))
+    trainer = Trainer(
+        model=Branches(rank=int(os.environ.get("RANK", "0"))),
+        args=TrainingArguments(
+            output_dir=output_dir,
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=8 // (micro * world_size),
+            num_train_epochs=1,
+            learning_rate=1e-2,
+            optim="adamw_torch",
+            weight_decay=0.1,
+            **QUIET_CPU_RUN,
+            ddp_backend="gloo" if world_size > 1 else None,
+            # plain DDP needs it for a branch a rank leaves unused (without it DDP raises at the next step)
+            ddp_find_unused_parameters=True,
+        ),
+        train_dataset=RegressionRows(64, REGRESSION_TARGET, REGRESSION_NOISE_STD),
+        callbacks=[] if plain else [AdaptiveBatch(micro_batch_size=micro)],
+    )
+    trainer.train()
+    rank = trainer.args.process_index
+    result = {"rank": rank, "logs": [log for log in trainer.state.log_history if "loss" in log]}
+    with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    weights = {k: v.detach().cpu() for k, v in trainer.model.named_parameters()}
     torch.save(weights, f"{output_dir}/rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -214,6 +214,27 @@ def regression_truth(weight=REGRESSION_WEIGHT, target=REGRESSION_TARGET, noise_s
     return norm_sq, variance, variance / norm_sq
 
 
+class Branches(torch.nn.Module):
+    """A regression through `used` (float64, mean loss) with two more branches: `rank0_only` adds to the
+    prediction on rank 0 alone, `unused` is never called. Under DDP the first gets a gradient on one rank of two,
+    the second on none. The same weights on every rank, whatever the global random state."""
+
+    def __init__(self, rank: int, dim: int = REGRESSION_DIM):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.used, self.rank0_only, self.unused = (
+                torch.nn.Linear(dim, 1, dtype=torch.float64) for _ in range(3)
+            )
+        self.rank = rank
+
+    def forward(self, x, labels):
+        prediction = self.used(x)
+        if self.rank == 0:
+            prediction = prediction + self.rank0_only(x)
+        return {"loss": 0.5 * (prediction.squeeze(-1) - labels).pow(2).mean()}
+
+
 class GradientCapture:
     """Records what each backward pass adds to a one-parameter model's gradient (by a hook of its own, as a copy),
     with the rows of the forward before it: `parts[k]` holds (rows, gradient) for every micro-batch of optimizer

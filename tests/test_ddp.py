@@ -54,6 +54,28 @@ def test_two_ranks_train_exactly_as_one_process(tmp_path, kind):
         assert values == pytest.approx([log[key] for log in single[0]["logs"]], rel=1e-9), key
 
 
+def test_gradients_are_ddps_a_branch_no_rank_used_keeps_none_and_one_ranks_branch_is_averaged(tmp_path):
+    """helpers.py's `Branches` on two ranks under AdamW with weight decay 0.1, by the plain DDP Trainer and
+    with AdaptiveBatch at the same constant batch (micro-batches of one row, the plain run's per-device
+    batches). DDP leaves `unused`, which no rank calls, at `grad=None`, so AdamW neither decays nor moves it;
+    `rank0_only` has a gradient on rank 0 alone, which DDP averages with rank 1's zeros. AdaptiveBatch's run
+    must be DDP's bit for bit: two ranks add in one order either way, and halving is exact."""
+    from helpers import Branches, parameters
+
+    plain_env = {"WORKER_PLAIN": "1"}
+    plain, plain_weights = launch(tmp_path, "plain", "branches", micro=1, world_size=2, env=plain_env)
+    ours, weights = launch(tmp_path, "adaptive", "branches", micro=1, world_size=2)
+    initial = parameters(Branches(rank=0))
+    assert len(ours[0]["logs"]) == len(plain[0]["logs"]) == 8
+    for run in (plain_weights, weights):
+        assert_same_weights(run[0], run[1])  # the ranks agree
+        for name in ("unused.weight", "unused.bias"):
+            assert torch.equal(run[0][name], initial[name]), name  # no gradient anywhere: left as it was
+        for name in ("used.weight", "rank0_only.weight"):
+            assert not torch.equal(run[0][name], initial[name]), name  # trained
+    assert_same_weights(weights[0], plain_weights[0])  # every parameter DDP's, bit for bit
+
+
 def test_a_stream_that_ends_early_stops_every_rank_with_the_error(tmp_path):
     # rank 0 reads for both: the error it meets is sent to rank 1, which would otherwise wait for its share
     longer = {"WORKER_ARGS": json.dumps({"max_steps": 20})}  # 80 samples from a stream of 43

@@ -85,8 +85,21 @@ class SingleProcess:
 
 
 class DataParallel(SingleProcess):
-    """DDP (or several processes without a wrapper): gradients stay local during the step's micro-batches
-    (`no_sync`), then are averaged once over the ranks, as DDP's own accumulation would."""
+    """DDP (or several processes without a wrapper): gradients stay local during every micro-batch of the step
+    (`no_sync`), the last one too, then are averaged once over the ranks with DDP's numbers ([`average_gradients`]).
+
+    Why the last micro-batch does not run through DDP's own reducer, whose bucket all-reduces would overlap its
+    backward: an out-of-memory error is retried on every rank, which is safe only while no rank waits in a
+    collective that the failing rank will not make (the ranks exchange an "ok so far" flag after each micro-batch
+    and before each collective of the Trainer inside one, see [`step`]). The reducer launches a bucket's all-reduce
+    from inside the backward as soon as its gradients are made. A rank that runs out of memory in that backward has
+    launched some buckets and not the rest, while the others launch all of them and wait for them; its next
+    collective, the flag, would be matched with one of their buckets: a hang, or a wrong gradient. A flag exchange
+    between buckets would have to live inside DDP's C++ reducer, which has no public place for it, and the failed
+    rank's reducer would be left in the middle of an iteration. So the step keeps one all-reduce after its last
+    micro-batch, and an out-of-memory error anywhere in a step stays retryable. What the overlap would save is not
+    measured (no machine with several GPUs was available).
+    """
 
     name = "DDP"
 
@@ -209,11 +222,20 @@ def all_reduce_values(values: list[float], device: torch.device, op) -> list[flo
 
 
 def average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20) -> None:
-    """All-reduce the gradients of every trainable parameter and divide by `world_size`, as DDP does.
+    """Average the trainable parameters' gradients over the ranks, as DDP's reducer does.
 
-    A parameter without a gradient on this rank takes part with zeros, so every rank sends the same buffers.
+    A parameter that no rank made a gradient for keeps `grad=None`, so the optimizer skips it (AdamW neither
+    decays nor moves it), as under DDP with `find_unused_parameters`. One that only some ranks made a gradient
+    for is averaged with zeros from the others.
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    # which parameters have a gradient on some rank: one small all-reduce (DDP with find_unused_parameters
+    # all-reduces its `local_used_map` likewise)
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=params[0].device)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX)
+    params = [p for p, on_some_rank in zip(params, used.tolist(), strict=True) if on_some_rank]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -230,8 +252,12 @@ def average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int
     for lists in buckets.values():
         for bucket in lists:
             flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            # torch 2.13's reducer (no comm hook, `batched_grad_copy=False`) multiplies each gradient by
+            # 1 / world_size as it copies it into its bucket, then sums: so here too (checked on 3 gloo ranks, one
+            # parameter: this is DDP's gradient bit for bit, the sum then a division is not; on 2 ranks both are
+            # exact). With more than 2 ranks the sum's order follows the bucket layout, and DDP's is not copied.
+            flat.mul_(1.0 / world_size)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat.div_(world_size)
             offset = 0
             for p in bucket:
                 count = p.grad.numel()
