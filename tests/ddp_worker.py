@@ -62,7 +62,8 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
 
     texts = text_corpus()
     tokenizer = train_tokenizer(texts[:1500], vocab_size=384)
-    # WORKER_DTYPE: float32 on a GPU (benchmarks/engine_resets.py), where DeepSpeed refuses float64 under ZeRO-3
+    # WORKER_DTYPE: float32 under ZeRO-3, which refuses float64 parameters on the CPU as on a GPU (test_deepspeed.py,
+    # benchmarks/engine_resets.py)
     dtype = getattr(torch, os.environ.get("WORKER_DTYPE", "")) if os.environ.get("WORKER_DTYPE") else None
     model = keep_loss_in_float64(tiny_llama(tokenizer).to(dtype or ORDER_ONLY["dtype"]))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
