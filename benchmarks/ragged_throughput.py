@@ -21,7 +21,8 @@ Arms (`--arms`, in this order by default):
 
 Measured: the wall time of every optimizer step (device synchronised at each step end) and the real tokens each step
 trained on (counted in the collator); tokens per second over the steps after the first, and for AdaptiveBatch
-also over the steps after its measurements ended ("steady").
+also over the steps after its measurements ended ("steady"). The summary compares every arm over the steps after
+its first (AdaptiveBatch's measuring steps included, as its user pays them) and gives the steady speed beside.
 
 `--attention flex_attention` runs every arm with flex attention instead of sdpa: on a padding-free row its block
 mask skips the blocks between sequences, where sdpa's packed mask is dense (quadratic in the whole row). It needs a
@@ -31,12 +32,13 @@ Usage (results go to OUT/ragged_throughput.json, written after every arm, and a 
 
     python benchmarks/ragged_throughput.py --out OUT            # the H200 run (needs CUDA and bitsandbytes)
     python benchmarks/ragged_throughput.py --out OUT --attention flex_attention --arms random,flat32,flat64,auto_pf
-    python benchmarks/ragged_throughput.py --out OUT --arms auto,auto_torch --rounds 2   # torch Dataset vs list
+    python benchmarks/ragged_throughput.py --out OUT --arms auto,auto_torch   # torch Dataset vs list
     python benchmarks/ragged_throughput.py --out OUT --tiny     # a CPU dry run of the same code on a tiny model
 
-Arms that run the same micro-batches differed by up to 42% between positions in one run on the H200. `--rounds 2`
-runs the arms again in reverse order (each arm's mean position the same) and the summary pools each arm's repeats
-and says how far apart they were; `--warmup-steps N` first trains N unrecorded steps, so that no arm runs cold.
+Arms that run the same micro-batches differed by up to 42% between positions in one run on the H200. The arms run in
+`--rounds` rounds (default 2), every other one in reverse order (each arm's mean position the same), and the summary
+pools each arm's repeats and says how far apart they were; before its first timed run each arm trains
+`--warmup-steps` (default 1) unrecorded steps of its own (see rounds.py), so that no arm runs cold.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from base_model import header, qlora_trainer  # noqa: E402
 from qlora_throughput import StepClock, build_model  # noqa: E402
+from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
 
 MEDIAN, SIGMA, SHORTEST, LONGEST = 200, 0.8, 16, 1024
 ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments or None, extra TrainingArguments)
@@ -93,11 +96,6 @@ class TorchRows(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         return self.rows[index]
-
-
-def interleaved(arms: list[str], rounds: int) -> list[tuple[int, str]]:
-    """(round, arm) in the order to run them: A B C, C B A, ... so that every arm's mean position is the same."""
-    return [(r, name) for r in range(rounds) for name in (arms if r % 2 == 0 else arms[::-1])]
 
 
 class CountingCollator:
@@ -225,18 +223,7 @@ def main():
         "--adaptive-steps", type=int, default=16, help="optimizer steps of each AdaptiveBatch arm"
     )
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="run the arms this many times, every other round in reverse order",
-    )
-    parser.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=0,
-        help="train this many steps of the plain random arm first, unrecorded (the first arm runs cold otherwise)",
-    )
+    add_arguments(parser)
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
     options = parser.parse_args()
     os.makedirs(options.out, exist_ok=True)
@@ -270,17 +257,14 @@ def main():
         },
         "runs": [],
     }
-    # the process's first training pays for new shapes and kernels: not an arm's cost
-    if options.warmup_steps:
-        started = time.perf_counter()
-        run_arm("random", model, dataset, options.warmup_steps, options.tiny, options.workdir)
-        report["warmup"] = {
-            "arm": "random",
-            "steps": options.warmup_steps,
-            "seconds": time.perf_counter() - started,
-        }
+    # an arm's first training pays for its shapes and kernels (the process's first, for the process's): not its cost
+    warm_ups = WarmUps(options.warmup_steps)
+    report["warmup"] = warm_ups.record()
     path = os.path.join(options.out, "ragged_throughput.json")
     for round_, name in interleaved(arms, options.rounds):
+        warm_ups.before(
+            name, run_arm, name, model, dataset, options.warmup_steps, options.tiny, options.workdir
+        )
         started = time.perf_counter()
         steps = options.adaptive_steps if ARMS[name][3] is not None else options.steps
         result = run_arm(name, model, dataset, steps, options.tiny, options.workdir)
