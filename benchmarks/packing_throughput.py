@@ -9,7 +9,8 @@ examples are SFT-like: lengths from ragged_throughput.py's chat-turn distributio
 [16, 1,024]) with a share of long documents (log-uniform over [512, 2,048]); token ids are random. Every arm trains
 the same packed rows (one seeded order), effective batch 16 packed rows.
 
-Arms (`--arms`, in this order by default; `--rounds 2` runs them again in reverse order):
+Arms (`--arms`, in this order by default, in `--rounds` rounds (default 2), every other one in reverse order; each
+arm trains `--warmup-steps` (default 1) unrecorded steps of its own before its first timed run, see rounds.py):
 - `plain_2x8`, `plain_4x4`, `plain_16x1`, `plain_1x16`, `plain_8x2`: the plain SFTTrainer at that pair;
 - `auto_1x16`, `auto_8x2`: the same with `callbacks=[AdaptiveBatch()]` from the user's 1 x 16 or 8 x 2.
 
@@ -22,11 +23,11 @@ pair.
 
 Usage (results go to OUT/packing_throughput.json, written after every arm, and a table at the end):
 
-    python3 benchmarks/packing_throughput.py --out $OUT --steps 4 --adaptive-steps 8 --rounds 2 --time-limit 480
+    python3 benchmarks/packing_throughput.py --out $OUT --steps 4 --adaptive-steps 8 --time-limit 480
     python benchmarks/packing_throughput.py --out /tmp/out --tiny     # a CPU dry run of the same code on a tiny model
 
-`--time-limit S` starts no arm that would end after S seconds (judged by the longest arm so far), so that a call
-under a time limit still ends with its summary; the arms left out are listed in the JSON.
+`--time-limit S` starts no arm that would end after S seconds (judged by the longest arm so far; its warm-up not
+counted), so that a call under a time limit still ends with its summary; the arms left out are listed in the JSON.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from base_model import header, qlora_arguments  # noqa: E402
 from qlora_throughput import StepClock, build_model  # noqa: E402
-from ragged_throughput import interleaved, lengths, settled, steady_part, step_record  # noqa: E402
+from ragged_throughput import lengths, settled, steady_part, step_record  # noqa: E402
+from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
 
 EFFECTIVE = 16
 ARMS = {  # name: (per-device, accumulation, AdaptiveBatch or not)
@@ -219,12 +221,7 @@ def main():
     parser.add_argument(
         "--adaptive-steps", type=int, default=8, help="optimizer steps of each AdaptiveBatch arm"
     )
-    parser.add_argument(
-        "--rounds", type=int, default=1, help="run the arms this many times, every other reversed"
-    )
-    parser.add_argument(
-        "--warmup-steps", type=int, default=1, help="train this many steps at 4 x 4 first, unrecorded"
-    )
+    add_arguments(parser)
     parser.add_argument(
         "--max-length", type=int, help="tokens per packed row (default 2048; 128 with --tiny)"
     )
@@ -281,15 +278,15 @@ def main():
         "runs": [],
         "not_run": [],
     }
-    # the process's first training pays for new shapes and kernels: not an arm's cost
-    if options.warmup_steps:
-        warmup = deadline.run(run_arm, "plain_4x4", model, dataset, tokenizer, options.warmup_steps, options)
-        report["warmup"] = {"arm": "plain_4x4", "steps": options.warmup_steps, "seconds": warmup["seconds"]}
+    # an arm's first training pays for its shapes and kernels (the process's first, for the process's): not its cost
+    warm_ups = WarmUps(options.warmup_steps)
+    report["warmup"] = warm_ups.record()
     path = os.path.join(options.out, "packing_throughput.json")
     for round_, name in interleaved(arms, options.rounds):
         if not deadline.allows_another():
             report["not_run"].append({"round": round_, "arm": name})
             continue
+        warm_ups.before(name, run_arm, name, model, dataset, tokenizer, options.warmup_steps, options)
         steps = options.adaptive_steps if ARMS[name][2] else options.steps
         result = {"round": round_, **deadline.run(run_arm, name, model, dataset, tokenizer, steps, options)}
         report["runs"].append(result)
