@@ -16,9 +16,11 @@ arm trains `--warmup-steps` (default 1) unrecorded steps of its own before its f
 
 Measured per arm: the wall time of every optimizer step (device synchronised at each step end), the real tokens of
 each step (TRL's `num_tokens`: with packing every token is real), the forwards of the model in each step, peak
-memory, and for AdaptiveBatch `current()` at the end. Real tokens/s over the steady steps: after the first step, and
-for AdaptiveBatch from `current()["micro_batch_settled_at_step"]` on; each arm's repeats pooled. Aims, reported as
-met or missed: each AdaptiveBatch arm at least 1.0x the plain arm of its own pair, and at least 0.98x the best plain
+memory, and for AdaptiveBatch `current()` at the end. Real tokens/s over every step after each run's first, the
+same basis for every arm (AdaptiveBatch's search included, as its user pays it), each arm's repeats pooled; for
+AdaptiveBatch also over its steady steps, from `current()["micro_batch_settled_at_step"]` on (the files in results/
+written before this compared those steady steps with the plain arms' steps after the first). Aims, reported as met
+or missed: each AdaptiveBatch arm at least 1.0x the plain arm of its own pair, and at least 0.98x the best plain
 pair.
 
 Usage (results go to OUT/packing_throughput.json, written after every arm, and a table at the end):
@@ -46,7 +48,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from base_model import header, qlora_arguments  # noqa: E402
 from qlora_throughput import StepClock, build_model  # noqa: E402
-from ragged_throughput import lengths, settled, steady_part, step_record  # noqa: E402
+from ragged_throughput import after_first_part, lengths, pool, settled, steady_part, step_record  # noqa: E402
 from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
 
 EFFECTIVE = 16
@@ -303,25 +305,27 @@ def main():
 
 
 def summarise(runs: list[dict]) -> dict:
-    """Per arm its repeats pooled (real tokens over seconds of their steady steps) and how far apart they were; the
-    best plain pair; each AdaptiveBatch arm's ratios to the plain arm of its pair and to the best pair, with the
-    aims met or missed."""
+    """Per arm its repeats pooled (real tokens over seconds of every step after each run's first) and how far apart
+    they were, AdaptiveBatch's steady speed beside; the best plain pair; each AdaptiveBatch arm's ratios to the plain
+    arm of its pair and to the best pair, on the same basis, with the aims met or missed."""
     by_arm: dict[str, list] = {}
     for run in runs:
         by_arm.setdefault(run["arm"], []).append(run)
     arms = {}
     for name, own in by_arm.items():
-        parts = [steady_part(run) for run in own]
+        parts = [after_first_part(run) for run in own]
         speeds = [t / s for t, s in parts]
         steady_forwards = [
             f for run in own for f in run["forwards_per_step"][run.get("first_steady_step", 1) :]
         ]
         arms[name] = {
-            "real_tokens_per_second": sum(t for t, _ in parts) / sum(s for _, s in parts),
+            "real_tokens_per_second": pool(parts),
             "repeats": len(own),
             "spread_between_repeats": max(speeds) / min(speeds) - 1,
             "forwards_per_steady_step": sorted(set(steady_forwards)),
         }
+        if ARMS[name][2]:
+            arms[name]["real_tokens_per_second_steady"] = pool([steady_part(run) for run in own])
     plain = {name: arm for name, arm in arms.items() if not ARMS[name][2]}
     best = max(plain, key=lambda name: plain[name]["real_tokens_per_second"]) if plain else None
     summary = {"arms": arms, "best_plain": best, "adaptive": {}}
@@ -355,26 +359,33 @@ def print_table(report: dict) -> None:
         f"{report['max_length']}, effective batch {report['effective_batch']} packed rows"
     )
     print(
-        f"{'round':>5} {'arm':>10} {'micro-batches (rows)':>20} {'fwd/step':>9} {'real tok/s':>11} {'peak GiB':>9}"
+        f"{'round':>5} {'arm':>10} {'micro-batches (rows)':>20} {'fwd/step':>9} {'real tok/s':>11} {'steady':>8} "
+        f"{'peak GiB':>9}"
     )
     for run in report["runs"]:
         sizes = [m for m in run["micro_batch_size_per_step"] if m] or [run["per_device_train_batch_size"]]
         first = run.get("first_steady_step", 1)
         peak = f"{run['peak_allocated_gib']:.1f}" if run["peak_allocated_gib"] else "-"
-        tokens, seconds = steady_part(run)
+        tokens, seconds = after_first_part(run)
+        steady = run.get("real_tokens_per_second_steady")
         print(
             f"{run['round']:>5} {run['arm']:>10} {'-'.join(map(str, sizes)):>20} "
             f"{'/'.join(map(str, sorted(set(run['forwards_per_step'][first:])))):>9} "
-            f"{tokens / seconds:>11,.0f} {peak:>9}"
+            f"{tokens / seconds:>11,.0f} {f'{steady:,.0f}' if steady else '-':>8} {peak:>9}"
         )
     summary = report.get("summary")
     if not summary:
         return
-    print(f"\n{'pooled':>10} {'real tok/s':>11} {'repeats apart':>14}")
+    print(
+        "(real tok/s over the steps after each run's first; steady: AdaptiveBatch's steps after it settled)"
+    )
+    print(f"\n{'pooled':>10} {'real tok/s':>11} {'repeats apart':>14} {'steady':>8}")
     for name, arm in summary["arms"].items():
         best = "  (best plain pair)" if name == summary["best_plain"] else ""
+        steady = arm.get("real_tokens_per_second_steady")
         print(
-            f"{name:>10} {arm['real_tokens_per_second']:>11,.0f} {arm['spread_between_repeats']:>14.1%}{best}"
+            f"{name:>10} {arm['real_tokens_per_second']:>11,.0f} {arm['spread_between_repeats']:>14.1%} "
+            f"{f'{steady:,.0f}' if steady else '-':>8}{best}"
         )
     for name, row in summary["adaptive"].items():
         own = f"{row['over_own_pair']:.3f}" if row["over_own_pair"] is not None else "-"
