@@ -4,7 +4,9 @@ Trainer at the same micro-batch, then a real CUDA out-of-memory error survived.
 A 1.1B Llama (TinyLlama's shape, random weights, bf16) fully fine-tuned, sequences of `--seq-len` tokens, the same
 rows in the same order in every arm (`train_sampling_strategy="sequential"`). Arms in one process, each a fresh
 model and engine (the last one's given back first: `accelerator.free_memory()`), in rounds of plain, adaptive,
-adaptive, plain (so that a drift over the call weighs on both alike):
+adaptive, plain (so that a drift over the call weighs on both alike: one such round is two order-reversed rounds of
+the two arms); before its first timed run each kind trains `--warmup-steps` (default 1) unrecorded steps on an
+engine of its own (see rounds.py):
 
 - plain: `per_device_train_batch_size=M`, `gradient_accumulation_steps=K`, DeepSpeed's own accumulation;
 - adaptive: the same arguments and `AdaptiveBatch(micro_batch_size=M)`: K micro-batches of M a step, the
@@ -45,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from base_model import TINY, save_random_llama  # noqa: E402
 from qlora_throughput import sync  # noqa: E402
+from rounds import WARMUP_STEPS, WarmUps  # noqa: E402
 
 TINYLLAMA_1B = dict(
     hidden_size=2048,
@@ -178,7 +181,16 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument(
-        "--rounds", type=int, default=1, help="rounds of 4 arms: plain, adaptive, adaptive, plain"
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of 4 arms: plain, adaptive, adaptive, plain (the order of the two reversed within each)",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=WARMUP_STEPS,
+        help="before each kind's first timed arm, steps of the same kind on an engine of its own, unrecorded",
     )
     parser.add_argument("--memory-fraction", type=float, default=0.15)
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-deepspeed")
@@ -237,9 +249,26 @@ def main() -> None:
         write(report, options.out)
 
     params = {}
+    warm_ups = WarmUps(options.warmup_steps)
+    report["warmup"] = warm_ups.record()
     for _ in range(options.rounds):
         for adaptive in (False, True, True, False):
-            name = f"{'adaptive' if adaptive else 'plain'}{len(report['arms'])}"
+            kind = "adaptive" if adaptive else "plain"
+            warm_ups.before(
+                kind,
+                run_arm,
+                f"{kind}_warmup",
+                model_path,
+                rows,
+                options.micro,
+                options.accumulation,
+                options.warmup_steps,
+                adaptive,
+                options.tiny,
+                options.workdir,
+                offload=not options.no_offload,
+            )
+            name = f"{kind}{len(report['arms'])}"
             result, weights = run_arm(
                 name,
                 model_path,

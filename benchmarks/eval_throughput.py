@@ -9,7 +9,9 @@ ragged_throughput.py's distribution (lognormal, median 200, clipped to [16, 1,02
 collator (right padding to the longest row of each batch), no `compute_metrics` (the Trainer then keeps no logits:
 an evaluation during training as most scripts run it).
 
-Arms (`--arms`; `--rounds 2` runs them again in reverse order):
+Arms (`--arms`, in `--rounds` rounds (default 2), every other one in reverse order; before its first timed run each
+arm runs `--warmup-evaluations` (default 1) unrecorded evaluations of its own on a Trainer of its own, see
+rounds.py):
 - `plain_N`: the plain Trainer, `per_device_eval_batch_size=N` (`--sizes`, default 8,16,32,64,128), two evaluations;
 - `auto`: `AdaptiveBatch()` at 8, two evaluations;
 - `grow`: `AdaptiveBatch(adapt_evaluation="grow")` from 8, `--evaluations` evaluations in a row on one Trainer; the
@@ -22,10 +24,11 @@ grown batches' eval loss differs from plain 8's only through the Trainer's mean 
 
 Usage (results go to OUT/eval_throughput.json, written after every arm, and a table at the end):
 
-    python3 benchmarks/eval_throughput.py --out $OUT --rounds 2 --time-limit 300
+    python3 benchmarks/eval_throughput.py --out $OUT --time-limit 300
     python benchmarks/eval_throughput.py --out /tmp/out --tiny     # a CPU dry run of the same code on a tiny model
 
-`--time-limit S` starts no arm that would end after S seconds (judged by the longest arm so far).
+`--time-limit S` starts no arm that would end after S seconds (judged by the longest arm so far; its warm-up not
+counted).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from base_model import header, qlora_trainer  # noqa: E402
 from packing_throughput import Deadline  # noqa: E402
 from qlora_throughput import build_model, sync  # noqa: E402
-from ragged_throughput import CountingCollator, interleaved, lengths  # noqa: E402
+from ragged_throughput import CountingCollator, lengths  # noqa: E402
+from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
 
 
 class LogLines(logging.Handler):
@@ -61,14 +65,17 @@ class LogLines(logging.Handler):
             self.lines.append(message)
 
 
-def run_arm(name, model, rows, tiny, workdir, evaluations):
+def run_arm(name, model, rows, tiny, workdir, evaluations, repeats=None):
+    """The arm `name` on a Trainer of its own: `repeats` evaluations in a row (default: two, `evaluations` for
+    grow)."""
     from adaptive_batch import AdaptiveBatch
 
     if name.startswith("plain_"):
-        size, callbacks, repeats = int(name.split("_")[1]), [], 2
+        size, callbacks = int(name.split("_")[1]), []
     else:
         size = 8
         callbacks = [AdaptiveBatch(adapt_evaluation="grow" if name == "grow" else True)]
+    if repeats is None:
         repeats = evaluations if name == "grow" else 2
     collator = CountingCollator("pad")
     trainer = qlora_trainer(
@@ -184,7 +191,7 @@ def main():
     parser.add_argument("--sizes", default="8,16,32,64,128", help="the plain arms' eval batch sizes")
     parser.add_argument("--arms", help="comma-separated (default: every plain size, auto, grow)")
     parser.add_argument("--evaluations", type=int, default=6, help="evaluations of the grow arm in a row")
-    parser.add_argument("--rounds", type=int, default=2)
+    add_arguments(parser, unit="evaluations")
     parser.add_argument(
         "--time-limit", type=float, default=0, help="start no arm that would end after this (s)"
     )
@@ -215,11 +222,17 @@ def main():
         "runs": [],
         "left_out": [],
     }
+    # an arm's first evaluation pays for its shapes and kernels (the process's first, for the process's): not its cost
+    warm_ups = WarmUps(options.warmup_evaluations, unit="evaluations")
+    report["warmup"] = warm_ups.record()
     path = os.path.join(options.out, "eval_throughput.json")
     for round_, name in interleaved(arms, options.rounds):
         if not deadline.allows_another():
             report["left_out"].append(f"{name} (round {round_})")
             continue
+        warm_ups.before(
+            name, run_arm, name, model, rows, options.tiny, options.workdir, 1, options.warmup_evaluations
+        )
         record = deadline.run(run_arm, name, model, rows, options.tiny, options.workdir, options.evaluations)
         record["round"] = round_
         report["runs"].append(record)

@@ -4,7 +4,9 @@ interleaved in one process on one model.
 The setup is qlora_throughput.py's (Llama-2-7B shape, NF4 QLoRA, LoRA r=16 on q/v, gradient checkpointing, paged
 8-bit AdamW), fixed-length rows, the user's 8 x 8 with a fixed micro-batch of 8, so every step has 8 micro-batches
 and measures. Runs alternate on and off, and which one goes first alternates too (on, off, off, on, ...), so that
-drift in the machine's speed falls on both. Per run: the mean step time over the steps after the first. Reported:
+drift in the machine's speed falls on both; before its first timed run each of the two trains `--warmup-steps`
+(default 1) unrecorded steps of its own (see rounds.py). Per run: the mean step time over the steps after the
+first. Reported:
 the median over pairs of (on / off) and the ratio of the medians; the logged noise scale of the "on" runs shows
 that measuring happened.
 
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from base_model import header, qlora_trainer  # noqa: E402
 from qlora_throughput import StepClock, build_model  # noqa: E402
+from rounds import WARMUP_STEPS, WarmUps  # noqa: E402
 
 
 def run(model, dataset, measure: bool, steps: int, tiny: bool, workdir: str) -> dict:
@@ -42,7 +45,7 @@ def run(model, dataset, measure: bool, steps: int, tiny: bool, workdir: str) -> 
     result = {
         "measure_noise": measure,
         "step_seconds": seconds,
-        "mean_step_seconds_after_first": statistics.fmean(seconds[1:]),
+        "mean_step_seconds_after_first": statistics.fmean(seconds[1:] or seconds),  # (a 1-step warm-up)
         "accumulation_steps_per_step": [log.get("adaptive_batch/accumulation_steps") for log in logs],
         "noise_scale_per_step": [log.get("adaptive_batch/noise_scale") for log in logs],
     }
@@ -61,6 +64,12 @@ def main():
     parser.add_argument(
         "--steps", type=int, default=6, help="optimizer steps per run (the first is excluded)"
     )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=WARMUP_STEPS,
+        help="before each arm's first timed run, steps of the same arm, unrecorded (0: none)",
+    )
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
     options = parser.parse_args()
@@ -78,10 +87,22 @@ def main():
         "pair": "8 x 8, micro_batch_size=8",
         "runs": [],
     }
+    warm_ups = WarmUps(options.warmup_steps)
+    report["warmup"] = warm_ups.record()
     path = os.path.join(options.out, "noise_overhead.json")
     for pair in range(options.pairs):
         order = (True, False) if pair % 2 == 0 else (False, True)
         for measure in order:
+            warm_ups.before(
+                f"measure_noise={measure}",
+                run,
+                model,
+                dataset,
+                measure,
+                options.warmup_steps,
+                options.tiny,
+                options.workdir,
+            )
             result = run(model, dataset, measure, options.steps, options.tiny, options.workdir)
             result["pair"] = pair
             report["runs"].append(result)

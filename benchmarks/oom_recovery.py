@@ -15,6 +15,9 @@ reserved bytes. On the CPU (`--tiny`) `adaptive_batch.testing.FakeOutOfMemory` s
 cap x M x seq_len tokens raises `torch.OutOfMemoryError` (at a cap of 3, once: the long step at M).
 
 AdaptiveBatch halves the micro-batch, runs the step again, and a step later tries the size that failed again.
+Under each cap the two arms run in `--rounds` rounds (default 2), every other one in reverse order, and each arm
+trains `--warmup-steps` (default 1) unrecorded steps of its own under that cap before its first timed run (see
+rounds.py).
 Reported per arm: every step's seconds, real tokens, logged micro-batch size and forwards (failed ones included),
 the warnings AdaptiveBatch logged (with their step), `current()` at the end, peak memory; per cap: real tokens/s
 over the steps after recovery (from the first step after the long one that runs at M again, or the step after the
@@ -43,7 +46,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from base_model import header, qlora_trainer  # noqa: E402
 from packing_throughput import Deadline, increments, logged, save, train  # noqa: E402
 from qlora_throughput import StepClock, build_model  # noqa: E402
-from ragged_throughput import interleaved, step_record  # noqa: E402
+from ragged_throughput import step_record  # noqa: E402
+from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
 
 LONGER = 4  # the long step's rows, in usual lengths
 AFTER_RECOVERY_AIM = 0.97
@@ -185,7 +189,7 @@ def main():
     parser.add_argument(
         "--caps", default="1.5,3", help="comma-separated caps, in usual steps' memory (see above)"
     )
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the two arms, every other reversed")
+    add_arguments(parser)
     parser.add_argument("--calibration-steps", type=int, default=2)
     parser.add_argument(
         "--time-limit", type=float, default=0, help="start no arm that would end after this (s)"
@@ -217,13 +221,15 @@ def main():
     path = os.path.join(options.out, "oom_recovery.json")
     for cap in map(float, options.caps.split(",")):
         limit = apply_cap(cap, report["calibration"], options)
-        entry = {**limit, "runs": []}
+        warm_ups = WarmUps(options.warmup_steps)  # under each cap, each arm's own
+        entry = {**limit, "warmup": warm_ups.record(), "runs": []}
         report["caps"].append(entry)
         for round_, name in interleaved(list(datasets), options.rounds):
             if not deadline.allows_another():
                 report["not_run"].append({"cap": cap, "round": round_, "arm": name})
                 continue
             rows, cap_tokens = datasets[name], limit.get("fake_max_tokens")
+            warm_ups.before(name, run_arm, name, model, rows, options.warmup_steps, cap_tokens, options)
             result = {
                 "round": round_,
                 **deadline.run(run_arm, name, model, rows, options.steps, cap_tokens, options),

@@ -2,7 +2,8 @@
 
 Same model, data, per-device size and accumulation; the only difference is the callback, so the step is cut into
 the same micro-batches either way. Runs alternate, and which of the two goes first alternates too, so that drift
-in the machine's speed falls on both. Reported: the ratio of the medians and of the minimums over repetitions of
+in the machine's speed falls on both; before its first timed run each of the two trains `--warmup-steps`
+(default 1) unrecorded steps of its own (see rounds.py). Reported: the ratio of the medians and of the minimums over repetitions of
 each run's mean step time (first step excluded), and, measured directly, the time AdaptiveBatch's own code takes
 per step (the step minus the user's `training_step` calls) as a share of the step. One torch thread: on a small
 shared machine, thread scheduling is the largest source of noise.
@@ -24,6 +25,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from rounds import WARMUP_STEPS, WarmUps  # noqa: E402
 
 
 def main():
@@ -35,6 +39,12 @@ def main():
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=WARMUP_STEPS,
+        help="before each arm's first timed run, steps of the same arm, unrecorded (0: none)",
+    )
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
 
@@ -94,14 +104,14 @@ def main():
         def on_step_end(self, args, state, control, **kwargs):
             self.marks.append(time.perf_counter())
 
-    def mean_step_seconds(with_plugin: bool) -> float:
+    def mean_step_seconds(with_plugin: bool, steps: int = options.steps) -> float:
         clock = Clock()
         callbacks = [clock] + ([AdaptiveBatch(micro_batch_size=options.per_device)] if with_plugin else [])
         args = TrainingArguments(
             output_dir="/tmp/adaptive-batch-overhead",
             per_device_train_batch_size=options.per_device,
             gradient_accumulation_steps=options.accumulation,
-            max_steps=options.steps,
+            max_steps=steps,
             lr_scheduler_type="constant",
             report_to=[],
             save_strategy="no",
@@ -117,14 +127,20 @@ def main():
             data_collator=default_data_collator,
             callbacks=callbacks,
         ).train()
-        steps = [b - a for a, b in zip(clock.marks, clock.marks[1:])][1:]
-        return sum(steps) / len(steps)
+        seconds = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
+        timed = seconds[1:] or seconds  # (all of a 1-step warm-up)
+        return sum(timed) / len(timed)
 
-    mean_step_seconds(False)  # warm-up: allocator, thread pools
+    warm_ups = WarmUps(options.warmup_steps)  # allocator, thread pools, each arm's own code paths
     plain, plugin = [], []
     for repeat in range(options.repeats):
         for with_plugin in (False, True) if repeat % 2 == 0 else (True, False):
             gc.collect()
+            measured = len(own_seconds)
+            warm_ups.before(
+                "plugin" if with_plugin else "plain", mean_step_seconds, with_plugin, options.warmup_steps
+            )
+            del own_seconds[measured:]  # a warm-up's steps are not measured
             (plugin if with_plugin else plain).append(mean_step_seconds(with_plugin))
         print(f"plain {plain[-1] * 1000:.1f} ms   plugin {plugin[-1] * 1000:.1f} ms", flush=True)
 
@@ -143,6 +159,7 @@ def main():
             "gradient_accumulation_steps": options.accumulation,
             "steps": options.steps,
         },
+        "warmup": warm_ups.record(),
         "plain_mean_step_seconds": plain,
         "plugin_mean_step_seconds": plugin,
         "median_ratio": statistics.median(plugin) / statistics.median(plain),

@@ -9,24 +9,27 @@ examples are SFT-like: lengths from ragged_throughput.py's chat-turn distributio
 [16, 1,024]) with a share of long documents (log-uniform over [512, 2,048]); token ids are random. Every arm trains
 the same packed rows (one seeded order), effective batch 16 packed rows.
 
-Arms (`--arms`, in this order by default; `--rounds 2` runs them again in reverse order):
+Arms (`--arms`, in this order by default, in `--rounds` rounds (default 2), every other one in reverse order; each
+arm trains `--warmup-steps` (default 1) unrecorded steps of its own before its first timed run, see rounds.py):
 - `plain_2x8`, `plain_4x4`, `plain_16x1`, `plain_1x16`, `plain_8x2`: the plain SFTTrainer at that pair;
 - `auto_1x16`, `auto_8x2`: the same with `callbacks=[AdaptiveBatch()]` from the user's 1 x 16 or 8 x 2.
 
 Measured per arm: the wall time of every optimizer step (device synchronised at each step end), the real tokens of
 each step (TRL's `num_tokens`: with packing every token is real), the forwards of the model in each step, peak
-memory, and for AdaptiveBatch `current()` at the end. Real tokens/s over the steady steps: after the first step, and
-for AdaptiveBatch from `current()["micro_batch_settled_at_step"]` on; each arm's repeats pooled. Aims, reported as
-met or missed: each AdaptiveBatch arm at least 1.0x the plain arm of its own pair, and at least 0.98x the best plain
+memory, and for AdaptiveBatch `current()` at the end. Real tokens/s over every step after each run's first, the
+same basis for every arm (AdaptiveBatch's search included, as its user pays it), each arm's repeats pooled; for
+AdaptiveBatch also over its steady steps, from `current()["micro_batch_settled_at_step"]` on (the files in results/
+written before this compared those steady steps with the plain arms' steps after the first). Aims, reported as met
+or missed: each AdaptiveBatch arm at least 1.0x the plain arm of its own pair, and at least 0.98x the best plain
 pair.
 
 Usage (results go to OUT/packing_throughput.json, written after every arm, and a table at the end):
 
-    python3 benchmarks/packing_throughput.py --out $OUT --steps 4 --adaptive-steps 8 --rounds 2 --time-limit 480
+    python3 benchmarks/packing_throughput.py --out $OUT --steps 4 --adaptive-steps 8 --time-limit 480
     python benchmarks/packing_throughput.py --out /tmp/out --tiny     # a CPU dry run of the same code on a tiny model
 
-`--time-limit S` starts no arm that would end after S seconds (judged by the longest arm so far), so that a call
-under a time limit still ends with its summary; the arms left out are listed in the JSON.
+`--time-limit S` starts no arm that would end after S seconds (judged by the longest arm so far; its warm-up not
+counted), so that a call under a time limit still ends with its summary; the arms left out are listed in the JSON.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from base_model import header, qlora_arguments  # noqa: E402
 from qlora_throughput import StepClock, build_model  # noqa: E402
-from ragged_throughput import interleaved, lengths, settled, steady_part, step_record  # noqa: E402
+from ragged_throughput import after_first_part, lengths, pool, settled, steady_part, step_record  # noqa: E402
+from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
 
 EFFECTIVE = 16
 ARMS = {  # name: (per-device, accumulation, AdaptiveBatch or not)
@@ -219,12 +223,7 @@ def main():
     parser.add_argument(
         "--adaptive-steps", type=int, default=8, help="optimizer steps of each AdaptiveBatch arm"
     )
-    parser.add_argument(
-        "--rounds", type=int, default=1, help="run the arms this many times, every other reversed"
-    )
-    parser.add_argument(
-        "--warmup-steps", type=int, default=1, help="train this many steps at 4 x 4 first, unrecorded"
-    )
+    add_arguments(parser)
     parser.add_argument(
         "--max-length", type=int, help="tokens per packed row (default 2048; 128 with --tiny)"
     )
@@ -281,15 +280,15 @@ def main():
         "runs": [],
         "not_run": [],
     }
-    # the process's first training pays for new shapes and kernels: not an arm's cost
-    if options.warmup_steps:
-        warmup = deadline.run(run_arm, "plain_4x4", model, dataset, tokenizer, options.warmup_steps, options)
-        report["warmup"] = {"arm": "plain_4x4", "steps": options.warmup_steps, "seconds": warmup["seconds"]}
+    # an arm's first training pays for its shapes and kernels (the process's first, for the process's): not its cost
+    warm_ups = WarmUps(options.warmup_steps)
+    report["warmup"] = warm_ups.record()
     path = os.path.join(options.out, "packing_throughput.json")
     for round_, name in interleaved(arms, options.rounds):
         if not deadline.allows_another():
             report["not_run"].append({"round": round_, "arm": name})
             continue
+        warm_ups.before(name, run_arm, name, model, dataset, tokenizer, options.warmup_steps, options)
         steps = options.adaptive_steps if ARMS[name][2] else options.steps
         result = {"round": round_, **deadline.run(run_arm, name, model, dataset, tokenizer, steps, options)}
         report["runs"].append(result)
@@ -306,25 +305,27 @@ def main():
 
 
 def summarise(runs: list[dict]) -> dict:
-    """Per arm its repeats pooled (real tokens over seconds of their steady steps) and how far apart they were; the
-    best plain pair; each AdaptiveBatch arm's ratios to the plain arm of its pair and to the best pair, with the
-    aims met or missed."""
+    """Per arm its repeats pooled (real tokens over seconds of every step after each run's first) and how far apart
+    they were, AdaptiveBatch's steady speed beside; the best plain pair; each AdaptiveBatch arm's ratios to the plain
+    arm of its pair and to the best pair, on the same basis, with the aims met or missed."""
     by_arm: dict[str, list] = {}
     for run in runs:
         by_arm.setdefault(run["arm"], []).append(run)
     arms = {}
     for name, own in by_arm.items():
-        parts = [steady_part(run) for run in own]
+        parts = [after_first_part(run) for run in own]
         speeds = [t / s for t, s in parts]
         steady_forwards = [
             f for run in own for f in run["forwards_per_step"][run.get("first_steady_step", 1) :]
         ]
         arms[name] = {
-            "real_tokens_per_second": sum(t for t, _ in parts) / sum(s for _, s in parts),
+            "real_tokens_per_second": pool(parts),
             "repeats": len(own),
             "spread_between_repeats": max(speeds) / min(speeds) - 1,
             "forwards_per_steady_step": sorted(set(steady_forwards)),
         }
+        if ARMS[name][2]:
+            arms[name]["real_tokens_per_second_steady"] = pool([steady_part(run) for run in own])
     plain = {name: arm for name, arm in arms.items() if not ARMS[name][2]}
     best = max(plain, key=lambda name: plain[name]["real_tokens_per_second"]) if plain else None
     summary = {"arms": arms, "best_plain": best, "adaptive": {}}
@@ -358,26 +359,33 @@ def print_table(report: dict) -> None:
         f"{report['max_length']}, effective batch {report['effective_batch']} packed rows"
     )
     print(
-        f"{'round':>5} {'arm':>10} {'micro-batches (rows)':>20} {'fwd/step':>9} {'real tok/s':>11} {'peak GiB':>9}"
+        f"{'round':>5} {'arm':>10} {'micro-batches (rows)':>20} {'fwd/step':>9} {'real tok/s':>11} {'steady':>8} "
+        f"{'peak GiB':>9}"
     )
     for run in report["runs"]:
         sizes = [m for m in run["micro_batch_size_per_step"] if m] or [run["per_device_train_batch_size"]]
         first = run.get("first_steady_step", 1)
         peak = f"{run['peak_allocated_gib']:.1f}" if run["peak_allocated_gib"] else "-"
-        tokens, seconds = steady_part(run)
+        tokens, seconds = after_first_part(run)
+        steady = run.get("real_tokens_per_second_steady")
         print(
             f"{run['round']:>5} {run['arm']:>10} {'-'.join(map(str, sizes)):>20} "
             f"{'/'.join(map(str, sorted(set(run['forwards_per_step'][first:])))):>9} "
-            f"{tokens / seconds:>11,.0f} {peak:>9}"
+            f"{tokens / seconds:>11,.0f} {f'{steady:,.0f}' if steady else '-':>8} {peak:>9}"
         )
     summary = report.get("summary")
     if not summary:
         return
-    print(f"\n{'pooled':>10} {'real tok/s':>11} {'repeats apart':>14}")
+    print(
+        "(real tok/s over the steps after each run's first; steady: AdaptiveBatch's steps after it settled)"
+    )
+    print(f"\n{'pooled':>10} {'real tok/s':>11} {'repeats apart':>14} {'steady':>8}")
     for name, arm in summary["arms"].items():
         best = "  (best plain pair)" if name == summary["best_plain"] else ""
+        steady = arm.get("real_tokens_per_second_steady")
         print(
-            f"{name:>10} {arm['real_tokens_per_second']:>11,.0f} {arm['spread_between_repeats']:>14.1%}{best}"
+            f"{name:>10} {arm['real_tokens_per_second']:>11,.0f} {arm['spread_between_repeats']:>14.1%} "
+            f"{f'{steady:,.0f}' if steady else '-':>8}{best}"
         )
     for name, row in summary["adaptive"].items():
         own = f"{row['over_own_pair']:.3f}" if row["over_own_pair"] is not None else "-"

@@ -13,14 +13,17 @@ Four phases, each in its own process (so that one phase's cached memory cannot s
    that window below which every size fits;
 4. train: the plain Trainer for `--steps` steps at the probe's sizes (`--train-sizes`: the recommended size
    and the boundary by default; accumulation 1): the time of each step, its peak reserved and allocated memory,
-   and whether any step ran out of memory. A run at the same size and step count in the earlier JSON is kept.
+   and whether any step ran out of memory. A run at the same size and step count in the earlier JSON is kept. The
+   sizes run in `--rounds` rounds (default 2), every other one in reverse order (a later round's runs in their
+   size's `repeats`), and each size trains `--warmup-steps` (default 1) unrecorded steps of its own before its
+   first timed run (see rounds.py).
 
 Writes OUT/probe_boundary_<seq_len>.json after every phase, and during the train phase after every step (so a run
 stopped by a time limit keeps the steps it did, marked `"partial": true`), and prints a table at the end:
 
     python3 benchmarks/probe_boundary.py --out $OUT --seq-len 1024 --steps 10     # on the H200
     python3 benchmarks/probe_boundary.py --out $OUT --seq-len 4096 --steps 60 --train-sizes boundary \
-        --phases probe,train                                                       # 60 steps at the boundary
+        --phases probe,train --rounds 1                                            # 60 steps at the boundary
     python benchmarks/probe_boundary.py --out /tmp/out --seq-len 64 --steps 2 --tiny  # a CPU dry run
 """
 
@@ -39,6 +42,8 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
 
 TINY_BUDGET_GIB = 0.05
 LORA = {"r": 16, "alpha": 32, "targets": ["q_proj", "v_proj"]}
@@ -264,24 +269,44 @@ def phase_train(options, model_dir: str, inputs: dict) -> dict:
         if run["size"] == probe.get(name)
     }
 
-    def result(partial: bool) -> dict:
-        return {"limit_bytes": limit, "steps": options.steps, "runs": runs, "partial": partial}
+    warm_ups = WarmUps(options.warmup_steps)
 
-    for name in options.train_sizes.split(","):
+    def result(partial: bool) -> dict:
+        return {
+            "limit_bytes": limit,
+            "steps": options.steps,
+            "rounds": options.rounds,
+            "warmup": warm_ups.record(),
+            "runs": runs,
+            "partial": partial,
+        }
+
+    def store(name: str, round_: int, record: dict) -> None:
+        """Round 0's run as the size's entry (as the files before rounds hold it), a later round's in its `repeats`."""
+        if round_ == 0:
+            runs[name] = record
+        else:
+            runs[name].setdefault("repeats", [])[round_ - 1 : round_] = [record]
+
+    for round_, name in interleaved(options.train_sizes.split(","), options.rounds):
         size = probe[name]
-        done = [
-            r
-            for r in runs.values()
-            if (r["size"], r["steps"], bool(r.get("partial"))) == (size, options.steps, False)
-        ]
-        if done:  # the same size for as many steps, complete: not run again
-            runs[name] = {**done[0]}
+        if round_ == 0:
+            done = [
+                r
+                for r in runs.values()
+                if (r["size"], r["steps"], bool(r.get("partial"))) == (size, options.steps, False)
+            ]
+            if done:  # the same size for as many steps, complete: not run again
+                runs[name] = {**done[0]}
+                continue
+        elif len([r for r in runs[name].get("repeats", []) if not r.get("partial")]) >= round_:
             continue
 
-        def save_step(marks, name=name, size=size):
-            runs[name] = train_record(marks, size, options, limit, error=None, partial=True)
+        def save_step(marks, name=name, size=size, round_=round_):
+            store(name, round_, train_record(marks, size, options, limit, error=None, partial=True))
             write_report(options, {**inputs, "train": result(partial=True)})
 
+        warm_ups.before(name, warm_up, options, model, device, size)
         marks = Marks(device, on_step_end=save_step)
         dataset = random_dataset(options.seq_len, size * options.steps, model.config.vocab_size)
         trainer = trainer_for(options, model, size, options.steps, dataset, [marks.callback])
@@ -291,10 +316,27 @@ def phase_train(options, model_dir: str, inputs: dict) -> dict:
             trainer.train()
         except Exception as exc:  # an OOM is the result being measured
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
-        runs[name] = train_record(marks, size, options, limit, error, partial=False)
+        store(
+            name, round_, {**train_record(marks, size, options, limit, error, partial=False), "round": round_}
+        )
         del trainer
         release_memory(device)
     return result(partial=False)
+
+
+def warm_up(options, model, device, size: int) -> None:
+    """`--warmup-steps` unrecorded steps at `size`, so that the timed run does not pay for its first shapes."""
+    from adaptive_batch.runtime.memory import release_memory
+
+    steps = options.warmup_steps
+    dataset = random_dataset(options.seq_len, size * steps, model.config.vocab_size)
+    trainer = trainer_for(options, model, size, steps, dataset, [])
+    try:
+        trainer.train()
+    except Exception:  # noqa: BLE001 - an out-of-memory error is for the timed run to record
+        pass
+    del trainer
+    release_memory(device)
 
 
 def train_record(marks: Marks, size: int, options, limit: float, error: str | None, partial: bool) -> dict:
@@ -343,6 +385,7 @@ def main():
     parser.add_argument("--auto-find-start", type=int, help="auto_find_batch_size's first per-device size")
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset, in order")
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
+    add_arguments(parser)  # the train phase's
     parser.add_argument("--tiny", action="store_true", help="a CPU dry run on a tiny model")
     parser.add_argument(
         "--resume", help="an earlier run's JSON whose phases the later ones read (the probe's)"
@@ -459,6 +502,12 @@ def summary(report: dict) -> str:
             f"{gib(reserved[-1])} GiB at the last, {gib(max(reserved, key=lambda r: r or 0))} GiB at most, within "
             f"limit {run['max_reserved_within_limit']}"
         )
+        for repeat in run.get("repeats", []):
+            lines.append(
+                f"  again (round {repeat.get('round', '-')}): {repeat['steps_done']} steps, error {repeat['error']}, "
+                f"{repeat['tokens_per_second_after_first_step'] or 0:,.0f} tokens/s, within limit "
+                f"{repeat['max_reserved_within_limit']}"
+            )
     for phase in ("probe", "auto_find", "exhaustive", "train"):
         if "error" in report.get(phase, {}) and "returncode" in report[phase]:
             lines.append(f"{phase} FAILED: {report[phase]['error'][-800:]}")

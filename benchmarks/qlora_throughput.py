@@ -1,11 +1,15 @@
-"""QLoRA throughput: the plain Trainer at fixed per-device x accumulation pairs against `AdaptiveBatch`, one run.
+"""QLoRA throughput: the plain Trainer at fixed per-device x accumulation pairs against `AdaptiveBatch`, one process.
 
 The setup is the classic QLoRA recipe on a Llama-2-7B-shaped model (random weights: speed and memory do not depend
 on them): NF4 with double quantisation and bf16 compute, LoRA r=16 on q/v, gradient checkpointing,
 `paged_adamw_8bit`, fixed-length sequences. Every configuration has the same effective batch.
 
 Measured per configuration: the wall time of each optimizer step (device synchronised at every step end), tokens
-per second over the steps after the first (warm-up), and the peak memory. Two claims are checked:
+per second over the steps after the first (warm-up), and the peak memory. The configurations run in `--rounds`
+rounds (default 2), every other one in reverse order, and each trains `--warmup-steps` (default 1) unrecorded steps
+of its own before its first timed run (see rounds.py); the summary pools each configuration's rounds and compares
+every one over the steps after its first (AdaptiveBatch's search included), the steady speed beside. Two claims are
+checked:
 
 1. overhead: with `AdaptiveBatch(micro_batch_size=<the user's per-device size>)` the step time is within 2% of the
    plain Trainer's at the same pair;
@@ -32,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from base_model import LLAMA2_7B, TINY, header, qlora_trainer, save_random_llama  # noqa: E402
+from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
 
 
 def sync():
@@ -192,13 +197,14 @@ def main():
     )
     parser.add_argument("--auto", default="1x64:6", help="pairs run with AdaptiveBatch() : steps")
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
+    add_arguments(parser)
     options = parser.parse_args()
     os.makedirs(options.out, exist_ok=True)
     os.makedirs(options.workdir, exist_ok=True)
 
     model, config = build_model(options.tiny, options.workdir)
     pairs = parse_pairs(options.plain) + parse_pairs(options.overhead) + parse_pairs(options.auto)
-    largest = max(p * a * s for p, a, s in pairs)
+    largest = max(p * a * max(s, options.warmup_steps) for p, a, s in pairs)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (largest, options.seq_len), generator=generator).tolist()
     dataset = [{"input_ids": row, "attention_mask": [1] * options.seq_len, "labels": row} for row in ids]
@@ -212,7 +218,24 @@ def main():
     plans = [("plain", p, None) for p in parse_pairs(options.plain)]
     plans += [("fixed", p, {"micro_batch_size": p[0]}) for p in parse_pairs(options.overhead)]
     plans += [("auto", p, {}) for p in parse_pairs(options.auto)]
-    for kind, (per_device, accumulation, steps), adaptive in plans:
+    by_name = {f"{kind} {p[0]}x{p[1]}": (kind, p, adaptive) for kind, p, adaptive in plans}
+    warm_ups = WarmUps(options.warmup_steps)
+    report["warmup"] = warm_ups.record()
+    for round_, name in interleaved(list(by_name), options.rounds):
+        kind, (per_device, accumulation, steps), adaptive = by_name[name]
+        warm_ups.before(
+            name,
+            run_config,
+            model,
+            dataset,
+            options.seq_len,
+            per_device,
+            accumulation,
+            options.warmup_steps,
+            adaptive,
+            options.tiny,
+            options.workdir,
+        )
         started = time.perf_counter()
         result = run_config(
             model,
@@ -226,6 +249,7 @@ def main():
             options.workdir,
         )
         result["kind"] = kind
+        result["round"] = round_
         report["runs"].append(result)
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
@@ -242,36 +266,55 @@ def main():
     print_table(report)
 
 
+def pair_of(run) -> str:
+    return f"{run['per_device_train_batch_size']}x{run['gradient_accumulation_steps']}"
+
+
+def pooled(runs: list[dict], first: int = 1) -> tuple[float, float]:
+    """Tokens/s and mean step seconds over the steps from `first` of `runs` (a configuration's rounds) together."""
+    seconds = [s for run in runs for s in (run["step_seconds"][first:] or run["step_seconds"])]
+    tokens = runs[0]["tokens_per_step"] * len(seconds)
+    return tokens / sum(seconds), sum(seconds) / len(seconds)
+
+
 def summarise(report):
-    plain = [r for r in report["runs"] if r["kind"] == "plain"]
-    best = max(plain, key=lambda r: r["tokens_per_second_after_first_step"])
+    """Each configuration's rounds pooled; the best plain pair and every ratio over the steps after each run's first
+    (the same basis for every arm), AdaptiveBatch's also over all steps and over its steady steps."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for run in report["runs"]:
+        groups.setdefault((run["kind"], pair_of(run)), []).append(run)
+    plain = {pair: runs for (kind, pair), runs in groups.items() if kind == "plain"}
+    speeds = {pair: pooled(runs)[0] for pair, runs in plain.items()}
+    best = max(speeds, key=speeds.get)
+    best_all_steps = pooled(plain[best], first=0)[0]
     summary = {
-        "best_plain": f"{best['per_device_train_batch_size']}x{best['gradient_accumulation_steps']}",
-        "best_plain_tokens_per_second": best["tokens_per_second_after_first_step"],
+        "best_plain": best,
+        "best_plain_tokens_per_second": speeds[best],
+        "rounds": max(len(runs) for runs in groups.values()),
         "overhead": [],
         "auto": [],
     }
-    for run in report["runs"]:
-        pair = (run["per_device_train_batch_size"], run["gradient_accumulation_steps"])
-        if run["kind"] == "fixed":
-            twin = next(
-                r
-                for r in plain
-                if (r["per_device_train_batch_size"], r["gradient_accumulation_steps"]) == pair
-            )
-            mean = lambda r: sum(r["step_seconds"][1:]) / len(r["step_seconds"][1:])  # noqa: E731
+    for (kind, pair), runs in groups.items():
+        if kind == "fixed" and pair in plain:
             summary["overhead"].append(
-                {"pair": f"{pair[0]}x{pair[1]}", "step_time_ratio": mean(run) / mean(twin)}
+                {"pair": pair, "step_time_ratio": pooled(runs)[1] / pooled(plain[pair])[1]}
             )
-        if run["kind"] == "auto":
+        if kind == "auto":
+            steady = [r["tokens_per_second_steady"] for r in runs if r["tokens_per_second_steady"]]
+            steady_speed = sum(steady) / len(steady) if steady else None
             summary["auto"].append(
                 {
-                    "pair": f"{pair[0]}x{pair[1]}",
-                    "settled_micro_batch_size": run["controller"]["size"],
-                    "steady_over_best": (run["tokens_per_second_steady"] or 0)
-                    / summary["best_plain_tokens_per_second"],
-                    "all_steps_over_best": run["tokens_per_second_all_steps"]
-                    / summary["best_plain_tokens_per_second"],
+                    "pair": pair,
+                    "settled_micro_batch_size": runs[0]["controller"]["size"],
+                    "settled_micro_batch_sizes": [r["controller"]["size"] for r in runs],
+                    # the same basis for both: every step after each run's first
+                    "over_best_after_first": pooled(runs)[0] / speeds[best],
+                    # the same basis for both: every step, the first too
+                    "over_best_all_steps": pooled(runs, first=0)[0] / best_all_steps,
+                    # mixed bases, kept for the files written before: AdaptiveBatch's steady steps (mean over its
+                    # runs) or every step, over the best pair's steps after the first
+                    "steady_over_best": (steady_speed or 0) / speeds[best],
+                    "all_steps_over_best": pooled(runs, first=0)[0] / speeds[best],
                 }
             )
     report["summary"] = summary
@@ -279,24 +322,25 @@ def summarise(report):
 
 def print_table(report):
     print(f"\n{report['device']}, {report['model']}, seq {report['seq_len']}")
-    print(f"{'run':>6} {'pair':>6} {'micro':>12} {'tokens/s':>10} {'peak GiB':>9}")
+    print(f"{'round':>5} {'run':>6} {'pair':>6} {'micro':>12} {'tokens/s':>10} {'steady':>8} {'peak GiB':>9}")
     for run in report["runs"]:
         micro = sorted({m for m in run["micro_batch_size_per_step"] if m})
         micro_text = "-".join(map(str, micro)) if micro else str(run["per_device_train_batch_size"])
         peak = f"{run['peak_allocated_gib']:.1f}" if run["peak_allocated_gib"] else "-"
-        tps = run.get("tokens_per_second_steady") or run["tokens_per_second_after_first_step"]
+        steady = run.get("tokens_per_second_steady")
         print(
-            f"{run['kind']:>6} {run['per_device_train_batch_size']}x{run['gradient_accumulation_steps']:<3} "
-            f"{micro_text:>12} {tps:>10,.0f} {peak:>9}"
+            f"{run.get('round', 0):>5} {run['kind']:>6} {pair_of(run):>6} {micro_text:>12} "
+            f"{run['tokens_per_second_after_first_step']:>10,.0f} {f'{steady:,.0f}' if steady else '-':>8} {peak:>9}"
         )
     summary = report["summary"]
+    print("(tokens/s over the steps after each run's first; steady: AdaptiveBatch's steps after it settled)")
     for item in summary["overhead"]:
-        print(f"overhead at {item['pair']}: step time x{item['step_time_ratio']:.4f} of the plain Trainer's")
+        print(f"overhead at {item['pair']}: step time x{item['step_time_ratio']:.3f} of the plain Trainer's")
     for item in summary["auto"]:
         print(
-            f"auto from {item['pair']}: settled at {item['settled_micro_batch_size']}, "
-            f"{item['steady_over_best']:.1%} of the best pair ({summary['best_plain']}) steady, "
-            f"{item['all_steps_over_best']:.1%} over all steps"
+            f"auto from {item['pair']}: settled at {item['settled_micro_batch_sizes']}, "
+            f"{item['over_best_after_first']:.1%} of the best pair ({summary['best_plain']}) over the steps after "
+            f"each run's first, {item['over_best_all_steps']:.1%} over all steps"
         )
 
 

@@ -21,7 +21,10 @@ Arms (`--arms`, in this order by default):
 
 Measured: the wall time of every optimizer step (device synchronised at each step end) and the real tokens each step
 trained on (counted in the collator); tokens per second over the steps after the first, and for AdaptiveBatch
-also over the steps after its measurements ended ("steady").
+also over the steps after its measurements ended ("steady"). The summary compares every arm over the steps after
+its first (AdaptiveBatch's measuring steps included, as its user pays them) and gives the steady speed beside (the
+files in results/ written before this pooled AdaptiveBatch's steady steps against the plain arms' steps after the
+first).
 
 `--attention flex_attention` runs every arm with flex attention instead of sdpa: on a padding-free row its block
 mask skips the blocks between sequences, where sdpa's packed mask is dense (quadratic in the whole row). It needs a
@@ -31,12 +34,13 @@ Usage (results go to OUT/ragged_throughput.json, written after every arm, and a 
 
     python benchmarks/ragged_throughput.py --out OUT            # the H200 run (needs CUDA and bitsandbytes)
     python benchmarks/ragged_throughput.py --out OUT --attention flex_attention --arms random,flat32,flat64,auto_pf
-    python benchmarks/ragged_throughput.py --out OUT --arms auto,auto_torch --rounds 2   # torch Dataset vs list
+    python benchmarks/ragged_throughput.py --out OUT --arms auto,auto_torch   # torch Dataset vs list
     python benchmarks/ragged_throughput.py --out OUT --tiny     # a CPU dry run of the same code on a tiny model
 
-Arms that run the same micro-batches differed by up to 42% between positions in one run on the H200. `--rounds 2`
-runs the arms again in reverse order (each arm's mean position the same) and the summary pools each arm's repeats
-and says how far apart they were; `--warmup-steps N` first trains N unrecorded steps, so that no arm runs cold.
+Arms that run the same micro-batches differed by up to 42% between positions in one run on the H200. The arms run in
+`--rounds` rounds (default 2), every other one in reverse order (each arm's mean position the same), and the summary
+pools each arm's repeats and says how far apart they were; before its first timed run each arm trains
+`--warmup-steps` (default 1) unrecorded steps of its own (see rounds.py), so that no arm runs cold.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from base_model import header, qlora_trainer  # noqa: E402
 from qlora_throughput import StepClock, build_model  # noqa: E402
+from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
 
 MEDIAN, SIGMA, SHORTEST, LONGEST = 200, 0.8, 16, 1024
 ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments or None, extra TrainingArguments)
@@ -93,11 +98,6 @@ class TorchRows(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         return self.rows[index]
-
-
-def interleaved(arms: list[str], rounds: int) -> list[tuple[int, str]]:
-    """(round, arm) in the order to run them: A B C, C B A, ... so that every arm's mean position is the same."""
-    return [(r, name) for r in range(rounds) for name in (arms if r % 2 == 0 else arms[::-1])]
 
 
 class CountingCollator:
@@ -225,18 +225,7 @@ def main():
         "--adaptive-steps", type=int, default=16, help="optimizer steps of each AdaptiveBatch arm"
     )
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="run the arms this many times, every other round in reverse order",
-    )
-    parser.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=0,
-        help="train this many steps of the plain random arm first, unrecorded (the first arm runs cold otherwise)",
-    )
+    add_arguments(parser)
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
     options = parser.parse_args()
     os.makedirs(options.out, exist_ok=True)
@@ -270,17 +259,14 @@ def main():
         },
         "runs": [],
     }
-    # the process's first training pays for new shapes and kernels: not an arm's cost
-    if options.warmup_steps:
-        started = time.perf_counter()
-        run_arm("random", model, dataset, options.warmup_steps, options.tiny, options.workdir)
-        report["warmup"] = {
-            "arm": "random",
-            "steps": options.warmup_steps,
-            "seconds": time.perf_counter() - started,
-        }
+    # an arm's first training pays for its shapes and kernels (the process's first, for the process's): not its cost
+    warm_ups = WarmUps(options.warmup_steps)
+    report["warmup"] = warm_ups.record()
     path = os.path.join(options.out, "ragged_throughput.json")
     for round_, name in interleaved(arms, options.rounds):
+        warm_ups.before(
+            name, run_arm, name, model, dataset, options.warmup_steps, options.tiny, options.workdir
+        )
         started = time.perf_counter()
         steps = options.adaptive_steps if ARMS[name][3] is not None else options.steps
         result = run_arm(name, model, dataset, steps, options.tiny, options.workdir)
@@ -300,6 +286,13 @@ def main():
     print_table(report)
 
 
+def after_first_part(run) -> tuple[int, float]:
+    """Real tokens and seconds of a run's steps after the first (all of a one-step run): the part every arm is
+    compared on, AdaptiveBatch's measuring steps included."""
+    first = 1 if len(run["step_seconds"]) > 1 else 0
+    return sum(run["real_tokens_per_step"][first:]), sum(run["step_seconds"][first:])
+
+
 def steady_part(run) -> tuple[int, float]:
     """Real tokens and seconds of a run's steps after the first and after AdaptiveBatch's measuring steps (all but
     the first where measuring took every step, as in a short dry run)."""
@@ -309,15 +302,20 @@ def steady_part(run) -> tuple[int, float]:
     return sum(run["real_tokens_per_step"][first:]), sum(run["step_seconds"][first:])
 
 
+def pool(parts: list[tuple[int, float]]) -> float:
+    return sum(t for t, _ in parts) / sum(s for _, s in parts)
+
+
 def summarise(report):
-    """Per arm: its runs pooled (real tokens over seconds of their steady steps), the ratios to the plain random arm
-    and to the best plain padding-free arm, and how far apart its repeats were (the noise floor of the ratios); the
-    torch Dataset's "auto" over the list's."""
+    """Per arm: its runs pooled (real tokens over seconds of every step after each run's first, the same basis for
+    every arm), the ratios to the plain random arm and to the best plain padding-free arm, and how far apart its
+    repeats were (the noise floor of the ratios); the torch Dataset's "auto" over the list's. AdaptiveBatch's arms
+    also over their steady steps (`real_tokens_per_second_steady`), which no plain arm has a counterpart of."""
     by_arm: dict[str, list] = {}
     for run in report["runs"]:
         by_arm.setdefault(run["arm"], []).append(run)
-    parts = {name: [steady_part(run) for run in runs] for name, runs in by_arm.items()}
-    pooled = {name: sum(t for t, _ in own) / sum(s for _, s in own) for name, own in parts.items()}
+    parts = {name: [after_first_part(run) for run in runs] for name, runs in by_arm.items()}
+    pooled = {name: pool(own) for name, own in parts.items()}
     base = pooled.get("random")
     flat = [speed for name, speed in pooled.items() if name.startswith("flat")]
     summary = {"random_real_tokens_per_second": base}
@@ -325,6 +323,8 @@ def summarise(report):
         ratio = pooled["auto_torch"] / pooled["auto"]
         summary["torch_over_list"] = ratio
         summary["torch_over_list_aim_met"] = abs(ratio - 1) <= TORCH_OVER_LIST_AIM
+        steady = {name: pool([steady_part(run) for run in by_arm[name]]) for name in ("auto", "auto_torch")}
+        summary["torch_over_list_steady"] = steady["auto_torch"] / steady["auto"]
     for name, speed in pooled.items():
         speeds = [t / s for t, s in parts[name]]
         summary[name] = {
@@ -334,6 +334,8 @@ def summarise(report):
             "repeats": len(speeds),
             "spread_between_repeats": max(speeds) / min(speeds) - 1,
         }
+        if ARMS[name][3] is not None:
+            summary[name]["real_tokens_per_second_steady"] = pool([steady_part(run) for run in by_arm[name]])
     report["summary"] = summary
 
 
@@ -354,17 +356,27 @@ def print_table(report):
             f"{run['real_tokens_per_second']:>11,.0f} {steady or 0:>8,.0f} {peak:>9} {cut_by:>7}"
         )
     summary = report.get("summary", {})
-    print(f"\n{'pooled':>10} {'real tok/s':>11} {'x random':>9} {'x flat':>7} {'repeats apart':>14}")
+    print(
+        "(real tok/s over the steps after each run's first; steady: AdaptiveBatch's steps after its measuring)"
+    )
+    print(
+        f"\n{'pooled':>10} {'real tok/s':>11} {'x random':>9} {'x flat':>7} {'repeats apart':>14} {'steady':>8}"
+    )
     for name, row in summary.items():
         if isinstance(row, dict):
+            steady = row.get("real_tokens_per_second_steady")
             print(
                 f"{name:>10} {row['real_tokens_per_second']:>11,.0f} {row['over_random'] or 0:>9.2f} "
-                f"{row['over_best_plain_flat'] or 0:>7.2f} {row['spread_between_repeats']:>14.1%}"
+                f"{row['over_best_plain_flat'] or 0:>7.2f} {row['spread_between_repeats']:>14.1%} "
+                f"{f'{steady:,.0f}' if steady else '-':>8}"
             )
     if "torch_over_list" in summary:
         met = "met" if summary["torch_over_list_aim_met"] else "missed"
+        apart = max(summary[name]["spread_between_repeats"] for name in ("auto", "auto_torch"))
         print(
-            f"auto_torch / auto: {summary['torch_over_list']:.3f} (aim: within {TORCH_OVER_LIST_AIM:.0%}: {met})"
+            f"auto_torch / auto: {summary['torch_over_list']:.2f} (aim: within {TORCH_OVER_LIST_AIM:.0%}: {met}; "
+            f"the runs of one arm up to {apart:.0%} apart); over the steady steps only "
+            f"{summary['torch_over_list_steady']:.2f}"
         )
 
 

@@ -9,13 +9,15 @@ data seed). Arms:
 - `phase`: 16 -> 32 -> 64 -> 128 -> 256 at 1/16, 1/8, 1/4 and 1/2 of the budget, `lr_scaling="sqrt"`;
 - `noise`: `NoiseScaleSchedule(16, max_size=256)` with its defaults, `lr_scaling="sqrt"`.
 
-Every arm runs `AdaptiveBatch` with `micro_batch_size="auto"`, so the micro-batch is chosen the same way in all. The
-held-out loss (the corpus's last rows) is evaluated every `--eval-every` samples; evaluation time is excluded from
-the training clock. Each run's JSON holds (samples, steps, training seconds, eval loss) at every evaluation, and the
-log history (effective batch, noise scale, LR).
+Every arm runs `AdaptiveBatch` with `micro_batch_size="auto"`, so the micro-batch is chosen the same way in all.
+The arms run in blocks (one per seed, and in the grid one per seed and LR), every other block in reverse order, so
+that every arm's mean position is the same; before its first timed run each arm trains on `--warmup-rows` rows
+(default 512), unrecorded (see rounds.py). The held-out loss (the corpus's last rows) is evaluated every
+`--eval-every` samples; evaluation time is excluded from the training clock. Each run's JSON holds (samples, steps,
+training seconds, eval loss) at every evaluation, and the log history (effective batch, noise scale, LR).
 
     python benchmarks/time_to_loss.py --out OUT --corpus .corpus --phase grid            # every arm x LR, seed 0
-    python benchmarks/time_to_loss.py --out OUT --corpus .corpus --phase seeds --best RESULTS.json --seeds 1,2
+    python benchmarks/time_to_loss.py --out OUT --corpus .corpus --phase seeds --best RESULTS.json   # seeds 0, 1, 2
     python benchmarks/time_to_loss.py --out OUT --tiny                                   # a CPU dry run
 
 `summarise(runs)` picks each arm's learning rate by its final eval loss on seed 0, sets the target to the median of
@@ -38,9 +40,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from rounds import WarmUps  # noqa: E402
 
 ARMS = ("fixed16", "fixed32", "fixed64", "fixed128", "fixed256", "phase", "noise")
 LEARNING_RATES = (1.5e-3, 7.5e-4, 3e-3)  # the middle one first
+LARGEST_BATCH = 256  # fixed256, and where phase and noise grow to: a warm-up needs a step's samples
 
 
 def load_rows(corpus: str | None, seq_len: int, train_rows: int, eval_rows: int, tiny: bool):
@@ -342,7 +348,7 @@ def main():
     parser.add_argument("--phase", choices=("grid", "seeds"), default="grid")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LEARNING_RATES))
-    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--seeds", help="comma-separated (default: 0 in the grid, 0,1,2 in the seeds phase)")
     parser.add_argument("--best", help="a grid phase's JSON: run each arm at its best LR (--phase seeds)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--train-rows", type=int, default=24576)
@@ -358,7 +364,18 @@ def main():
     parser.add_argument("--target", type=float, help="the eval loss --compare times the runs to")
     parser.add_argument("--name", default="compare", help="--compare writes time_to_loss_NAME.json")
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-time-to-loss")
+    parser.add_argument(
+        "--warmup-rows",
+        type=int,
+        default=512,
+        help="before each arm's first timed run, the same arm on this many rows, unrecorded (0: none)",
+    )
     options = parser.parse_args()
+    if 0 < options.warmup_rows < LARGEST_BATCH:
+        parser.error(
+            f"--warmup-rows {options.warmup_rows} is below the largest effective batch an arm reaches, "
+            f"{LARGEST_BATCH}; use 0 (no warm-up) or at least {LARGEST_BATCH}"
+        )
     os.makedirs(options.out, exist_ok=True)
     if options.compare:
         if options.target is None:
@@ -395,14 +412,16 @@ def main():
 
     data = load_rows(options.corpus, options.seq_len, options.train_rows, options.eval_rows, options.tiny)
     arms = options.arms.split(",")
-    seeds = [int(s) for s in options.seeds.split(",")]
+    seeds = [int(s) for s in (options.seeds or ("0,1,2" if options.phase == "seeds" else "0")).split(",")]
     if options.phase == "seeds":
         with open(options.best) as f:
             best = summarise(json.load(f)["runs"], options.seq_len)["best_lr"]
-        plan = [(arm, best[arm], seed) for seed in seeds for arm in arms]
+        blocks = [[(arm, best[arm], seed) for arm in arms] for seed in seeds]
     else:
         # every arm at one LR before the next LR: a call cut short still holds whole rows of the grid
-        plan = [(arm, float(lr), seed) for seed in seeds for lr in options.lrs.split(",") for arm in arms]
+        blocks = [[(arm, float(lr), seed) for arm in arms] for seed in seeds for lr in options.lrs.split(",")]
+    # every other block in reverse order, so that every arm's mean position is the same
+    plan = [run_ for i, block in enumerate(blocks) for run_ in (block if i % 2 == 0 else block[::-1])]
     report = {
         "command": " ".join(sys.argv),
         "device": torch.cuda.get_device_name()
@@ -416,11 +435,12 @@ def main():
         "runs": [],
     }
     path = os.path.join(options.out, f"time_to_loss_{options.phase}.json")
-    if (
-        not options.tiny and torch.cuda.is_available()
-    ):  # CUDA and kernels warmed up before the first timed run
-        run("fixed16", 1e-3, 0, (data[0][:512], data[1], data[2], data[3]), options)
+    # CUDA, the kernels and each arm's shapes warmed up before its first timed run
+    warm_ups = WarmUps(options.warmup_rows, unit="rows")
+    report["warmup"] = warm_ups.record()
+    warm_data = (data[0][: options.warmup_rows], data[1], data[2], data[3])
     for arm, lr, seed in plan:
+        warm_ups.before(arm, run, arm, lr, seed, warm_data, options)
         result = run(arm, lr, seed, data, options)
         report["runs"].append(result)
         report["summary"] = summarise(report["runs"], options.seq_len)
