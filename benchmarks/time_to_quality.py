@@ -17,7 +17,7 @@ Arms (with `--start` S, 16 by default):
 - `fixedS` ... `fixed16S`: a constant effective batch over a 16x range, each at its best LR of a small grid (the
   `grid` phase, seed 0, final eval loss);
 - `phase`: S -> 2S -> 4S -> 8S -> 16S at 1/16, 1/8, 1/4 and 1/2 of the budget, `lr_scaling="sqrt"`;
-- `noise`: `NoiseScaleSchedule(S, max_size=16S)` with its defaults (goodput alone);
+- `noise`: `NoiseScaleSchedule(S, max_size=16S, min_efficiency=None)` (goodput alone, the default when these ran);
 - `noise_eff0.9`, `noise_eff0.95`: the same with `min_efficiency` 0.9 and 0.95 (`--efficiencies`);
 - `seesaw`: Seesaw (Meterez et al., 2025) on the cosine schedule: where the cosine would have halved the LR, the
   batch doubles instead and the LR rule `sqrt` multiplies the LR by sqrt(2) (so each halving becomes a division by
@@ -44,14 +44,17 @@ Each run holds the held-out loss at every evaluation (every `--eval-every` sampl
 without evaluation; `EvalClock` of `time_to_loss.py`) and its log (effective batch, LR, noise scale, statistical
 efficiency). The summary per setup: the best fixed arm (lowest median final eval loss over the seeds, each fixed arm
 at its best LR), its final loss L and its training time T; per arm, the final eval loss over L, the time to L and
-to 1.01 L over T, the time to two fixed targets (`--targets`, else the median and the highest of the fixed arms'
-final losses in the grid), samples and steps; the issue's goal (final eval loss within 1% of L, reached in at most
+to 1.01 L over T, its time over the time the best fixed arm of the same seed took to reach the arm's own final loss
+("same loss": the fixed arm's curve reaches 1.01 L before its end too, so below 1 is what says the schedule beat
+stopping the fixed arm early), the time to two fixed targets (`--targets`, else the median and the highest of the
+fixed arms' final losses in the grid), samples and steps; the issue's goal (final eval loss within 1% of L, reached in at most
 0.8 T) met or missed per schedule arm; a plot per setup.
 
     python benchmarks/time_to_quality.py --prepare-english .venv/lib/python3.11/site-packages --corpus .corpus
     python3 benchmarks/time_to_quality.py --out $OUT --setup lora --phase grid --time-limit 540
     python3 benchmarks/time_to_quality.py --out $OUT --setup lora --phase seeds --best GRID.json --time-limit 540
     python benchmarks/time_to_quality.py --out OUT --summarise GRID.json SEEDS.json    # merge, summarise, plot
+                                                   # (a later file's run of an arm, seed and LR replaces an earlier one)
     python benchmarks/time_to_quality.py --out /tmp/ttq --tiny                         # a CPU dry run, every setup
 
 `--time-limit S` starts no arm that would end after S seconds from the start of the call, judged by the longest arm
@@ -227,7 +230,7 @@ def schedule_for(arm: str, start: int, noise_rule: str):
     if arm == "phase":
         return PhaseSchedule([start << k for k in range(5)], boundaries=[1 / 16, 1 / 8, 1 / 4, 1 / 2]), "sqrt"
     if arm == "noise":
-        return NoiseScaleSchedule(start, max_size=16 * start), noise_rule
+        return NoiseScaleSchedule(start, max_size=16 * start, min_efficiency=None), noise_rule
     if arm.startswith("noise_eff"):
         bound = float(arm[len("noise_eff") :])
         return NoiseScaleSchedule(start, max_size=16 * start, min_efficiency=bound), noise_rule
@@ -428,9 +431,18 @@ def summarise(runs: list[dict], targets: list[float]) -> dict:
     best = min(fixed, key=lambda a: statistics.median(r["final_eval_loss"] for r in by_arm[a]))
     loss = statistics.median(r["final_eval_loss"] for r in by_arm[best])
     seconds = statistics.median(r["train_seconds"] for r in by_arm[best])
+    best_by_seed = {r["seed"]: r for r in by_arm[best]}
     table, goals = [], []
     for arm in arms:
         group = by_arm[arm]
+        # the arm's time over the time the best fixed arm of the same seed took to reach the arm's final loss (None
+        # where that fixed run never reached it): below 1, stopping the fixed arm early would not have been as fast
+        same_loss = []
+        for r in group:
+            fixed_seconds = (
+                seconds_to(best_by_seed[r["seed"]], r["final_eval_loss"]) if r["seed"] in best_by_seed else 0
+            )
+            same_loss.append(r["train_seconds"] / fixed_seconds if 0 < fixed_seconds < math.inf else None)
         to_best = [seconds_to(r, loss) for r in group]
         to_within = [seconds_to(r, loss * (1 + WITHIN)) for r in group]
         row = {
@@ -443,6 +455,8 @@ def summarise(runs: list[dict], targets: list[float]) -> dict:
             "time_to_best_over_best": median(t / seconds for t in to_best),
             "time_to_within_1pct_over_best": median(t / seconds for t in to_within),
             "time_to_within_1pct_per_seed": [t / seconds if math.isfinite(t) else None for t in to_within],
+            "time_over_best_fixed_at_same_loss": median(x for x in same_loss if x is not None),
+            "time_over_best_fixed_at_same_loss_per_seed": same_loss,
             "seconds_to_targets": [median(seconds_to(r, t) for r in group) for t in targets],
             "samples": median(r["samples"] for r in group),
             "steps": median(r["steps"] for r in group),
@@ -490,7 +504,7 @@ def print_table(setup: str, summary: dict) -> None:
         f" in T = {summary['best_fixed_train_seconds']:.1f} s; targets {targets}"
     )
     print(
-        "arm            LR        seeds  final    /L      t(L)/T  t(1.01L)/T  s to targets    samples   steps  batch"
+        "arm            LR        seeds  final    /L      t(L)/T  t(1.01L)/T  same loss  s to targets    samples   steps  batch"
     )
     for row in summary["table"]:
         to_targets = "/".join(fmt(t, ".1f") for t in row["seconds_to_targets"])
@@ -498,7 +512,8 @@ def print_table(setup: str, summary: dict) -> None:
         print(
             f"{row['arm']:14} {row['lr']:<9.3g} {len(row['seeds']):5}  {row['final_eval_loss']:.4f}  "
             f"{row['final_over_best']:.4f}  {fmt(row['time_to_best_over_best']):>6}  "
-            f"{fmt(row['time_to_within_1pct_over_best']):>10}  {to_targets:>14}  {row['samples']:>7.0f}  "
+            f"{fmt(row['time_to_within_1pct_over_best']):>10}  {fmt(row.get('time_over_best_fixed_at_same_loss')):>9}"
+            f"  {to_targets:>14}  {row['samples']:>7.0f}  "
             f"{row['steps']:>6.0f}  {batch}"
         )
     for line in summary["goals"]:
@@ -640,14 +655,19 @@ def main():
         for name in options.summarise:
             with open(name) as f:
                 part = json.load(f)
-            report["runs"].extend(part["runs"])
+            # a later file's run replaces an earlier one's of the same setup, phase, arm, seed and LR: a seed run
+            # again whole in a call of its own replaces the part of it an earlier call ran before its time limit
+            key = lambda r: (r["setup"], r["phase"], r["arm"], r["seed"], r["lr"])  # noqa: E731
+            replaced = {key(r) for r in part["runs"]}
+            report["runs"] = [r for r in report["runs"] if key(r) not in replaced] + part["runs"]
             if part.get("targets"):
                 report.setdefault("targets_by_setup", {}).setdefault(part["setup"], part["targets"])
-        for setup in dict.fromkeys(r["setup"] for r in report["runs"]):
+        summarised = list(dict.fromkeys(r["setup"] for r in report["runs"]))
+        for setup in summarised:
             targets = [float(t) for t in options.targets.split(",")] if options.targets else None
             targets = targets or report.get("targets_by_setup", {}).get(setup)
             print_table(setup, report_setup(setup, report, options.out, targets))
-        with open(os.path.join(options.out, "time_to_quality_summary.json"), "w") as f:
+        with open(os.path.join(options.out, f"time_to_quality_{'_'.join(summarised)}_summary.json"), "w") as f:
             json.dump({k: v for k, v in report.items() if k != "runs"}, f, indent=1)
         return
     import transformers
