@@ -7,7 +7,8 @@ data seed). Arms:
 
 - `fixed16` ... `fixed256`: a constant effective batch, 16x range;
 - `phase`: 16 -> 32 -> 64 -> 128 -> 256 at 1/16, 1/8, 1/4 and 1/2 of the budget, `lr_scaling="sqrt"`;
-- `noise`: `NoiseScaleSchedule(16, max_size=256)` with its defaults, `lr_scaling="sqrt"`.
+- `noise`: `NoiseScaleSchedule(16, max_size=256, min_efficiency=None)` (goodput alone, the default when it ran),
+  `lr_scaling="sqrt"`.
 
 Every arm runs `AdaptiveBatch` with `micro_batch_size="auto"`, so the micro-batch is chosen the same way in all.
 The arms run in blocks (one per seed, and in the grid one per seed and LR), every other block in reverse order, so
@@ -159,7 +160,7 @@ def schedule_for(arm: str, lr_scaling_out: dict):
     if arm == "phase":
         return PhaseSchedule([16, 32, 64, 128, 256], boundaries=[1 / 16, 1 / 8, 1 / 4, 1 / 2])
     if arm == "noise":
-        return NoiseScaleSchedule(16, max_size=256)
+        return NoiseScaleSchedule(16, max_size=256, min_efficiency=None)
     raise ValueError(f"unknown arm {arm!r}; one of {ARMS}")
 
 

@@ -300,8 +300,8 @@ def noise_run(output_dir: str, micro: int) -> None:
 
 
 def growing_run(output_dir: str, micro: int) -> None:
-    """SGD on `LinearRegression` (its noise scale rises as it converges) under NoiseScaleSchedule(32, max 256) with
-    micro-batches of `micro` and the gain LR rule. Rank 0 models a step as 1 s + 0.02 s a row (a doubled batch pays once the noise scale
+    """SGD on `LinearRegression` (its noise scale rises as it converges) under NoiseScaleSchedule(32, max 256,
+    goodput alone) with micro-batches of `micro` and the gain LR rule. Rank 0 models a step as 1 s + 0.02 s a row (a doubled batch pays once the noise scale
     passes 55), rank 1 as 1 s + 1 s a row (it never pays there): the ranks must still make the same changes. Writes
     the changes, the plan, the logs and the first coordinate of every row this rank trained on."""
     from helpers import (
@@ -320,7 +320,9 @@ def growing_run(output_dir: str, micro: int) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     per_row = 0.02 if int(os.environ.get("RANK", "0")) == 0 else 1.0
     StepTimeModel.predict = lambda self, rows, micro_batches: 1.0 + per_row * rows
-    schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=640)
+    schedule = NoiseScaleSchedule(
+        32, max_size=256, min_samples_between_changes=640, min_efficiency=None
+    )  # goodput alone
     callback = AdaptiveBatch(
         schedule=schedule, micro_batch_size=micro, noise_time_constant_samples=320, lr_scaling="gain"
     )

@@ -130,8 +130,14 @@ def test_the_runs_efficiency_weighs_each_stretch_by_its_samples():
 
 def test_a_finite_budget_grows_only_while_the_runs_efficiency_stays_above_the_bound():
     times = two_sizes(1.0, 1.5)  # 4/3 the speed at 64: on a noise scale of 1,000 the goodput gains x1.293
-    free = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=0)
+    free = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=0, min_efficiency=None)
     assert free.propose(32, 3200, 1000.0, StepCosts(times), budget=6400)[0] == 64
+    # on a noise scale of 200 the goodput gains x1.172 at 64, but the whole budget there counts (200 + 32) /
+    # (200 + 64) = 0.879: goodput alone grows, the default bound of 0.9 keeps 32; with no budget it grows
+    assert free.propose(32, 0, 200.0, StepCosts(times), budget=6400)[0] == 64
+    default = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=0)
+    assert default.propose(32, 0, 200.0, StepCosts(times), budget=6400) is None
+    assert default.propose(32, 0, 200.0, StepCosts(times), budget=None)[0] == 64
     # the rest at 64 counts (1000 + 32) / (1000 + 64) = 0.970 each: the run's 0.985, over 0.98 but under 0.99
     loose = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=0, min_efficiency=0.98)
     size, reason = loose.propose(32, 3200, 1000.0, StepCosts(times), budget=6400)
@@ -277,7 +283,9 @@ def test_the_batch_grows_as_the_noise_scale_rises_and_the_accounting_stays_exact
     (9 |r|^2 + 8) / |r|^2 rises from 17. With 1 s a step plus 0.02 s a row, doubling 32 pays once the noise
     scale's lower bound passes 55."""
     monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(0.02))
-    schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=640)
+    schedule = NoiseScaleSchedule(
+        32, max_size=256, min_samples_between_changes=640, min_efficiency=None
+    )  # goodput alone
     trainer = growing_trainer(tmp_path, schedule, learning_rate=0.05)
     seen = RowsSeen(trainer.model)
     trainer.train()
@@ -315,7 +323,9 @@ def test_a_gain_rule_scales_the_lr_by_adascale_s_gain_at_each_change(tmp_path, m
     """lr_scaling='gain': each size's LR multiplier is r = (B / 32)(B_noise + 32) / (B_noise + B), B_noise the
     noise scale measured when the change was decided; 'sqrt_gain': sqrt(r)."""
     monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(0.02))
-    schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=640)
+    schedule = NoiseScaleSchedule(
+        32, max_size=256, min_samples_between_changes=640, min_efficiency=None
+    )  # goodput alone
     trainer = growing_trainer(tmp_path, schedule, learning_rate=0.05, lr_scaling=rule)
     trainer.train()
     assert len(schedule.changes) >= 2
@@ -361,7 +371,9 @@ def test_without_a_wait_between_changes_each_grows_from_the_last_one(tmp_path, m
     """With min_samples_between_changes=0 a decision can come while the last change still waits in steps the data
     loader has not drawn: it grows from that change's size, never to the same size twice."""
     monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(0.0))  # a step costs the same at any size
-    schedule = NoiseScaleSchedule(16, max_size=256, min_samples_between_changes=0)
+    schedule = NoiseScaleSchedule(
+        16, max_size=256, min_samples_between_changes=0, min_efficiency=None
+    )  # goodput alone
     # a worker that draws two steps ahead (prefetch_factor 2)
     trainer = growing_trainer(tmp_path, schedule, learning_rate=0.05, rows=3200, dataloader_num_workers=1)
     trainer.train()
@@ -392,7 +404,9 @@ def test_a_resumed_run_continues_with_the_changes_made_before_its_checkpoint(tmp
     monkeypatch.setattr(StepTimeModel, "predict", fixed_step_time(0.02))
 
     def run(output, resume=None):
-        schedule = NoiseScaleSchedule(32, max_size=256, min_samples_between_changes=640)
+        schedule = NoiseScaleSchedule(
+            32, max_size=256, min_samples_between_changes=640, min_efficiency=None
+        )  # goodput alone
         trainer = growing_trainer(
             tmp_path / output,
             schedule,
