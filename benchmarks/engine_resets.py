@@ -3,7 +3,8 @@ and ZeRO-2/3 runs (`zero2_offload`: ZeRO-2 with the optimizer offloaded to the C
 process under torchrun, with the fake out-of-memory error in the middle of a backward of a micro-batch of 2 (with
 `--oom-after 1`, the second such, the first step's last micro-batch), against the clean run at micro-batch 1. Bit
 for bit, as tests/test_ddp.py and test_deepspeed.py assert on the CPU. The tiny model is float32 on the GPU
-(DeepSpeed refuses float64 parameters there under ZeRO-3) and float64 on the CPU, as in the tests.
+(ZeRO-3 refuses float64 parameters on any device) and float64 on the CPU, as in the tests but for their ZeRO-3
+worker, which runs float32 too.
 
     python benchmarks/engine_resets.py --out results/ [--cpu] [--kinds zero2,zero3,zero2_offload] [--oom-after 1]
 """
