@@ -101,3 +101,27 @@ def test_a_cap_stated_after_the_size_was_learned_holds_from_then_on():
     assert controller.size == 4 and not controller.exploring and controller.next_size(64) <= 6
     controller.limit_to(2)
     assert controller.size == 2
+
+
+def test_the_readme_names_every_field_a_resume_must_keep():
+    """README's "Interrupt and resume" lists what must stay the same: every field of the plan's identity that a user
+    sets (a field added to `PlanIdentity` fails here until the README names it)."""
+    from dataclasses import fields
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    section = readme.split("## Interrupt and resume", 1)[1].split("\n## ", 1)[0]
+    must_stay = section.split("**What must stay the same**", 1)[1].split("\n- **", 1)[0]
+    named = {  # the README's words for each field
+        "dataset_size": "the dataset's size",
+        "budget_samples": "the budget",
+        "drop_last": "`dataloader_drop_last`",
+        "data_seed": "`data_seed`",
+        "shuffle": "the shuffle setting",
+        "schedule": "the schedule",
+        "lr_scaling": "`lr_scaling`",
+    }
+    internal = {"adopted_at_step", "fingerprint"}  # not a setting: taken from the checkpoint, or derived
+    assert set(named) == {f.name for f in fields(PlanIdentity)} - internal
+    for field, words in named.items():
+        assert words in " ".join(must_stay.split()), (field, words)
