@@ -207,3 +207,19 @@ def test_bad_sft_fields_are_refused_naming_the_field(capsys, chat_tokenizer, cha
     code = main(["plan", "--dataset", str(chat_jsonl), "--tokenizer", str(folder), "--", *argv])
     _, err = capsys.readouterr()
     assert code == 1 and message in err and err.count("\n") == 1
+
+
+def test_rows_truncation_leaves_without_a_loss_token_are_dropped_as_sft_trainer_drops_them(
+    capsys, tmp_path, chat_tokenizer, texts
+):
+    """Prompt-completion rows train on the completion only: a prompt that fills max_length leaves no token in the
+    loss, and SFTTrainer drops the row; plan's rows drop with it."""
+    rows = [{"prompt": texts[i][: 40 + (i % 4) * 150], "completion": texts[200 + i][:80]} for i in range(40)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    trainer = sft_trainer(chat_tokenizer, path, tmp_path, max_length=64)
+    trained_rows, tokens = trained_on(trainer)
+    assert 0 < trained_rows < 40  # some rows dropped, not all
+    result, _ = plan_sft(capsys, chat_tokenizer, path, "--", "--max_length", "64")
+    assert (result["dataset_size"], result["tokens"]) == (trained_rows, tokens)
+    assert f"and drops {40 - trained_rows} left with no token in the loss" in result["dataset_notes"][0]
