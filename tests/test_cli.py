@@ -324,7 +324,8 @@ def test_plan_counts_text_tokens_with_a_tokenizer_folder(capsys, tmp_path, token
     tokenizer.save_pretrained(folder)
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps({"text": text}) for text in texts[:10]))
-    expected = sum(len(tokenizer(text)["input_ids"]) for text in texts[:10])
+    # as SFTTrainer tokenises text rows (the only trainer that does): each text with the EOS it appends
+    expected = sum(len(tokenizer(text + tokenizer.eos_token)["input_ids"]) for text in texts[:10])
     code, out, err = run(
         capsys, "plan", "--dataset", str(path), "--tokenizer", str(folder), "--epochs", "2", "--json"
     )
@@ -334,7 +335,7 @@ def test_plan_counts_text_tokens_with_a_tokenizer_folder(capsys, tmp_path, token
     assert json.loads(out)["tokens"] is None  # no tokenizer: not known
     path.write_text(json.dumps({"prompt": "no text field"}))
     code, _, err = run(capsys, "plan", "--dataset", str(path), "--tokenizer", str(folder))
-    assert code == 1 and "row 0 holds neither 'input_ids', 'text' nor 'messages'" in err
+    assert code == 1 and "row 0 holds neither 'input_ids', 'text' (dataset_text_field), 'messages' nor" in err
 
 
 def chat_tokenizer_folder(tokenizer, folder):

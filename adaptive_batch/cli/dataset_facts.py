@@ -1,54 +1,315 @@
-"""What `adaptive-batch plan` needs of a dataset file: its rows and, where they can be counted, its tokens."""
+"""What `adaptive-batch plan` needs of a dataset file: its rows and, where they can be counted, its tokens, as the run
+will train on them.
+
+Rows of 'text', 'messages' or 'prompt'/'completion' are tokenised only by TRL's SFTTrainer, so they are prepared as it
+prepares them (its own `_prepare_dataset`, with the run's SFTConfig fields: chat template, EOS, truncation at
+`max_length`, packing); a tokenised dataset ('input_ids') likewise where the run is an SFTTrainer run by its
+arguments, else counted as it is (the plain Trainer trains on it as it is)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import types
 from pathlib import Path
 
 from ..runtime import lengths
+from .sft_args import SFTArgs, sft_defaults
 
 
-def dataset_facts(path: Path, tokenizer_dir: Path | None = None) -> tuple[int, int | None]:
-    """(rows, tokens per epoch or `None`) of a .jsonl/.json file or a `datasets.save_to_disk` folder.
+@dataclasses.dataclass
+class DatasetFacts:
+    """The rows the run trains on per epoch, their tokens (`None`: not known), one line on how they were counted
+    where they are not the file's own rows and tokens, and one line for each given setting the count could not
+    follow."""
 
-    Tokens are read from the rows' `input_ids`; without them, counted with the tokenizer in `tokenizer_dir` from
-    rows holding 'text' or 'messages'; else not known (`None`).
-    """
+    rows: int
+    tokens: int | None
+    notes: list = dataclasses.field(default_factory=list)
+    not_used: list = dataclasses.field(default_factory=list)
+
+
+def dataset_facts(path: Path, tokenizer_dir: Path | None = None, sft: SFTArgs | None = None) -> DatasetFacts:
+    """The rows and tokens per epoch of a .jsonl/.json file or a `datasets.save_to_disk` folder, as the run trains
+    on them (see the module's docstring); tokens `None` where they cannot be counted (text without --tokenizer)."""
+    sft = sft or SFTArgs()
     if not path.exists():
         raise ValueError(
             f"--dataset {path} does not exist; pass a .jsonl/.json file or a save_to_disk folder."
         )
-    if path.is_dir():
-        return _saved_dataset_facts(path, tokenizer_dir)
-    records = _read_records(path)
-    if not records:
+    rows = _load(path)
+    if len(rows) == 0:
         raise ValueError(f"--dataset {path} holds no records.")
-    with_ids = [
-        r["input_ids"] for r in records if isinstance(r, dict) and isinstance(r.get("input_ids"), list)
-    ]
-    if len(with_ids) == len(records):
-        return len(records), sum(map(len, with_ids))
-    if tokenizer_dir is not None:
-        return len(records), _count_tokens(records, tokenizer_dir, path)
-    return len(records), None
+    tokenized = _all_tokenized(rows)
+    defaults = sft_defaults()
+    given = _non_default(sft, defaults)
+    if tokenized and not sft.is_sft:
+        return DatasetFacts(len(rows), _total_tokens(rows))
+    if (
+        defaults is None
+    ):  # no TRL: counted as the rows are (text through the tokenizer, chat through its template)
+        facts = DatasetFacts(len(rows), _total_tokens(rows) if tokenized else None)
+        if not tokenized and tokenizer_dir is not None:
+            facts.tokens = _count_tokens(rows, tokenizer_dir, path)
+            facts.notes.append(
+                "TRL is not installed: tokens counted without SFTTrainer's preparation (its EOS, truncation, packing)"
+            )
+        if given:
+            facts.not_used.append(f"{_named(given)}: TRL is not installed to prepare the dataset with them")
+        return facts
+    if not tokenized and tokenizer_dir is None:
+        facts = DatasetFacts(len(rows), None)
+        if given:
+            facts.not_used.append(
+                f"{_named(given)}: the rows are not tokenised without --tokenizer, so their rows and tokens are the "
+                "file's, not SFTTrainer's; pass --tokenizer to prepare them as SFTTrainer does"
+            )
+        return facts
+    return _sft_facts(rows, path, tokenizer_dir, sft, defaults, given)
 
 
-def _saved_dataset_facts(path: Path, tokenizer_dir: Path | None) -> tuple[int, int | None]:
-    from datasets import load_from_disk
+def _sft_facts(rows, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict, given: dict) -> DatasetFacts:
+    """Rows and tokens as the installed TRL's SFTTrainer prepares `rows`: its `_prepare_dataset` is run twice, first
+    to tokenise (no truncation, packing or shuffle), then on the tokenised rows with the run's truncation, packing
+    and shuffle, as it goes on from its tokenised rows in one call; the first tells the tokens before truncation."""
+    import trl
+    from datasets import Dataset
+    from trl import SFTTrainer
+    from trl.data_utils import is_conversational
 
-    dataset = load_from_disk(str(path))
-    if hasattr(dataset, "keys"):
-        if "train" not in dataset:
-            raise ValueError(f"--dataset {path} is a DatasetDict without a 'train' split: {sorted(dataset)}.")
-        dataset = dataset["train"]
-    tokens = lengths.total_tokens(dataset)
-    if tokens is None and tokenizer_dir is not None:
-        tokens = _count_tokens(dataset, tokenizer_dir, path)
-    return len(dataset), tokens
+    args = sft.config(defaults)
+    facts = DatasetFacts(len(rows), None)
+    for name in ("chat_template_path", "eval_packing"):
+        facts.not_used += _unusable(name, args, sft)
+    if sft.hidden_eos_token and not (_all_tokenized(rows) or is_conversational(rows[0])):
+        facts.not_used.append(
+            f"eos_token: {sft.hidden_eos_token} hides it (to_json_string writes '<EOS_TOKEN>'), so the EOS added to "
+            "each text row is --tokenizer's own; pass -- --eos_token TOKEN where the run sets one"
+        )
+    if (args.dataset_kwargs or {}).get("skip_prepare_dataset", False):
+        facts.tokens = _total_tokens(rows) if _all_tokenized(rows) else None
+        facts.notes.append(
+            "dataset_kwargs skip_prepare_dataset=True: SFTTrainer trains on the rows as they are"
+        )
+        return facts
+    dataset = rows if isinstance(rows, Dataset) else Dataset.from_list(rows)
+    first = dataset[0]
+    if "image" in first or "images" in first:
+        facts.notes.append(
+            "rows with images: SFTTrainer prepares them while training, so their tokens are not known"
+        )
+        return facts
+    tokenizer = _tokenizer(tokenizer_dir, args, path) if tokenizer_dir is not None else None
+    _check_first_row(first, tokenizer, args, path)
+    padding_free = args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})
+    if padding_free and not args.packing and args.max_length is not None:
+        raise ValueError(
+            f"padding_free=True without packing and with max_length={args.max_length}: SFTTrainer refuses it "
+            "(max_length is not enforced padding-free); enable packing, or set max_length None."
+        )
+    if args.packing and args.max_length is None:
+        raise ValueError(
+            "packing=True needs a max_length (SFTTrainer refuses None); set e.g. --max_length 1024."
+        )
+    chat_template = None
+    if args.assistant_only_loss:
+        from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+        if not is_conversational(first):
+            raise ValueError(
+                "assistant_only_loss=True needs conversational rows ('messages'); SFTTrainer refuses --dataset's."
+            )
+        if not has_generation_markers(tokenizer.chat_template):
+            chat_template = get_training_chat_template(tokenizer)
+    completion_only_loss = args.completion_only_loss
+    if completion_only_loss is None:
+        completion_only_loss = "prompt" in first and "completion" in first
+    trainer = types.SimpleNamespace(
+        _tokenizer=tokenizer, chat_template=chat_template, completion_only_loss=completion_only_loss
+    )
+    tokenize_only = argparse_copy(args, max_length=None, packing=False, shuffle_dataset=False)
+    with _quiet():
+        try:
+            tokenized = SFTTrainer._prepare_dataset(
+                trainer, dataset, tokenizer, tokenize_only, False, None, "train"
+            )
+            before = _row_lengths(tokenized)
+            prepared = SFTTrainer._prepare_dataset(
+                trainer, tokenized, tokenizer, args, args.packing, None, "train"
+            )
+            after = _row_lengths(prepared)
+        except (AttributeError, TypeError) as error:
+            raise ValueError(
+                f"TRL {trl.__version__}'s SFTTrainer._prepare_dataset could not be run as plan runs it ({error}); "
+                "plan follows TRL 1.16's preparation."
+            ) from None
+        except (KeyError, RuntimeError) as error:
+            raise ValueError(f"SFTTrainer's preparation of --dataset {path} fails: {error!r}.") from None
+    facts.rows, facts.tokens = len(after), sum(after)
+    facts.notes.append(_how(args, sft, before, after, trl.__version__))
+    return facts
+
+
+def argparse_copy(namespace, **changes):
+    copy = types.SimpleNamespace(**vars(namespace))
+    for key, value in changes.items():
+        setattr(copy, key, value)
+    return copy
+
+
+def _how(args, sft: SFTArgs, before: list[int], after: list[int], version: str) -> str:
+    """One line on how TRL's preparation gave the rows and tokens."""
+
+    def setting(name):
+        origin = "" if name in sft.given else " (SFTConfig's default)"
+        return f"{name}={getattr(args, name)!r}{origin}"
+
+    text = f"rows and tokens as TRL {version}'s SFTTrainer prepares --dataset: "
+    tokens_before, tokens_after = sum(before), sum(after)
+    if args.packing:
+        text += (
+            f"packing ({setting('packing_strategy')}, {setting('max_length')}) packs {len(before):,} rows of "
+            f"{tokens_before:,} tokens into {len(after):,} rows of {tokens_after:,} tokens"
+        )
+    elif args.max_length is None:
+        text += f"max_length=None{' (given)' if 'max_length' in sft.given else ''}: no truncation"
+    else:
+        cut = sum(length > args.max_length for length in before)
+        text += f"{setting('max_length')} truncates {cut:,} of {len(before):,} rows"
+        if cut:
+            text += f" ({tokens_before:,} -> {tokens_after:,} tokens)"
+        if len(after) < len(before):
+            text += f", and drops {len(before) - len(after):,} left with no token in the loss"
+    return text
+
+
+def _unusable(name: str, args, sft: SFTArgs) -> list[str]:
+    """The line naming field `name` where it is set and the plan cannot follow it."""
+    if name == "chat_template_path":
+        value = args.chat_template_path
+        if value is None or str(value).endswith((".jinja", ".j2")):
+            return []
+        return [
+            f"chat_template_path={value!r}: SFTTrainer clones that tokenizer's template and special tokens into the "
+            "model; plan renders with --tokenizer's own template, so pass --tokenizer a folder that holds it"
+        ]
+    value = sft.eval_only.get(name)
+    if value in (None, "None", "none"):
+        return []
+    return [f"{name}={value!r}: the eval set's, and plan counts the train set only"]
+
+
+def _non_default(sft: SFTArgs, defaults: dict | None) -> dict:
+    """The given SFT fields whose value is not SFTConfig's default (all given ones without TRL)."""
+    return {
+        name: value
+        for name, value in sft.given.items()
+        if name != "seed" and (defaults is None or defaults.get(name) != value)
+    }
+
+
+def _named(fields: dict) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in fields.items())
+
+
+def _tokenizer(tokenizer_dir: Path, args, path: Path):
+    """The --tokenizer as SFTTrainer sets it up: its eos_token and a .jinja chat_template_path applied."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if args.eos_token is not None:
+        if args.eos_token not in tokenizer.get_vocab():
+            raise ValueError(
+                f"eos_token={args.eos_token!r} is not in --tokenizer {tokenizer_dir}'s vocabulary; SFTTrainer refuses it."
+            )
+        tokenizer.eos_token = args.eos_token
+    template = args.chat_template_path
+    if template is not None and str(template).endswith((".jinja", ".j2")) and Path(template).is_file():
+        tokenizer.chat_template = Path(template).read_text(encoding="utf-8")
+    return tokenizer
+
+
+def _check_first_row(first: dict, tokenizer, args, path: Path) -> None:
+    """Refuse, naming what is missing, a dataset SFTTrainer cannot prepare: SFTTrainer looks at the first row."""
+    from trl.data_utils import is_conversational, is_conversational_from_value
+
+    if "input_ids" in first:
+        return
+    if tokenizer is None:
+        raise ValueError(
+            f"--dataset {path} is not tokenised ('input_ids'): pass --tokenizer to count its tokens."
+        )
+    conversational = is_conversational(first) or is_conversational_from_value(first)
+    if conversational and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"--dataset {path} row 0 holds 'messages' but the --tokenizer has no chat_template to render them "
+            "with; pass the tokenizer folder of a chat model (its tokenizer_config.json or chat_template.jinja holds "
+            "one), or rows of 'text' / 'input_ids'."
+        )
+    if (
+        not conversational
+        and args.dataset_text_field not in first
+        and not ("prompt" in first and "completion" in first)
+    ):
+        raise ValueError(
+            f"--dataset {path} row 0 holds neither 'input_ids', {args.dataset_text_field!r} (dataset_text_field), "
+            "'messages' nor 'prompt' and 'completion', so SFTTrainer has nothing to tokenise (a formatting_func "
+            "of the script's is not seen by plan); pass a dataset of those, or leave --tokenizer out (tokens unknown)."
+        )
+
+
+@contextlib.contextmanager
+def _quiet():
+    """datasets' progress bars off while the plan prepares the dataset (they are not the plan's output)."""
+    import datasets
+
+    was_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_off:
+            datasets.enable_progress_bars()
+
+
+def _row_lengths(dataset) -> list[int]:
+    """Each row's number of input_ids, reading the dataset through its indices (a shuffle or filter leaves one)."""
+    return lengths.row_lengths(dataset.select_columns(["input_ids"]).flatten_indices())
+
+
+def _total_tokens(rows) -> int | None:
+    return lengths.total_tokens(rows)
+
+
+def _all_tokenized(rows) -> bool:
+    if hasattr(rows, "column_names"):
+        return "input_ids" in rows.column_names
+    return all(isinstance(r, dict) and isinstance(r.get("input_ids"), list) for r in rows)
+
+
+def _load(path: Path):
+    """The records of a .jsonl/.json file (a list of dicts), or the train split of a save_to_disk folder."""
+    if path.is_dir():
+        from datasets import load_from_disk
+
+        dataset = load_from_disk(str(path))
+        if hasattr(dataset, "keys"):
+            if "train" not in dataset:
+                raise ValueError(
+                    f"--dataset {path} is a DatasetDict without a 'train' split: {sorted(dataset)}."
+                )
+            dataset = dataset["train"]
+        return dataset
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+        return data if isinstance(data, list) else data.get("data", [])
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _count_tokens(rows, tokenizer_dir: Path, path: Path) -> int:
-    """Tokens of rows holding 'text' (tokenized as is) or 'messages' (the tokenizer's chat template)."""
+    """Without TRL: tokens of rows holding 'text' (tokenized as is) or 'messages' (the tokenizer's chat template)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -67,9 +328,9 @@ def _count_tokens(rows, tokenizer_dir: Path, path: Path) -> int:
 
 
 def _chat_tokens(tokenizer, messages: list, path: Path, index: int) -> int:
-    """Tokens of one conversation as the Trainer (or TRL) trains on it: the chat template's text, tokenized without
-    adding special tokens again (the template writes its own). Not `len(apply_chat_template(tokenize=True))`: in
-    transformers 5 that returns a `BatchEncoding`, whose `len()` is its number of keys."""
+    """Tokens of one conversation: the chat template's text, tokenized without adding special tokens again (the
+    template writes its own). Not `len(apply_chat_template(tokenize=True))`: in transformers 5 that returns a
+    `BatchEncoding`, whose `len()` is its number of keys."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"--dataset {path} row {index} holds 'messages' but the --tokenizer has no chat_template to render them "
@@ -78,11 +339,3 @@ def _chat_tokens(tokenizer, messages: list, path: Path, index: int) -> int:
         )
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _read_records(path: Path) -> list:
-    text = path.read_text()
-    if path.suffix == ".json":
-        data = json.loads(text)
-        return data if isinstance(data, list) else data.get("data", [])
-    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -14,6 +14,7 @@ from ..core.schedule import PhaseSchedule, as_schedule, describe
 from ..core.traps import explicit_epochs, run_traps
 from .arguments import integer, number, positive_int, setting_help
 from .dataset_facts import dataset_facts
+from .sft_args import read_sft_args, sft_defaults
 from .training_args import apply_training_args
 
 HELP = "print the steps, samples, tokens and LR of a run before it starts"
@@ -26,22 +27,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer",
         type=Path,
-        help="a tokenizer folder (save_pretrained): count the tokens of --dataset rows that hold 'text' or "
-        "'messages' (chat template) rather than 'input_ids'",
+        help="a tokenizer folder (save_pretrained): prepare --dataset rows that hold 'text', 'messages' or "
+        "'prompt'/'completion' as TRL's SFTTrainer does (chat template, EOS, truncation at max_length, packing, with "
+        "the SFTConfig fields of --args and the script arguments) and count its rows and tokens",
     )
     parser.add_argument(
         "--args",
         type=Path,
-        help="the run's saved TrainingArguments: a JSON of them (args.to_json_string()) or the training_args.bin "
-        "the Trainer writes in each checkpoint (unpickled: only your own files); the flags below override it",
+        help="the run's saved TrainingArguments or SFTConfig: a JSON of them (args.to_json_string()) or the "
+        "training_args.bin the Trainer writes in each checkpoint (unpickled: only your own files); the flags below "
+        "override it",
     )
     parser.add_argument(
         "script_args",
         nargs="*",
         metavar="-- SCRIPT ARGS",
         help="after --, your script's own command-line arguments (HfArgumentParser style, e.g. "
-        "--per_device_train_batch_size 4 --num_train_epochs 2); the TrainingArguments fields among them override "
-        "--args, the rest are ignored",
+        "--per_device_train_batch_size 4 --num_train_epochs 2 --max_length 1024 --packing); the TrainingArguments "
+        "and SFTConfig fields among them override --args; options that are neither are named, not read",
     )
     parser.add_argument(
         "--per-device",
@@ -94,10 +97,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(options: argparse.Namespace) -> dict:
     """Plan the run as the Trainer will and return the plan as plain data ([`show`] prints it)."""
     apply_training_args(options)
+    sft = read_sft_args(
+        getattr(options, "script_args", None) or [], options.saved_args, f"--args {options.args} gives"
+    )
+    not_used = _unknown_options_line(sft.unknown_options)
     if options.dataset is None:
-        dataset_size, tokens_per_epoch = options.dataset_size, None
+        dataset_size, tokens_per_epoch, dataset_notes = options.dataset_size, None, []
+        not_used += _sft_fields_without_dataset(sft)
     else:
-        dataset_size, tokens_per_epoch = dataset_facts(options.dataset, options.tokenizer)
+        facts = dataset_facts(options.dataset, options.tokenizer, sft)
+        dataset_size, tokens_per_epoch, dataset_notes = facts.rows, facts.tokens, facts.notes
+        not_used += facts.not_used
     schedule = _schedule(options)
     epochs = options.epochs if options.epochs is not None else RunSettings.num_train_epochs  # the Trainer's 3
     settings = RunSettings(
@@ -138,6 +148,8 @@ def run(options: argparse.Namespace) -> dict:
             for step, samples, scheduled in plan.uneven_steps()
         ],
         "notes": list(plan.notes),
+        "dataset_notes": dataset_notes,  # how the rows and tokens were counted, where not as the file holds them
+        "not_used": not_used,  # one line for each setting given that the plan could not follow
         "warnings": run_traps(
             planned,
             schedule,
@@ -170,8 +182,40 @@ def show(result: dict) -> None:
         for label, value in result["table"]:
             table.add_row(label, value)
         Console().print(table)
+    for note in result["dataset_notes"]:
+        print(f"note: {note}", file=sys.stderr)
+    for line in result["not_used"]:
+        print(f"not used: {line}", file=sys.stderr)
     for warning in result["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
+
+
+def _unknown_options_line(options: list[str]) -> list[str]:
+    """One line naming the script's options that are no SFTConfig or TrainingArguments field (none: no line)."""
+    if not options:
+        return []
+    return [
+        f"{', '.join(options)} after --: no field of SFTConfig or TrainingArguments, so plan does not read "
+        f"{'it' if len(options) == 1 else 'them'} (a dataset named there is not --dataset)"
+    ]
+
+
+def _sft_fields_without_dataset(sft) -> list[str]:
+    """With --dataset-size: the SFT fields given that change the rows or tokens, which plan counts only from a
+    --dataset file."""
+    defaults = sft_defaults() or {}
+    given = {
+        name: value
+        for name, value in sft.given.items()
+        if name not in ("seed", "dataset_num_proc") and defaults.get(name, object()) != value
+    }
+    if not given:
+        return []
+    named = ", ".join(f"{name}={value!r}" for name, value in given.items())
+    return [
+        f"{named}: they change the rows or tokens SFTTrainer trains on, which plan counts only from --dataset "
+        "(with --tokenizer); --dataset-size is taken as the rows trained on"
+    ]
 
 
 def _epochs_given(options: argparse.Namespace) -> float | None:

@@ -29,14 +29,16 @@ RULES = {
 def apply_training_args(options: argparse.Namespace) -> None:
     """Fill the plan's settings left unset on the command line from the script's arguments (after --), then from
     --args, then from the defaults; each value is checked, and a bad one refused naming where it came from, before any
-    compute. `options.given` maps each flag (`per_device`, `epochs`, ...) set by one of those, not defaulted, to
+    compute. `options.saved_args` keeps the fields of --args (or `None`). `options.given` maps each flag (`per_device`, `epochs`, ...) set by one of those, not defaulted, to
     where its value came from: "flag", "script" or "args"."""
     sources = []
     script_args = getattr(options, "script_args", None) or []
     if script_args:
         sources.append(("script", "the script arguments after -- give", read_script_args(script_args)))
+    options.saved_args = None  # the fields of --args, for the SFT fields [`sft_args.read_sft_args`] reads
     if options.args is not None:
-        sources.append(("args", f"--args {options.args} gives", read_training_args(options.args)))
+        options.saved_args = read_training_args(options.args)
+        sources.append(("args", f"--args {options.args} gives", options.saved_args))
     options.given = {}
     for flag, field, default, example in FIELDS:
         given = getattr(options, flag)
@@ -92,6 +94,8 @@ def read_training_args(path: Path) -> dict:
 
         saved = torch.load(path, weights_only=False)  # a pickled TrainingArguments, the Trainer's own format
         fields = saved.to_dict() if hasattr(saved, "to_dict") else None
+        if isinstance(fields, dict) and "eos_token" in fields:  # to_dict writes '<EOS_TOKEN>' for any value
+            fields["eos_token"] = getattr(saved, "eos_token", None)
     else:
         try:
             fields = json.loads(path.read_text())

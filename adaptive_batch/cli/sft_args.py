@@ -1,0 +1,214 @@
+"""The SFTConfig fields that `adaptive-batch plan` reads, from the script's command line after `--` and from `--args`
+(a saved SFTConfig): those that change the rows or the tokens TRL's SFTTrainer trains on. Each is checked as TRL
+takes it, a bad value refused naming the field and where it came from; a field that changes the rows or tokens but
+that the plan cannot follow, and an option after `--` that is no field at all, are named in one line each."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+
+BOOLEANS = {"true": True, "t": True, "yes": True, "y": True, "1": True}
+BOOLEANS.update({"false": False, "f": False, "no": False, "n": False, "0": False})
+
+# the fields of SFTConfig (and the one of TrainingArguments) that change the train set's rows or tokens, each with
+# the rule its value must follow; the plan prepares the dataset as SFTTrainer does with them
+FIELDS = {
+    "max_length": "a positive int or None",
+    "truncation_mode": "'keep_start' or 'keep_end'",
+    "packing": "true or false",
+    "packing_strategy": "'bfd', 'bfd_split' or 'wrapped'",
+    "padding_free": "true or false",
+    "dataset_text_field": "a column name",
+    "completion_only_loss": "true, false or None",
+    "assistant_only_loss": "true or false",
+    "shuffle_dataset": "true or false",
+    "seed": "an int",
+    "eos_token": "a token or None",
+    "chat_template_path": "a path or None",
+    "dataset_kwargs": "a dict or None",
+    "dataset_num_proc": "a positive int or None",
+}
+BOOLEAN_FIELDS = {"packing", "padding_free", "assistant_only_loss", "shuffle_dataset", "completion_only_loss"}
+CHOICES = {
+    "truncation_mode": ("keep_start", "keep_end"),
+    "packing_strategy": (
+        "bfd",
+        "bfd_split",
+        "wrapped",
+        "bfd-requeue",
+    ),  # bfd-requeue: TRL's old name of bfd_split
+}
+# fields read elsewhere, or that change no train row or token: the plan does not need them
+EVAL_ONLY = {"eval_packing"}
+
+
+@dataclasses.dataclass
+class SFTArgs:
+    """The SFT fields given (by the script's arguments, else by --args), where each came from, whether the run is an
+    SFTTrainer run by its arguments (an SFT field given, or --args an SFTConfig), and one line for each option
+    after -- that is no field of SFTConfig or TrainingArguments."""
+
+    given: dict = dataclasses.field(default_factory=dict)
+    sources: dict = dataclasses.field(default_factory=dict)
+    is_sft: bool = False
+    unknown_options: list = dataclasses.field(default_factory=list)
+    hidden_eos_token: str = (
+        ""  # where --args holds eos_token as the '<EOS_TOKEN>' to_dict writes for any value
+    )
+    eval_only: dict = dataclasses.field(default_factory=dict)
+
+    def config(self, defaults: dict) -> argparse.Namespace:
+        """The SFTConfig's fields as the run has them: `defaults` (SFTConfig's), overridden by the given ones."""
+        fields = dict(defaults)
+        fields.update(self.given)
+        if fields.get("packing_strategy") == "bfd-requeue":  # as SFTConfig.__post_init__ renames it
+            fields["packing_strategy"] = "bfd_split"
+        return argparse.Namespace(**fields)
+
+
+def sft_defaults() -> dict | None:
+    """Every field of the installed TRL's SFTConfig at its default, without building one (its `__post_init__`
+    checks devices and mixed precision, which the plan does not need); `None` without TRL."""
+    try:
+        from trl import SFTConfig
+    except ImportError:
+        return None
+    defaults = {}
+    for field in dataclasses.fields(SFTConfig):
+        if field.default is not dataclasses.MISSING:
+            defaults[field.name] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            defaults[field.name] = field.default_factory()
+        else:
+            defaults[field.name] = None
+    return defaults
+
+
+def known_fields() -> tuple[set[str], set[str]]:
+    """(the fields of SFTConfig, or of TrainingArguments without TRL; those of them that are bools)."""
+    try:
+        from trl import SFTConfig as config
+    except ImportError:
+        from transformers import TrainingArguments as config
+    names, booleans = set(), set()
+    for field in dataclasses.fields(config):
+        names.add(field.name)
+        if field.type in (bool, "bool") or str(field.type) in ("bool", "bool | None"):
+            booleans.add(field.name)
+    return names, booleans
+
+
+def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) -> SFTArgs:
+    """The SFT fields of the script's arguments (first) and of a saved TrainingArguments/SFTConfig `saved`."""
+    result = SFTArgs()
+    sources = []
+    if script_args:
+        result.unknown_options = unknown_options(script_args)
+        sources.append(("the script arguments after -- give", read_script_sft_args(script_args)))
+    if saved is not None:
+        result.is_sft = "max_length" in saved and "packing" in saved  # an SFTConfig, not a TrainingArguments
+        sources.append((saved_where, {k: v for k, v in saved.items() if k in FIELDS or k in EVAL_ONLY}))
+    for where, fields in sources:
+        for name, value in fields.items():
+            if name in EVAL_ONLY:
+                result.eval_only.setdefault(name, value)
+                continue
+            if name in result.given:
+                continue
+            if name == "eos_token" and value == "<EOS_TOKEN>" and where.startswith("--args"):
+                result.hidden_eos_token = where.removesuffix(" gives")
+                continue
+            result.given[name] = _checked(name, value, where)
+            result.sources[name] = where
+            if not where.startswith("--args") and name != "seed":
+                result.is_sft = True  # seed is TrainingArguments' too: no sign of an SFT run
+    return result
+
+
+def read_script_sft_args(argv: list[str]) -> dict:
+    """The SFT fields among a script's arguments (HfArgumentParser style), each as its text (a bare bool flag as
+    'true'), for [`_checked`] to convert."""
+    parser = _ScriptParser(add_help=False, allow_abbrev=False)
+    for field in (*FIELDS, *EVAL_ONLY):
+        names = [f"--{field}", f"--{field.replace('_', '-')}"]
+        if field in BOOLEAN_FIELDS or field in EVAL_ONLY:
+            parser.add_argument(*names, dest=field, nargs="?", const="true")
+        else:
+            parser.add_argument(*names, dest=field)
+    known, _ = parser.parse_known_args(argv)
+    return {field: text for field, text in vars(known).items() if text is not None}
+
+
+def unknown_options(argv: list[str]) -> list[str]:
+    """The options among a script's arguments that are no field of SFTConfig (TrainingArguments without TRL): the
+    script's own (a model or dataset name), or a typo."""
+    names, booleans = known_fields()
+    unknown = []
+    for item in argv:
+        if not item.startswith("-") or _is_number(item):
+            continue
+        name = item.lstrip("-").split("=", 1)[0].replace("-", "_")
+        bare = (
+            name[3:] if name.startswith("no_") else None
+        )  # HfArgumentParser's --no_X for a bool defaulting True
+        option = item.split("=", 1)[0]
+        if name not in names and bare not in booleans and option not in unknown:
+            unknown.append(option)
+    return unknown
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+class _ScriptParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ValueError(f"The script arguments after -- are not valid: {message}.")
+
+
+def _checked(field: str, value, where: str):
+    """`value` of `field` as SFTTrainer takes it (a script's text converted as HfArgumentParser would), or a
+    `ValueError` naming the field, where it came from and the rule."""
+    checked = _convert(field, value)
+    if checked is _BAD:
+        raise ValueError(f"{where} {field}={value!r}, which is not {FIELDS[field]}.")
+    return checked
+
+
+_BAD = object()
+
+
+def _convert(field: str, value):
+    text = value.strip() if isinstance(value, str) else None
+    if text is not None and text.lower() in ("none", "null") and field not in ("dataset_text_field",):
+        value = None
+    if value is None:
+        nullable = {"max_length", "completion_only_loss", "eos_token", "chat_template_path"}
+        return None if field in nullable | {"dataset_kwargs", "dataset_num_proc"} else _BAD
+    if field in BOOLEAN_FIELDS:
+        if isinstance(value, bool):
+            return value
+        return BOOLEANS.get(text.lower(), _BAD) if text is not None else _BAD
+    if field in ("max_length", "seed", "dataset_num_proc"):
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            return _BAD
+        return value if field == "seed" or value >= 1 else _BAD
+    if field in CHOICES:
+        return value if value in CHOICES[field] else _BAD
+    if field == "dataset_kwargs":
+        if isinstance(value, str):
+            import json
+
+            with contextlib.suppress(ValueError):
+                value = json.loads(value)
+        return value if isinstance(value, dict) else _BAD
+    return value if isinstance(value, str) else _BAD
