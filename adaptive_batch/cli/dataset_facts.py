@@ -14,7 +14,7 @@ import json
 import types
 from pathlib import Path
 
-from ..runtime import lengths
+from ..runtime import compat, lengths
 from .sft_args import SFTArgs, sft_defaults
 
 
@@ -75,7 +75,6 @@ def _sft_facts(rows, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict, gi
     and shuffle, as it goes on from its tokenised rows in one call; the first tells the tokens before truncation."""
     import trl
     from datasets import Dataset
-    from trl import SFTTrainer
     from trl.data_utils import is_conversational
 
     args = sft.config(defaults)
@@ -125,18 +124,15 @@ def _sft_facts(rows, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict, gi
     completion_only_loss = args.completion_only_loss
     if completion_only_loss is None:
         completion_only_loss = "prompt" in first and "completion" in first
-    trainer = types.SimpleNamespace(
-        _tokenizer=tokenizer, chat_template=chat_template, completion_only_loss=completion_only_loss
-    )
     tokenize_only = argparse_copy(args, max_length=None, packing=False, shuffle_dataset=False)
     with _quiet():
         try:
-            tokenized = SFTTrainer._prepare_dataset(
-                trainer, dataset, tokenizer, tokenize_only, False, None, "train"
+            tokenized = compat.sft_prepare_dataset(
+                dataset, tokenizer, tokenize_only, False, chat_template, completion_only_loss
             )
             before = _row_lengths(tokenized)
-            prepared = SFTTrainer._prepare_dataset(
-                trainer, tokenized, tokenizer, args, args.packing, None, "train"
+            prepared = compat.sft_prepare_dataset(
+                tokenized, tokenizer, args, args.packing, chat_template, completion_only_loss
             )
             after = _row_lengths(prepared)
         except (AttributeError, TypeError) as error:

@@ -147,6 +147,20 @@ def train_dataset_and_collator(trainer, dataset, collator):
 # -- TRL's SFTTrainer --------------------------------------------------------------------------------------------
 
 
+def sft_prepare_dataset(dataset, tokenizer, args, packing: bool, chat_template, completion_only_loss: bool):
+    """The installed TRL's own preparation of a train dataset (chat template, EOS, truncation, packing), for
+    `adaptive-batch plan`: `SFTTrainer._prepare_dataset` on a stand-in holding the three attributes it reads (TRL
+    1.16), since no public function prepares a dataset without a model and a trainer."""
+    import types
+
+    from trl import SFTTrainer
+
+    trainer = types.SimpleNamespace(
+        _tokenizer=tokenizer, chat_template=chat_template, completion_only_loss=completion_only_loss
+    )
+    return SFTTrainer._prepare_dataset(trainer, dataset, tokenizer, args, packing, None, "train")
+
+
 def padding_free(trainer) -> bool:
     """Whether the collator flattens each batch into one row of sequences: `DataCollatorWithFlattening`, a collator
     with `padding_free` set, or TRL's SFTTrainer with `padding_free` (its `packing=True` with "bfd" sets it)."""
