@@ -101,7 +101,18 @@ def test_plan_reads_token_counts_from_a_jsonl_dataset(capsys, tmp_path):
         ),
         (["--dataset-size", "100", "--boundaries", "0.5"], "--boundaries needs --schedule"),
         (["--dataset", "/nonexistent.jsonl"], "does not exist"),
-        (["--dataset-size", "10", "--schedule", "16"], "exceeds the dataset size 10"),
+        (
+            ["--dataset-size", "10", "--schedule", "16"],
+            "exceeds the dataset size 10 samples: one optimizer step cannot hold more than one epoch. Give the "
+            "schedule sizes of at most 10 there, or use a larger dataset.",
+        ),
+        (
+            ["--dataset-size", "40", "--per-device", "16", "--accumulation", "2", "--gpus", "2"],
+            "per_device_train_batch_size=16 x gradient_accumulation_steps=2 x 2 processes = 64 samples per optimizer "
+            "step, more than the training dataset's 40 samples: one optimizer step cannot hold more than one epoch. "
+            "Make that product at most 40, e.g. per_device_train_batch_size=10 (10 x 2 x 2 = 40; AdaptiveBatch still "
+            "chooses the micro-batch), or use a larger dataset.",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_a_non_zero_exit(capsys, argv, message):
@@ -573,7 +584,7 @@ def test_an_effective_batch_above_the_dataset_size_is_warned_before_it_is_reache
     assert warnings[-1] == (
         "The schedule's effective batch 200 is above the dataset's 100 samples: one optimizer step cannot hold more "
         "than one epoch, so the run is refused if it reaches that phase (a larger budget, or a resume with more "
-        "epochs). Use at most 100."
+        "epochs). Give the schedule sizes of at most 100."
     )
     # reached, the plan refuses it outright
     code, _, err = run(capsys, "plan", "--dataset-size", "100", "--schedule", "4,200", "--boundaries", "0.5")

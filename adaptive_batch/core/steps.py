@@ -273,6 +273,6 @@ def _check_fits(effective: int, world_size: int, dataset_size: int, progress: Pr
     if effective > dataset_size:
         raise ValueError(
             f"The effective batch {effective} at {_where(progress)} exceeds the dataset size {dataset_size} "
-            f"{unit}: one optimizer step cannot hold more than one epoch. Use at most "
-            f"{dataset_size // world_size * world_size}."
+            f"{unit}: one optimizer step cannot hold more than one epoch. Give the schedule sizes of at most "
+            f"{dataset_size // world_size * world_size} there, or use a larger dataset."
         )

@@ -185,7 +185,7 @@ def _above_dataset_traps(run: RunPlan, schedule: Schedule) -> list[str]:
     return [
         f"The schedule's effective batch {', '.join(map(str, above))} is above the dataset's {dataset_size:,} "
         f"{run.settings.unit}: one optimizer step cannot hold more than one epoch, so the run is refused if it "
-        f"reaches that phase (a larger budget, or a resume with more epochs). Use at most "
+        f"reaches that phase (a larger budget, or a resume with more epochs). Give the schedule sizes of at most "
         f"{dataset_size // world * world}."
     ]
 
