@@ -177,7 +177,8 @@ def _budget(settings: RunSettings, starting: int, plain: PlainBatching | None) -
         steps = settings.max_steps
         origin = (
             f"max_steps={steps:,} steps of the plain Trainer at the starting effective batch {starting:,} (an "
-            "epoch's short last step counts as one; a growing batch takes the same samples in fewer steps; "
+            "epoch's short last step counts as one; a growing batch takes the same samples in fewer steps, a "
+            "shrinking one in more; "
             "num_train_epochs is ignored, as in the Trainer)"
         )
     else:

@@ -49,7 +49,8 @@ class Budget:
         return cls(
             samples,
             f"max_steps={max_steps:,} x starting effective batch {starting_effective_batch_size:,} (counted in "
-            "samples, so a growing batch shortens the run in steps; num_train_epochs is ignored, as in the Trainer)",
+            "samples, so a growing batch shortens the run in steps and a shrinking one lengthens it; num_train_epochs is "
+            "ignored, as in the Trainer)",
         )
 
 
