@@ -194,8 +194,22 @@ def test_options_that_are_adaptive_batch_settings_show_the_config_s_help(capsys,
     def words(text):  # --help wraps lines (and may break after a hyphen): compare without the whitespace
         return "".join(text.split())
 
-    assert words(entries["--lr-scaling"]) == words(f"{config.help_text('lr_scaling')} (default: none)")
-    assert words(entries["--schedule"]).startswith(words(config.help_text("schedule")))
+    # what the setting is, in the config's words (the start of its help), then the values in the command line's
+    # syntax, never Python's
+    assert words(entries["--lr-scaling"]) == words(
+        f"{config.meaning('lr_scaling')}: none (unchanged), sqrt (Adam family: x sqrt(B / B0), B the effective "
+        "batch, B0 the starting one) or linear (SGD: x B / B0) (default: none)"
+    )
+    assert words(entries["--schedule"]).startswith(
+        words(
+            f"{config.meaning('schedule')}: the size of each phase, comma-separated, e.g. 8,16,32 with --boundaries"
+        )
+    )
+    for option in ("--lr-scaling", "--schedule"):
+        for python in ("`", "NoiseScaleSchedule", "PhaseSchedule", "callable", "sqrt_gain", "'gain'", "None"):
+            assert python not in entries[option], (option, python)
+    for name in ("lr_scaling", "schedule"):
+        assert config.help_text(name).startswith(config.meaning(name) + ":")
 
 
 @pytest.mark.parametrize(
