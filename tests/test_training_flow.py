@@ -287,6 +287,50 @@ def test_the_plan_table_is_logged_when_training_starts(make_trainer, rows, caplo
     assert "samples                          80 from num_train_epochs=2 x 40 samples" in table
 
 
+def test_the_plan_table_lists_where_evaluation_and_saving_by_steps_happen_under_a_growing_batch(
+    make_trainer, rows, tmp_path
+):
+    """The steps the table lists are the ones the Trainer evaluates and saves at, with and without AdaptiveBatch."""
+    settings = dict(
+        num_rows=40,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        eval_strategy="steps",
+        eval_steps=4,
+        save_strategy="steps",
+        save_steps=4,
+        eval_dataset=rows[100:104],
+    )
+    callback = AdaptiveBatch(schedule=PhaseSchedule([2, 4], boundaries=[0.5]))
+    trainer = make_trainer([callback], **settings)
+    table = dict(callback.plan_table())
+    trainer.train()
+    plan = callback.plan
+    assert list(plan.sizes) == [2] * 10 + [4] * 5
+    evaluated = [log["step"] for log in trainer.state.log_history if "eval_loss" in log]
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert evaluated == saved == [4, 8, 12, 15]
+    samples = [plan.samples_before_step[step] for step in evaluated]
+    assert samples == [8, 16, 28, 40]
+    plain = make_trainer(output_dir=str(tmp_path / "plain"), **settings)
+    plain.train()
+    plain_evaluated = [log["step"] for log in plain.state.log_history if "eval_loss" in log]
+    assert plain_evaluated == [4, 8, 12, 16, 20]
+    for what, field in (("evaluation", "eval_steps"), ("saving", "save_steps")):
+        verb = "evaluate" if what == "evaluation" else "save"
+        assert table[f"{what} by steps"] == (
+            f"{field}=4 counts steps of the batch of the time: steps 4, 8, 12, 15 (after 8, 16, 28, 40 samples); the "
+            "plain Trainer's: 4, 8, 12, 16, 20 (after 8, 16, 24, 32, 40 samples). To "
+            f"{verb} at least every 8 samples, as the plain Trainer does: {field}=2 (8 samples apart at the largest "
+            f"batch, 4, more often at smaller ones), or {field.split('_')[0]}_strategy='epoch', which follows data "
+            f"epochs (a float {field} is a share of the steps, not of the samples)"
+        )
+    # at a constant batch the steps are the plain Trainer's: no row
+    constant = AdaptiveBatch()
+    make_trainer([constant], **settings)
+    assert not any(label.endswith("by steps") for label, _ in constant.plan_table())
+
+
 def test_the_plan_and_the_run_are_readable_from_python(make_trainer):
     callback = AdaptiveBatch(schedule=PhaseSchedule([4, 8], boundaries=[0.5]), micro_batch_size=2)
     with pytest.raises(RuntimeError, match=r"AdaptiveBatch.plan is known once the Trainer is built"):
