@@ -101,7 +101,18 @@ def test_plan_reads_token_counts_from_a_jsonl_dataset(capsys, tmp_path):
         ),
         (["--dataset-size", "100", "--boundaries", "0.5"], "--boundaries needs --schedule"),
         (["--dataset", "/nonexistent.jsonl"], "does not exist"),
-        (["--dataset-size", "10", "--schedule", "16"], "exceeds the dataset size 10"),
+        (
+            ["--dataset-size", "10", "--schedule", "16"],
+            "exceeds the dataset size 10 samples: one optimizer step cannot hold more than one epoch. Give the "
+            "schedule sizes of at most 10 there, or use a larger dataset.",
+        ),
+        (
+            ["--dataset-size", "40", "--per-device", "16", "--accumulation", "2", "--gpus", "2"],
+            "per_device_train_batch_size=16 x gradient_accumulation_steps=2 x 2 processes = 64 samples per optimizer "
+            "step, more than the training dataset's 40 samples: one optimizer step cannot hold more than one epoch. "
+            "Make that product at most 40, e.g. per_device_train_batch_size=10 (10 x 2 x 2 = 40; AdaptiveBatch still "
+            "chooses the micro-batch), or use a larger dataset.",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_a_non_zero_exit(capsys, argv, message):
@@ -183,8 +194,22 @@ def test_options_that_are_adaptive_batch_settings_show_the_config_s_help(capsys,
     def words(text):  # --help wraps lines (and may break after a hyphen): compare without the whitespace
         return "".join(text.split())
 
-    assert words(entries["--lr-scaling"]) == words(f"{config.help_text('lr_scaling')} (default: none)")
-    assert words(entries["--schedule"]).startswith(words(config.help_text("schedule")))
+    # what the setting is, in the config's words (the start of its help), then the values in the command line's
+    # syntax, never Python's
+    assert words(entries["--lr-scaling"]) == words(
+        f"{config.meaning('lr_scaling')}: none (unchanged), sqrt (Adam family: x sqrt(B / B0), B the effective "
+        "batch, B0 the starting one) or linear (SGD: x B / B0) (default: none)"
+    )
+    assert words(entries["--schedule"]).startswith(
+        words(
+            f"{config.meaning('schedule')}: the size of each phase, comma-separated, e.g. 8,16,32 with --boundaries"
+        )
+    )
+    for option in ("--lr-scaling", "--schedule"):
+        for python in ("`", "NoiseScaleSchedule", "PhaseSchedule", "callable", "sqrt_gain", "'gain'", "None"):
+            assert python not in entries[option], (option, python)
+    for name in ("lr_scaling", "schedule"):
+        assert config.help_text(name).startswith(config.meaning(name) + ":")
 
 
 @pytest.mark.parametrize(
@@ -574,7 +599,7 @@ def test_an_effective_batch_above_the_dataset_size_is_warned_before_it_is_reache
     assert warnings[-1] == (
         "The schedule's effective batch 200 is above the dataset's 100 samples: one optimizer step cannot hold more "
         "than one epoch, so the run is refused if it reaches that phase (a larger budget, or a resume with more "
-        "epochs). Use at most 100."
+        "epochs). Give the schedule sizes of at most 100."
     )
     # reached, the plan refuses it outright
     code, _, err = run(capsys, "plan", "--dataset-size", "100", "--schedule", "4,200", "--boundaries", "0.5")

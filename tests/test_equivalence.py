@@ -109,9 +109,14 @@ def test_per_micro_batch_mean_losses_are_weighted_by_label_tokens(make_trainer, 
     assert_close_parameters({n: p.grad for n, p in model.named_parameters()}, expected, rtol=1e-5)
 
 
-def test_each_step_trains_on_exactly_the_planned_samples(make_trainer, rows):
+@pytest.mark.parametrize(
+    "sizes, expected",
+    [([4, 12], [4] * 12 + [2] + [12] * 4 + [2]), ([12, 4], [12] * 4 + [2] + [4] * 12 + [2])],
+    ids=["growing", "shrinking"],
+)
+def test_each_step_trains_on_exactly_the_planned_samples(make_trainer, rows, sizes, expected):
     trainer = make_trainer(
-        [AdaptiveBatch(schedule=PhaseSchedule([4, 12], boundaries=[0.5]), micro_batch_size=5)],
+        [AdaptiveBatch(schedule=PhaseSchedule(sizes, boundaries=[0.5]), micro_batch_size=5)],
         trainer_class=Recording,
         num_rows=50,
         num_train_epochs=2,
@@ -125,7 +130,7 @@ def test_each_step_trains_on_exactly_the_planned_samples(make_trainer, rows):
         trained[step].extend(content)
     planned = [[tuple(rows[i]["input_ids"]) for i in sampler.indices(k)] for k in range(plan.num_steps)]
     assert [sorted(step) for step in trained] == [sorted(step) for step in planned]
-    assert [len(step) for step in trained] == list(plan.sizes) == [4] * 12 + [2] + [12] * 4 + [2]
+    assert [len(step) for step in trained] == list(plan.sizes) == expected
     assert logged(trainer, "adaptive_batch/effective_batch_size") == list(plan.sizes)
     for epoch in (0, 1):
         epoch_rows = [r for k, step in enumerate(trained) if plan.epoch(k) == epoch for r in step]

@@ -204,7 +204,11 @@ def test_the_schedule_answers_by_step_from_its_changes_and_keeps_them_in_its_sta
     "kwargs, message",
     [
         (dict(start=32, max_size=16), "max_size=16 is below start=32"),
-        (dict(start=0, max_size=16), "start gave effective batch 0"),
+        (dict(start=0, max_size=16), "start=0 is not a positive int: it is the first effective batch"),
+        (
+            dict(start=8, max_size=0),
+            r"max_size=0 is not a positive int: .* NoiseScaleSchedule\(8, max_size=128\)",
+        ),
         (dict(start=8, max_size=16, factor=1), "factor=1 must be greater than 1"),
         (dict(start=8, max_size=16, margin=1.5), r"margin=1.5 must be in \[0, 1\)"),
         (dict(start=8, max_size=16, confidence_z=-1), "confidence_z=-1 must be at least 0"),
@@ -215,6 +219,24 @@ def test_the_schedule_answers_by_step_from_its_changes_and_keeps_them_in_its_sta
 def test_bad_settings_are_refused_with_the_rule(kwargs, message):
     with pytest.raises(ValueError, match=message):
         NoiseScaleSchedule(**kwargs)
+
+
+def test_a_schedule_without_its_max_size_gets_one_error_naming_it_and_an_example():
+    # NoiseScaleSchedule(0) ended in Python's "missing 1 required positional argument: 'max_size'"
+    with pytest.raises(ValueError) as error:
+        NoiseScaleSchedule(0)
+    assert str(error.value) == (
+        "NoiseScaleSchedule start=0 is not a positive int: it is the first effective batch, in samples per optimizer "
+        "step (all GPUs), and it needs max_size, the largest it may grow to; e.g. NoiseScaleSchedule(32, "
+        "max_size=512): start at 32 samples a step, grow up to 512."
+    )
+    with pytest.raises(TypeError) as error:
+        NoiseScaleSchedule(32)
+    assert str(error.value) == (
+        "NoiseScaleSchedule(32) needs max_size, the largest effective batch it may grow to (at most the dataset's "
+        "size); e.g. NoiseScaleSchedule(32, max_size=512)."
+    )
+    assert NoiseScaleSchedule(32.0, max_size=64).start == 32  # a whole float is a size, as in any schedule
 
 
 # -- through the Trainer -------------------------------------------------------------------------------------------

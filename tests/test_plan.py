@@ -4,6 +4,7 @@ from collections import Counter
 
 import pytest
 
+from adaptive_batch.core.planning import RunSettings, plan_run
 from adaptive_batch.core.schedule import PhaseSchedule, as_schedule
 from adaptive_batch.core.steps import Budget, build_plan
 from adaptive_batch.runtime.sampler import StepBatchSampler
@@ -151,3 +152,31 @@ def test_the_plain_trainers_steps_with_accumulation_ranks_and_drop_last():
     assert plain.total_steps(num_train_epochs=2.5) == 8 and plain.total_steps(2, max_steps=5) == 5
     dropped = PlainBatching(44, 8, 1, drop_last=True)  # 5 whole batches, the last 4 samples dropped
     assert dropped.steps_per_epoch == 5 and dropped.position_after(5) == 44
+
+
+def test_step_strategy_rows_say_what_a_noise_schedule_or_a_shrinking_batch_does_to_eval_steps():
+    from adaptive_batch.core.report import StepStrategy, step_strategy_rows
+
+    evaluation = [StepStrategy("evaluation", "eval_steps", "eval_strategy", 4)]
+    constant = plan_run(as_schedule(8), RunSettings(400, 1, per_device_train_batch_size=8))
+    plain = constant.settings.plain_trainer(8)
+    assert step_strategy_rows(constant.plan, plain, 50, evaluation) == []  # a constant batch: the plain steps
+    # a NoiseScaleSchedule's changes are not known before training: the row says so, with the fix at its max_size
+    [(label, text)] = step_strategy_rows(constant.plan, plain, 50, evaluation, may_grow_to=16)
+    assert label == "evaluation by steps" and text == (
+        "eval_steps=4 counts steps of the batch of the time: the plain Trainer's steps (every 32 samples) until the "
+        "batch grows (decided while training, up to 16), more samples apart after. To evaluate at least every 32 "
+        "samples, as the plain Trainer does: eval_steps=2 (32 samples apart at the largest batch, 16, more often at "
+        "smaller ones), or eval_strategy='epoch', which follows data epochs (a float eval_steps is a share of the "
+        "steps, not of the samples)"
+    )
+    shrinking = plan_run(PhaseSchedule([8, 4], [0.5]), RunSettings(64, 1, per_device_train_batch_size=8))
+    [(_, text)] = step_strategy_rows(shrinking.plan, shrinking.settings.plain_trainer(8), 8, evaluation)
+    assert text.startswith(
+        "eval_steps=4 counts steps of the batch of the time: steps 4, 8, 12 (after 32, 48, 64 samples); the plain "
+        "Trainer's: 4, 8 (after 32, 64 samples)"
+    )
+    assert text.endswith(
+        "it still evaluates at least every 32 samples, the plain Trainer's interval (more often at "
+        "the smaller batches)"
+    )

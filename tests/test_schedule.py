@@ -69,6 +69,16 @@ def test_phase_schedule_positionally_given_one_boundary_names_the_fix():
     assert "PhaseSchedule([8, 16], boundaries=[0.5])" in str(error.value)
 
 
+def test_phase_schedule_without_boundaries_names_them_rather_than_a_missing_argument():
+    with pytest.raises(ValueError) as error:
+        PhaseSchedule([8, 16])
+    assert str(error.value) == (
+        "PhaseSchedule has 2 sizes and 0 boundaries; it needs one boundary fewer than sizes (each boundary starts "
+        "the next phase), e.g. PhaseSchedule([8, 16], boundaries=[0.5]) for phases of equal shares of the budget."
+    )
+    assert PhaseSchedule([8]).describe() == "8 (constant)"
+
+
 def test_whole_step_and_sample_boundaries_are_kept_as_ints():
     schedule = PhaseSchedule([4, 8], boundaries=[10.0], unit="steps")
     assert schedule.boundaries == (10,) and isinstance(schedule.boundaries[0], int)

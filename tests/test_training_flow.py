@@ -59,6 +59,57 @@ def test_learning_rate_is_the_base_schedule_at_the_sample_fraction_times_the_rul
         assert log["adaptive_batch/lr_scale"] == pytest.approx(scale)
 
 
+def test_a_shrinking_batch_keeps_the_sample_clock_the_rule_and_the_budget(make_trainer):
+    # 16 to a quarter of the 128 samples, 8 to half (the end of epoch 1), then 4: LR x sqrt(B / 16) below 1
+    trainer = make_trainer(
+        [AdaptiveBatch(schedule=PhaseSchedule([16, 8, 4], boundaries=[0.25, 0.5]), lr_scaling="sqrt")],
+        num_rows=64,
+        num_train_epochs=2,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=1,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        learning_rate=1e-3,
+    )
+    trainer.train()
+    plan = adaptive_of(trainer).plan
+    logs = step_logs(trainer)
+    sizes = [log["adaptive_batch/effective_batch_size"] for log in logs]
+    assert sizes == list(plan.sizes) == [16, 16] + [8] * 4 + [4] * 16
+    assert [log["adaptive_batch/samples_seen"] for log in logs][5::16] == [64, 128]
+    assert [log["epoch"] for log in logs][5::16] == [1.0, 2.0]
+    nominal = 2 * 64 // 16  # the plain Trainer's 8 steps of 16
+    reference = get_scheduler(
+        "linear",
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
+        num_warmup_steps=2,
+        num_training_steps=nominal,
+    )
+    for step, log in enumerate(logs):
+        scale = math.sqrt(sizes[step] / 16)
+        expected = 1e-3 * reference.lr_lambdas[0](plan.starts[step] / 16) * scale
+        assert log["learning_rate"] == pytest.approx(expected, rel=1e-9, abs=1e-15), step
+        assert log["adaptive_batch/lr_scale"] == pytest.approx(scale)
+
+
+def test_max_steps_under_a_shrinking_batch_is_the_same_sample_budget_and_the_warning_says_so(
+    make_trainer, caplog
+):
+    trainer = make_trainer(
+        [AdaptiveBatch(schedule=PhaseSchedule([8, 4], boundaries=[0.5]))], num_rows=400, max_steps=10
+    )
+    with caplog.at_level("INFO", logger="adaptive_batch"):
+        trainer.train()
+    assert logged(trainer, "adaptive_batch/samples_seen")[-1] == 10 * 8
+    assert trainer.state.global_step == 5 + 10  # 40 samples at 8, then 40 at 4
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("max_steps=10 with")]
+    assert warnings == [
+        "max_steps=10 with a shrinking batch (8 -> 4): AdaptiveBatch counts it as 80 samples (10 steps of 8) and "
+        "runs 15 optimizer steps; the plain Trainer would run 10 steps of the scheduled batches, 60 samples. To train "
+        "on fewer samples, lower max_steps (in steps of the starting batch) or give the budget in num_train_epochs."
+    ]
+
+
 def test_a_short_last_step_says_whether_the_epoch_or_the_budget_ended(make_trainer):
     # max_steps=6 x 4 samples = 24 of 40: the budget ends inside the epoch, in the middle of a step of 8
     callback = AdaptiveBatch(schedule=PhaseSchedule([4, 8], boundaries=[0.5]))
@@ -234,6 +285,50 @@ def test_the_plan_table_is_logged_when_training_starts(make_trainer, rows, caplo
     assert "optimizer steps                  15 (the plain Trainer: 10)" in table
     assert "effective batch                  4 -> 8 (phases start at 0.5 fraction)" in table
     assert "samples                          80 from num_train_epochs=2 x 40 samples" in table
+
+
+def test_the_plan_table_lists_where_evaluation_and_saving_by_steps_happen_under_a_growing_batch(
+    make_trainer, rows, tmp_path
+):
+    """The steps the table lists are the ones the Trainer evaluates and saves at, with and without AdaptiveBatch."""
+    settings = dict(
+        num_rows=40,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        eval_strategy="steps",
+        eval_steps=4,
+        save_strategy="steps",
+        save_steps=4,
+        eval_dataset=rows[100:104],
+    )
+    callback = AdaptiveBatch(schedule=PhaseSchedule([2, 4], boundaries=[0.5]))
+    trainer = make_trainer([callback], **settings)
+    table = dict(callback.plan_table())
+    trainer.train()
+    plan = callback.plan
+    assert list(plan.sizes) == [2] * 10 + [4] * 5
+    evaluated = [log["step"] for log in trainer.state.log_history if "eval_loss" in log]
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert evaluated == saved == [4, 8, 12, 15]
+    samples = [plan.samples_before_step[step] for step in evaluated]
+    assert samples == [8, 16, 28, 40]
+    plain = make_trainer(output_dir=str(tmp_path / "plain"), **settings)
+    plain.train()
+    plain_evaluated = [log["step"] for log in plain.state.log_history if "eval_loss" in log]
+    assert plain_evaluated == [4, 8, 12, 16, 20]
+    for what, field in (("evaluation", "eval_steps"), ("saving", "save_steps")):
+        verb = "evaluate" if what == "evaluation" else "save"
+        assert table[f"{what} by steps"] == (
+            f"{field}=4 counts steps of the batch of the time: steps 4, 8, 12, 15 (after 8, 16, 28, 40 samples); the "
+            "plain Trainer's: 4, 8, 12, 16, 20 (after 8, 16, 24, 32, 40 samples). To "
+            f"{verb} at least every 8 samples, as the plain Trainer does: {field}=2 (8 samples apart at the largest "
+            f"batch, 4, more often at smaller ones), or {field.split('_')[0]}_strategy='epoch', which follows data "
+            f"epochs (a float {field} is a share of the steps, not of the samples)"
+        )
+    # at a constant batch the steps are the plain Trainer's: no row
+    constant = AdaptiveBatch()
+    make_trainer([constant], **settings)
+    assert not any(label.endswith("by steps") for label, _ in constant.plan_table())
 
 
 def test_the_plan_and_the_run_are_readable_from_python(make_trainer):

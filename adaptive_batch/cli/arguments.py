@@ -1,13 +1,14 @@
 """What the commands' options share: the `--help` formatter, the types of numeric options (a bad value is refused
-naming the option, the rule and an example), and the help of an option that is an `AdaptiveBatch` setting, read from
-`core.config` so that `--help` and `AdaptiveBatch`'s docstring say the same thing."""
+naming the option, the rule and an example), and the help of an option that is an `AdaptiveBatch` setting: the
+setting's meaning read from `core.config`, so that `--help` and `AdaptiveBatch`'s docstring say the same thing, then
+the values in the option's own syntax."""
 
 from __future__ import annotations
 
 import argparse
 import math
 
-from ..core.config import help_text
+from ..core.config import meaning
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -20,10 +21,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def setting_help(name: str, command_line: str = "") -> str:
-    """The help of the `AdaptiveBatch` setting `name`, then `command_line`: how the option spells it, where the
-    command line cannot take every form the setting can."""
-    text = f"{help_text(name)} {command_line}".strip()
+def setting_help(name: str, command_line: str) -> str:
+    """The help of an option that takes the `AdaptiveBatch` setting `name`: what the setting is (`core.config`'s
+    words), then `command_line`, the values the option takes in its own syntax (never the Python forms: a
+    `NoiseScaleSchedule` or a callable cannot be typed on a command line)."""
+    text = f"{meaning(name)}: {command_line}"
     return text.replace("%", "%%")  # argparse formats help with %, so a literal one must be doubled
 
 

@@ -73,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedule",
         help=setting_help(
             "schedule",
-            "Here: the effective batch of each phase, e.g. 8,16,32 with --boundaries (default: per-device x "
-            "accumulation x gpus).",
+            "the size of each phase, comma-separated, e.g. 8,16,32 with --boundaries 0.1,0.3 (one size: a constant "
+            "batch; default: per-device x accumulation x gpus; growth by the noise scale is decided while training, "
+            "so it is not planned here)",
         ),
     )
     parser.add_argument(
@@ -87,7 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what --boundaries count: a fraction of the budget, samples or optimizer steps",
     )
     parser.add_argument(
-        "--lr-scaling", choices=("none", "sqrt", "linear"), default="none", help=setting_help("lr_scaling")
+        "--lr-scaling",
+        choices=("none", "sqrt", "linear"),
+        default="none",
+        help=setting_help(
+            "lr_scaling",
+            "none (unchanged), sqrt (Adam family: x sqrt(B / B0), B the effective batch, B0 the starting one) or "
+            "linear (SGD: x B / B0)",
+        ),
     )
     parser.add_argument(
         "--drop-last", action="store_true", help="dataloader_drop_last (default: --args, else off)"

@@ -18,10 +18,12 @@ from .noise import PRECONDITIONERS
 from .schedule import Schedule, as_schedule, describe
 
 
-def setting(default, help: str, micro_batch: bool = False):
+def setting(default, help: str, micro_batch: bool = False, meaning: str | None = None):
     """A field of [`AdaptiveBatchConfig`]: its default and help text; `micro_batch`: it decides how steps are cut,
-    so a checkpoint records it (what a run learned under other such settings is not reused)."""
-    return field(default=default, metadata={"help": help, "micro_batch": micro_batch})
+    so a checkpoint records it (what a run learned under other such settings is not reused); `meaning`: what the
+    setting is, without the Python values it takes, for a command-line option that spells its values otherwise
+    (its help is this meaning, then the option's own syntax)."""
+    return field(default=default, metadata={"help": help, "micro_batch": micro_batch, "meaning": meaning})
 
 
 @dataclass
@@ -33,6 +35,7 @@ class AdaptiveBatchConfig:
         "(e.g. a batch-size warmup 8 -> 16 -> 32, boundaries in a fraction of the budget, samples or steps); a "
         "`NoiseScaleSchedule`, which grows it where the measured gradient noise scale says it pays; or any "
         "callable `Progress(step, samples_seen, fraction) -> int`.",
+        meaning="The effective batch over training (samples per optimizer step, all GPUs)",
     )
     micro_batch_size: int | str = setting(
         "auto",
@@ -80,6 +83,8 @@ class AdaptiveBatchConfig:
         "scheduler: `'none'`, `'sqrt'` (Adam family), `'linear'` (SGD), a callable `(effective, starting) -> "
         "multiplier`, or with a `NoiseScaleSchedule` `'gain'` (SGD) or `'sqrt_gain'` (Adam family): AdaScale's "
         "gain (B / B0)(B_noise + B0) / (B_noise + B), or its square root, B_noise measured at each change.",
+        meaning="How the learning rate follows the effective batch, relative to the starting one, on top of your "
+        "scheduler",
     )
     growth_margin: float = setting(0.01, "The tokens/s gain a doubled micro-batch must bring to be kept.")
     memory_headroom: float = setting(
@@ -218,6 +223,12 @@ class AdaptiveBatchConfig:
 def help_text(name: str) -> str:
     """The help of one setting."""
     return next(f.metadata["help"] for f in fields(AdaptiveBatchConfig) if f.name == name)
+
+
+def meaning(name: str) -> str:
+    """What one setting is, without the Python values it takes (its help where it states no separate meaning)."""
+    f = next(f for f in fields(AdaptiveBatchConfig) if f.name == name)
+    return f.metadata["meaning"] or f.metadata["help"]
 
 
 def settings_doc(indent: int = 8) -> str:

@@ -148,7 +148,7 @@ class NoiseScaleSchedule:
 
     Args:
         start: the first effective batch, in samples.
-        max_size: never larger than this.
+        max_size: never larger than this (required: `None` is refused naming it).
         factor: each change multiplies the batch by this (2: doubling), then rounds down to a multiple of the world
             size (so every rank takes the same share); at most `max_size`.
         margin: the modelled goodput must improve by more than this share (0.05: 5%) to change.
@@ -187,7 +187,7 @@ class NoiseScaleSchedule:
     def __init__(
         self,
         start: int,
-        max_size: int,
+        max_size: int | None = None,
         factor: float = 2.0,
         margin: float = 0.05,
         confidence_z: float = 1.645,
@@ -195,8 +195,23 @@ class NoiseScaleSchedule:
         measure_every: int = 4,
         min_efficiency: float | None = 0.9,
     ):
-        self.start = check_effective_batch_size(start, where="NoiseScaleSchedule start")
-        self.max_size = check_effective_batch_size(max_size, where="NoiseScaleSchedule max_size")
+        example = "e.g. NoiseScaleSchedule(32, max_size=512): start at 32 samples a step, grow up to 512"
+        if not _positive_int(start):
+            raise ValueError(
+                f"NoiseScaleSchedule start={start!r} is not a positive int: it is the first effective batch, in "
+                f"samples per optimizer step (all GPUs), and it needs max_size, the largest it may grow to; {example}."
+            )
+        if max_size is None:
+            raise TypeError(
+                f"NoiseScaleSchedule({start}) needs max_size, the largest effective batch it may grow to (at most the "
+                f"dataset's size); e.g. NoiseScaleSchedule({start}, max_size={16 * start})."
+            )
+        if not _positive_int(max_size):
+            raise ValueError(
+                f"NoiseScaleSchedule max_size={max_size!r} is not a positive int: it is the largest effective batch "
+                f"the schedule may grow to, in samples; e.g. NoiseScaleSchedule({start}, max_size={16 * start})."
+            )
+        self.start, self.max_size = int(start), int(max_size)  # (32.0 is 32)
         if self.max_size < self.start:
             raise ValueError(
                 f"NoiseScaleSchedule max_size={max_size} is below start={start}; it only grows the batch, so use "
@@ -442,3 +457,12 @@ def _through_origin(points: list[tuple[int, int, float]], index: int) -> float:
     """The least-squares slope through the origin of time against n (`index` 0) or r (1)."""
     xs = [p[index] for p in points]
     return sum(x * p[2] for x, p in zip(xs, points)) / sum(x * x for x in xs)
+
+
+def _positive_int(value) -> bool:
+    """A positive whole number of samples (an integral float too, as any schedule's size)."""
+    try:
+        check_effective_batch_size(value, where="")
+    except ValueError:
+        return False
+    return True

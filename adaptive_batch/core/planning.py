@@ -116,6 +116,7 @@ def plan_run(
         ```
     """
     starting = check_effective_batch_size(schedule(Progress(0, 0, 0.0)), where="The schedule at step 0")
+    _check_batch_settings_fit(settings, starting)
     plain = settings.plain_trainer(starting)
     budget, nominal = _budget(settings, starting, plain)
     dataset_size = budget.samples if settings.dataset_size is None else settings.dataset_size
@@ -135,6 +136,34 @@ def plan_run(
     return RunPlan(settings, budget, dataset_size, plan, clock, done)
 
 
+def _check_batch_settings_fit(settings: RunSettings, starting: int) -> None:
+    """A start above the dataset that is the user's `per_device x accumulation x world size`: refused naming those
+    settings and values of them that fit (a start a schedule sets elsewhere is refused by the plan, naming it)."""
+    dataset_size, world = settings.dataset_size, settings.world_size
+    per_device, accumulation = settings.per_device_train_batch_size, settings.gradient_accumulation_steps
+    if dataset_size is None or starting <= dataset_size or dataset_size < world or per_device is None:
+        return
+    if per_device * accumulation * world != starting:
+        return
+    processes = f"{world} process{'es' if world > 1 else ''}"
+    fitting = dataset_size // (accumulation * world)
+    if fitting >= 1:
+        fix = f"per_device_train_batch_size={fitting} ({fitting} x {accumulation} x {world} = {fitting * accumulation * world}"
+    else:
+        most = dataset_size // world
+        fix = (
+            f"per_device_train_batch_size=1 and gradient_accumulation_steps={most} (1 x {most} x {world} = "
+            f"{most * world}"
+        )
+    raise ValueError(
+        f"per_device_train_batch_size={per_device} x gradient_accumulation_steps={accumulation} x {processes} = "
+        f"{starting} samples per optimizer step, more than the training dataset's {dataset_size:,} {settings.unit}: "
+        "one optimizer step cannot hold more than one epoch. Make that product at most "
+        f"{dataset_size // world * world}, e.g. {fix}; AdaptiveBatch still chooses the micro-batch), or use a "
+        "larger dataset."
+    )
+
+
 def _budget(settings: RunSettings, starting: int, plain: PlainBatching | None) -> tuple[Budget, int]:
     """The budget in samples and the plain Trainer's steps at `starting` that take it (the base LR schedule's
     length)."""
@@ -148,7 +177,8 @@ def _budget(settings: RunSettings, starting: int, plain: PlainBatching | None) -
         steps = settings.max_steps
         origin = (
             f"max_steps={steps:,} steps of the plain Trainer at the starting effective batch {starting:,} (an "
-            "epoch's short last step counts as one; a growing batch takes the same samples in fewer steps; "
+            "epoch's short last step counts as one; a growing batch takes the same samples in fewer steps, a "
+            "shrinking one in more; "
             "num_train_epochs is ignored, as in the Trainer)"
         )
     else:

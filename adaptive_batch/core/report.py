@@ -5,8 +5,121 @@ itself indexes them from 0."""
 
 from __future__ import annotations
 
+import itertools
+import math
+from dataclasses import dataclass
+
 from .lr import SampleClock
+from .plain_trainer import PlainBatching
 from .steps import Budget, StepPlan
+
+
+@dataclass(frozen=True)
+class StepStrategy:
+    """Evaluation or saving by steps (`eval_strategy="steps"`, `save_strategy="steps"`), as the Trainer runs it: at
+    every multiple of `every` steps from `delay` on (a float `every` below 1 is that share of the run's steps,
+    rounded up), and at the run's last step.
+
+    Attributes:
+        what: "evaluation" or "saving", for the table.
+        field: the setting, "eval_steps" or "save_steps".
+        strategy: the strategy's setting, "eval_strategy" or "save_strategy", for the fix.
+        every: the setting's value.
+        delay: `eval_delay` (no step before it evaluates; 0 for saving).
+    """
+
+    what: str
+    field: str
+    strategy: str
+    every: float
+    delay: float = 0.0
+
+    def interval(self, total_steps: int) -> int:
+        """Steps between two events in a run of `total_steps` (transformers' `TrainerState.compute_steps`)."""
+        return max(1, math.ceil(total_steps * self.every)) if self.every < 1 else int(self.every)
+
+    def steps(self, total_steps: int) -> list[int]:
+        """The steps (numbered from 1, as the Trainer logs them) that evaluate or save in a run of `total_steps`."""
+        interval = self.interval(total_steps)
+        steps = list(range(interval, total_steps + 1, interval))
+        if total_steps % interval:
+            steps.append(total_steps)  # the run's last step evaluates and saves too
+        return [step for step in steps if step >= self.delay]
+
+
+def step_strategy_rows(
+    plan: StepPlan,
+    plain: PlainBatching,
+    plain_steps: int,
+    strategies: list[StepStrategy],
+    may_grow_to: int | None = None,
+) -> list[tuple[str, str]]:
+    """Where evaluation and saving by steps happen under a batch that changes, against the plain Trainer's (which
+    evaluates every `eval_steps` steps of its one batch, so at equal intervals of samples), and how to keep the
+    plain Trainer's intervals of samples. None at a constant batch: the steps are the plain Trainer's.
+
+    Args:
+        plain, plain_steps: the plain Trainer at the user's batch settings, and its steps over the run.
+        may_grow_to: a batch that grows while training (`NoiseScaleSchedule`): its `max_size`.
+    """
+    phases = plan.phases()
+    if len(phases) < 2 and may_grow_to is None:
+        return []
+    plain_samples = [0, *itertools.accumulate(plain.step_sizes(plain_steps))]
+    largest = max([effective for _, _, effective in phases] + [may_grow_to or 0])
+    rows = []
+    for strategy in strategies:
+        gap = (
+            strategy.interval(plain_steps) * plain.effective_batch_size
+        )  # the plain Trainer's samples between two
+        setting = f"{strategy.field}={strategy.every:g}"
+        if len(phases) > 1:
+            ours, theirs = strategy.steps(plan.num_steps), strategy.steps(plain_steps)
+            text = (
+                f"{setting} counts steps of the batch of the time: steps {_steps_text(ours, plan.samples_before_step)}"
+                f"; the plain Trainer's: {_steps_text(theirs, plain_samples)}"
+            )
+        else:
+            text = (
+                f"{setting} counts steps of the batch of the time: the plain Trainer's steps (every {gap:,} samples) "
+                f"until the batch grows (decided while training, up to {may_grow_to}), more samples apart after"
+            )
+        verb = "evaluate" if strategy.what == "evaluation" else "save"
+        keep = max(1, gap // largest)
+        if keep * largest == gap and len(phases) > 1 and keep == strategy.interval(plan.num_steps):
+            text += (
+                f"; it still {verb}s at least every {gap:,} samples, the plain Trainer's interval (more often at the "
+                "smaller batches)"
+            )
+        else:
+            apart = (
+                f"{keep * largest:,} samples apart at the largest batch, {largest}, more often at smaller ones"
+                if keep * largest <= gap
+                else f"the closest: one step of the largest batch, {largest}, holds more"
+            )
+            text += (
+                f". To {verb} at least every {gap:,} samples, as the plain Trainer does: {strategy.field}={keep} "
+                f"({apart}), or "
+                f"{strategy.strategy}='epoch', which follows data epochs (a float {strategy.field} is a share of the "
+                "steps, not of the samples)"
+            )
+        rows.append((f"{strategy.what} by steps", text))
+    return rows
+
+
+def _steps_text(steps: list[int], samples_before_step, shown: int = 6) -> str:
+    """'8, 16, 17 (after 128, 384, 400 samples)'; past `shown` steps the first ones, '...' and the last."""
+    elided = len(steps) > shown
+    if elided:
+        steps = [*steps[: shown - 1], steps[-1]]
+
+    def listed(values) -> str:
+        text = [f"{value:,}" for value in values]
+        if elided:
+            text[-1] = f"... {text[-1]}"
+        return ", ".join(text)
+
+    return f"{listed(steps)} (after {listed([samples_before_step[step] for step in steps])} samples)"
 
 
 def plan_rows(

@@ -73,7 +73,9 @@ class PhaseSchedule:
     """
 
     sizes: Sequence[int]
-    boundaries: Sequence[float]
+    boundaries: Sequence[
+        float
+    ] = ()  # (so that PhaseSchedule([8, 16]) is refused naming the boundaries it lacks)
     unit: str = "fraction"
 
     def __post_init__(self):
@@ -99,7 +101,8 @@ class PhaseSchedule:
             raise ValueError(
                 f"PhaseSchedule has {len(self.sizes)} sizes and {len(self.boundaries)} boundaries; it needs one "
                 f"boundary fewer than sizes (each boundary starts the next phase), e.g. "
-                f"PhaseSchedule({list(self.sizes)}, boundaries=[...{len(self.sizes) - 1} values...])."
+                f"PhaseSchedule({list(self.sizes)}, boundaries={_even_fractions(len(self.sizes))}) for phases of "
+                "equal shares of the budget."
             )
         for boundary in self.boundaries:
             if (
@@ -169,6 +172,11 @@ def describe(schedule: Schedule) -> str:
     if hasattr(schedule, "describe"):
         return schedule.describe()
     return getattr(schedule, "__name__", type(schedule).__name__) + " (callable)"
+
+
+def _even_fractions(phases: int) -> list[float]:
+    """Boundaries that split the budget into `phases` equal shares: [0.5] for 2, [0.33, 0.67] for 3."""
+    return [round(k / phases, 2) for k in range(1, phases)]
 
 
 def _as_list(values, name: str, example: str) -> tuple:

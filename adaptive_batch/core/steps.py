@@ -49,7 +49,8 @@ class Budget:
         return cls(
             samples,
             f"max_steps={max_steps:,} x starting effective batch {starting_effective_batch_size:,} (counted in "
-            "samples, so a growing batch shortens the run in steps; num_train_epochs is ignored, as in the Trainer)",
+            "samples, so a growing batch shortens the run in steps and a shrinking one lengthens it; num_train_epochs is "
+            "ignored, as in the Trainer)",
         )
 
 
@@ -273,6 +274,6 @@ def _check_fits(effective: int, world_size: int, dataset_size: int, progress: Pr
     if effective > dataset_size:
         raise ValueError(
             f"The effective batch {effective} at {_where(progress)} exceeds the dataset size {dataset_size} "
-            f"{unit}: one optimizer step cannot hold more than one epoch. Use at most "
-            f"{dataset_size // world_size * world_size}."
+            f"{unit}: one optimizer step cannot hold more than one epoch. Give the schedule sizes of at most "
+            f"{dataset_size // world_size * world_size} there, or use a larger dataset."
         )

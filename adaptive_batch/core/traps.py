@@ -3,7 +3,7 @@ fix. `adaptive-batch plan` prints them and the Trainer wiring logs them when `tr
 [`~core.planning.RunPlan`], so both warn alike.
 
 - `max_steps` and `num_train_epochs` both given: `max_steps` wins;
-- `max_steps` with a batch that grows: AdaptiveBatch counts it in samples of the starting batch;
+- `max_steps` with a batch that changes: AdaptiveBatch counts it in samples of the starting batch;
 - a schedule boundary never reached within the budget, or a schedule that never leaves its first phase;
 - a budget in epochs that ends mid-epoch;
 - a schedule's effective batch above the dataset size (refused once reached);
@@ -93,14 +93,27 @@ def _max_steps_traps(run: RunPlan, schedule: Schedule, epochs_given: float | Non
             "num_train_epochs is ignored, as in the Trainer. Set only one of them."
         )
     plan, starting, samples = run.plan, run.starting_effective_batch_size, run.budget.samples
-    if len(plan.phases()) > 1:
+    phases = plan.phases()
+    if len(phases) > 1:
         # the plain Trainer's samples in max_steps steps of the scheduled batches
         plain_samples = sum(plan.scheduled[min(k, plan.num_steps - 1)] for k in range(max_steps))
+        later = [effective for _, _, effective in phases[1:]]
+        change = "growing" if min(later) > starting else "shrinking" if max(later) < starting else "changing"
+        if plain_samples > samples:
+            fix = (
+                "To train on more samples, raise max_steps (in steps of the starting batch) or give the budget in "
+                "num_train_epochs."
+            )
+        else:
+            fix = (
+                "To train on fewer samples, lower max_steps (in steps of the starting batch) or give the budget in "
+                "num_train_epochs."
+            )
+        sizes = " -> ".join(str(effective) for _, _, effective in phases)
         warnings.append(
-            f"max_steps={max_steps} with a growing batch: AdaptiveBatch counts it as {samples:,} samples "
+            f"max_steps={max_steps} with a {change} batch ({sizes}): AdaptiveBatch counts it as {samples:,} samples "
             f"({max_steps} steps of {starting}) and runs {plan.num_steps:,} optimizer steps; the plain Trainer would "
-            f"run {max_steps} steps of the larger batches, {plain_samples:,} samples. To train on more samples, raise "
-            "max_steps (in steps of the starting batch) or give the budget in num_train_epochs."
+            f"run {max_steps} steps of the scheduled batches, {plain_samples:,} samples. {fix}"
         )
     elif isinstance(schedule, NoiseScaleSchedule):
         warnings.append(
@@ -145,7 +158,7 @@ def _phase_traps(run: RunPlan, schedule: Schedule) -> list[str]:
         return [
             f"The schedule never leaves its first phase within the budget: its first boundary is at "
             f"{schedule.boundaries[0]:g} {schedule.unit} but {where}, so every step trains at "
-            f"{schedule.sizes[0]} and {_listed('size', schedule.sizes[1:])} never used. To grow "
+            f"{schedule.sizes[0]} and {_listed('size', schedule.sizes[1:])} never used. To change "
             f"the batch, {fix}."
         ]
     return [
@@ -185,7 +198,7 @@ def _above_dataset_traps(run: RunPlan, schedule: Schedule) -> list[str]:
     return [
         f"The schedule's effective batch {', '.join(map(str, above))} is above the dataset's {dataset_size:,} "
         f"{run.settings.unit}: one optimizer step cannot hold more than one epoch, so the run is refused if it "
-        f"reaches that phase (a larger budget, or a resume with more epochs). Use at most "
+        f"reaches that phase (a larger budget, or a resume with more epochs). Give the schedule sizes of at most "
         f"{dataset_size // world * world}."
     ]
 

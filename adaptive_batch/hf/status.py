@@ -127,10 +127,31 @@ def plan_rows(session) -> list[tuple[str, str]]:
         ),
         layout_text=assemble.layout(session).text,
     )
+    rows += report.step_strategy_rows(
+        plan,
+        plain,
+        plain.total_steps(args.num_train_epochs, args.max_steps),
+        step_strategies(args),
+        may_grow_to=session.growth.schedule.max_size if session.growth is not None else None,
+    )
     if session.is_stream:
         stream = ("epochs", f"a stream: its first {plan.budget:,} samples, read once in order")
         rows = [stream if label == "epochs" else (label, value) for label, value in rows]
     return rows
+
+
+def step_strategies(args) -> list[report.StepStrategy]:
+    """Evaluation and saving by steps, where the Trainer's arguments ask for them."""
+    strategies = []
+    if args.eval_strategy == "steps":
+        strategies.append(
+            report.StepStrategy(
+                "evaluation", "eval_steps", "eval_strategy", args.eval_steps, args.eval_delay or 0
+            )
+        )
+    if args.save_strategy == "steps":
+        strategies.append(report.StepStrategy("saving", "save_steps", "save_strategy", args.save_steps))
+    return strategies
 
 
 # The schedule and the LR rule as the plan table names them; a checkpoint's plan records the same words, so a resume
