@@ -667,7 +667,9 @@ def main():
             targets = [float(t) for t in options.targets.split(",")] if options.targets else None
             targets = targets or report.get("targets_by_setup", {}).get(setup)
             print_table(setup, report_setup(setup, report, options.out, targets))
-        with open(os.path.join(options.out, f"time_to_quality_{'_'.join(summarised)}_summary.json"), "w") as f:
+        with open(
+            os.path.join(options.out, f"time_to_quality_{'_'.join(summarised)}_summary.json"), "w"
+        ) as f:
             json.dump({k: v for k, v in report.items() if k != "runs"}, f, indent=1)
         return
     import transformers
