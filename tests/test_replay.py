@@ -24,7 +24,7 @@ import adaptive_batch.hf.growth
 import adaptive_batch.runtime.memory
 from adaptive_batch import AdaptiveBatch, NoiseScaleSchedule
 from adaptive_batch.core.replay import FILE
-from adaptive_batch.testing import tiny_llama
+from adaptive_batch.testing import FakeOutOfMemory, tiny_llama
 
 RECORD = FILE
 
@@ -259,3 +259,50 @@ def test_a_bad_replay_setting_is_refused(value, message):
 def test_a_missing_record_is_refused_naming_the_file(make_trainer, tmp_path, ragged):
     with pytest.raises(ValueError, match="there is no .*adaptive_batch_measurements.json"):
         make_trainer([AdaptiveBatch(replay=str(tmp_path / "nowhere"))], dataset=ragged, **RAGGED)
+
+
+def test_a_recorded_out_of_memory_error_is_replayed_and_a_new_one_ends_the_replay(
+    make_trainer, monkeypatch, tmp_path, fixed_rows, caplog
+):
+    """The recorded run ran out of memory above 4 rows: the replay, on a machine where everything fits, fails those
+    micro-batches without running them and retries as that run did. A replay that meets an error the record does
+    not hold goes on measuring for itself, with one warning."""
+    dataset, settings = fixed_rows[:64], {"micro_batch_size": "auto"}
+    timed_by(monkeypatch, 1)
+    recorded = make_trainer(
+        [AdaptiveBatch(**settings)], dataset=dataset, output_dir=str(tmp_path / "recorded"), **ROWS
+    )
+    FakeOutOfMemory(recorded.model, max_rows=4)
+    recorded.train()
+    record = json.loads((tmp_path / "recorded" / RECORD).read_text())
+    assert any(entry[0].startswith("oom") for step in record["streams"]["train"].values() for entry in step)
+    replayed = run(
+        make_trainer,
+        monkeypatch,
+        tmp_path,
+        "replayed",
+        2,
+        dataset,
+        settings,
+        replay=str(tmp_path / "recorded"),
+        **ROWS,
+    )
+    assert_bitwise_equal(replayed, recorded)
+    # a record without the error, replayed where it happens: the run survives it and says the replay ended
+    clean = run(make_trainer, monkeypatch, tmp_path, "clean", 1, dataset, settings, **ROWS)
+    timed_by(monkeypatch, 2)
+    meets = make_trainer(
+        [AdaptiveBatch(replay=str(tmp_path / "clean"), **settings)],
+        dataset=dataset,
+        output_dir=str(tmp_path / "meets"),
+        **ROWS,
+    )
+    FakeOutOfMemory(meets.model, max_rows=4)
+    with caplog.at_level("WARNING", logger="adaptive_batch"):
+        meets.train()
+    ended = [r.getMessage() for r in caplog.records if "the replay of" in r.getMessage()]
+    assert len(ended) == 1 and "ran out of memory" in ended[0]
+    assert json.loads((tmp_path / "meets" / RECORD).read_text())["replay_ended"] is not None
+    assert (
+        logged(meets, "adaptive_batch/samples_seen")[-1] == logged(clean, "adaptive_batch/samples_seen")[-1]
+    )
