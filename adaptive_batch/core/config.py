@@ -8,6 +8,7 @@ import difflib
 import inspect
 import math
 import numbers
+import os
 import textwrap
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -119,6 +120,17 @@ class AdaptiveBatchConfig:
         "divided by eps and can dominate the estimate.",
     )
 
+    replay: str | None = setting(
+        None,
+        "Make this run bit for bit an earlier run of the same script on the same machine: the path of the "
+        "`adaptive_batch_measurements.json` every run writes into its `output_dir` (and each checkpoint folder), or "
+        "that folder. Every decision that follows measured time or memory (the micro-batch search, the token cut, "
+        "a `NoiseScaleSchedule`'s changes, the eval batch under `'grow'`) then reads the recorded run's "
+        "measurements instead of the clock, and a recorded out-of-memory error is replayed. A record of another "
+        "run (dataset, plan, world size or settings) is refused before any compute; an out-of-memory error the "
+        "record does not hold ends the replay there, with a warning, and the run goes on measuring for itself.",
+    )
+
     @classmethod
     def from_settings(cls, **settings) -> AdaptiveBatchConfig:
         """The config of `AdaptiveBatch(**settings)`; an unknown name is refused with the nearest known one."""
@@ -190,6 +202,13 @@ class AdaptiveBatchConfig:
         if not isinstance(self.memory_headroom, numbers.Real) or not 0 <= self.memory_headroom < 1:
             raise ValueError(f"memory_headroom={self.memory_headroom!r} must be in [0, 1), e.g. 0.1 for 10%.")
         self._check_noise()
+        if self.replay is not None and not (isinstance(self.replay, (str, os.PathLike)) and str(self.replay)):
+            raise ValueError(
+                f"replay={self.replay!r} must be the path of a run's adaptive_batch_measurements.json (or the folder "
+                "holding it), or None, e.g. replay='out/adaptive_batch_measurements.json'."
+            )
+        if self.replay is not None:
+            self.replay = os.fspath(self.replay)
 
     def _check_noise(self) -> None:
         if not isinstance(self.measure_noise, bool):

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import asdict, fields
 
 from ..core.config import AdaptiveBatchConfig
 from ..core.controllers import Layout, controller_for, waits_for_lengths
 from ..core.microbatch import CutController
 from ..core.noise import NoiseScale
 from ..core.plain_trainer import PlainBatching
+from ..core.replay import Tape, differences, file_name, read_record, replay_error
 from ..runtime import compat, lengths
 from ..runtime.engines import Engine, engine_for
 from ..runtime.evaluation import EvalGrowth, EvalPieces
@@ -130,3 +133,46 @@ def eval_growth(trainer, config: AdaptiveBatchConfig, pieces: EvalPieces | None)
     if config.adapt_evaluation != "grow" or pieces is None:
         return None
     return EvalGrowth(trainer, pieces, config.growth_margin, config.memory_headroom)
+
+
+def tape(session, checkpoint) -> Tape:
+    """The session's record of what its decisions read of time and memory ([`core.replay`]), handed to the step
+    runner and the evaluation: a resumed run's continues its checkpoint's; with `replay=PATH` the measurements come
+    from that record, refused before any compute where it was made by another run."""
+    trainer, config = session.trainer, session.config
+    identity = asdict(session.identity)
+    if session.growth is not None:  # (its changes are restored from a checkpoint: compared by its settings)
+        del identity["fingerprint"]
+    run = {
+        "world_size": session.world_size,
+        "device": trainer.args.device.type,
+        "plan": identity,
+        "settings": {
+            f.name: getattr(config, f.name)
+            for f in fields(config)
+            if f.name not in ("schedule", "lr_scaling", "replay")
+        },
+        "cut": session.controller.describe(),
+        "padding_free_steps": bool(session.runner.flatten),
+        "per_device_eval_batch_size": trainer.args.per_device_eval_batch_size,
+    }
+    recorded = Tape(run)
+    name = file_name(session.rank, session.world_size)
+    if checkpoint is not None and os.path.isfile(os.path.join(checkpoint.path, name)):
+        recorded.continue_from(read_record(os.path.join(checkpoint.path, name), 0, 1)[0])
+    if config.replay is not None:
+        record, path = read_record(config.replay, session.rank, session.world_size)
+        changed = differences(record.get("run"), recorded.to_json()["run"])
+        if changed:
+            raise ValueError(replay_error(config.replay, changed))
+        recorded.replay(record, path)
+        recorded.run = record["run"]
+    session.runner.tape = recorded
+    if session.eval_pieces is not None:
+        session.eval_pieces.tape = recorded
+    return recorded
+
+
+def write_tape(session, folder: str) -> None:
+    """This process's record of measurements into `folder` (a checkpoint's, or the output_dir at the end)."""
+    session.runner.tape.write(os.path.join(folder, file_name(session.rank, session.world_size)))

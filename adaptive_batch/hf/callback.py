@@ -13,7 +13,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy
 from ..core.config import AdaptiveBatchConfig, settings_doc, settings_signature
 from ..core.steps import StepPlan
 from ..runtime import compat
-from . import resume, status
+from . import assemble, resume, status
 from .install import install
 from .session import Session
 
@@ -189,10 +189,20 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             control.should_log = control.should_evaluate = control.should_save = False
 
     def on_save(self, args, state, control, **kwargs):
-        """A checkpoint that a Trainer without AdaptiveBatch would resume elsewhere says so in its state."""
-        if args.should_save and self.training_session is not None:
-            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        """A checkpoint that a Trainer without AdaptiveBatch would resume elsewhere says so in its state; every
+        process writes its record of measurements into it (what a replay, or this run resumed, reads)."""
+        if self.training_session is None:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if args.should_save:
             resume.guard_plain_resume(self.training_session, folder, state.global_step)
+        if os.path.isdir(folder):  # (saved elsewhere: a hyperparameter search's trial folder)
+            assemble.write_tape(self.training_session, folder)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Every process writes its record of measurements into the output_dir: `replay=` makes a rerun follow it."""
+        if self.training_session is not None and args.output_dir:
+            assemble.write_tape(self.training_session, args.output_dir)
 
     # -- checkpoint ------------------------------------------------------------------------------------------------
 

@@ -81,12 +81,17 @@ class Growth:
 
     # -- during training -------------------------------------------------------------------------------------------
 
-    def before_step(self, step: int, last_step: int) -> None:
-        """Time the last step, from its start to this one's (its optimizer step, logging and data loading included)."""
-        now = time.perf_counter()
+    def before_step(self, step: int, last_step: int, tape) -> None:
+        """Time the last step, from its start to this one's (its optimizer step, logging and data loading included);
+        `tape` records the time, or gives the recorded run's ([`core.replay.Tape.keyed`]: also the step before a
+        resumed run's first, which that run cannot time)."""
+        now, measured = time.perf_counter(), None
         if self._timing is not None and self._timing[1] is not None and step == last_step + 1:
             rows, micro_batches = self._timing[1]
-            self.step_time.record(rows, micro_batches, now - self._timing[0])
+            measured = [rows, micro_batches, now - self._timing[0]]
+        timed = tape.keyed("growth", step, measured)
+        if timed is not None:
+            self.step_time.record(int(timed[0]), int(timed[1]), float(timed[2]))
         self._timing = (now, None)
 
     def split(self, session, step: int) -> bool:

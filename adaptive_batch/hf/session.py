@@ -135,6 +135,7 @@ class Session:
         if self.controller is None or checkpoint is not None:  # a second train() keeps what the first learned
             self.controller = assemble.controller(self, engine)
         self.runner = assemble.runner(self, engine)
+        assemble.tape(self, checkpoint)  # (a replay of another run's record is refused here)
         self.replan(self.plan)
         if checkpoint is not None:
             resume.restore(self, checkpoint)
@@ -220,7 +221,7 @@ class Session:
     def training_step(self, inner_step, model, inputs, num_items_in_batch):
         step, growth = self.trainer.state.global_step, self.growth
         if growth is not None:
-            growth.before_step(step, self.last_step)
+            growth.before_step(step, self.last_step, self.runner.tape)
         exploring = self.controller.exploring
         split = growth is not None and growth.split(self, step)
         if self.lengths_pending:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ..core.cut import cheapest_chunks
 from ..core.eval_size import EvalMeasure, EvalSizer
 from ..core.microbatch import MicroBatchTooLargeError
+from ..core.replay import Tape
 from ..core.rows import even_chunk
 from ..core.tokens import fitted_overhead
 from . import compat
@@ -74,6 +75,8 @@ class EvalPieces:
         self.retried = 0  # the batches of the current evaluation run again in pieces
         self.rows = 0  # the rows of the current evaluation on this rank
         self.cut_batches = 0  # the batches of the current evaluation run in pieces of similar lengths
+        self.tape = Tape()  # what decisions read of time and memory: measured, or replayed (the session's)
+        self._pieces_at: tuple[int, int] = (-1, 0)  # (step, pieces run at it): names a piece's measurements
 
     def begin(self) -> None:
         """A new evaluation starts: its counters from zero (the cap stays: the memory is the same)."""
@@ -172,6 +175,11 @@ class EvalPieces:
         timed = self.cut_by_tokens and not self.distributed
         for index, width in pieces:
             failed = False
+            name = self._piece_name()
+            if self.tape.recorded_failure("eval", self.step, f"oom {name}"):
+                metrics.restore()  # the replayed run ran out of memory here: fail as it did, without running
+                self._exchange(True)
+                return None
             try:
                 with self._guard():
                     if timed:
@@ -181,12 +189,16 @@ class EvalPieces:
                     outputs.append(prediction_step(model, piece, prediction_loss_only, ignore_keys))
                     if timed:
                         synchronize(self.device)
-                        self._timed(inputs, rows, index, width, time.perf_counter() - began)
+                        (seconds,) = self.tape.measure(
+                            "eval", self.step, f"forward {name}", [time.perf_counter() - began]
+                        )
+                        self._timed(inputs, rows, index, width, seconds)
             except _PeerFailed:  # the flags were exchanged where this rank waited
                 failed = True
             except Exception as error:  # noqa: BLE001 (only an out-of-memory error is caught below)
                 if not is_out_of_memory(error):
                     raise
+                self.tape.failure("eval", self.step, f"oom {name}")
                 failed = self._exchange(True)
             else:
                 failed = self._exchange(False)
@@ -200,6 +212,18 @@ class EvalPieces:
             over_ranks = self.distributed and compat.loss_normalised_over_ranks(self.trainer)
             return _combine(outputs, across if over_ranks else local)
         return outputs[0]
+
+    @property
+    def step(self) -> int:
+        """The optimizer steps trained when this evaluation runs (the key of its measurements)."""
+        return self.trainer.state.global_step
+
+    def _piece_name(self) -> str:
+        """The piece's number among those run at this step (all evaluations at it together)."""
+        step, count = self._pieces_at
+        count = count + 1 if step == self.step else 0
+        self._pieces_at = (self.step, count)
+        return str(count)
 
     def _timed(self, inputs, rows: int, index, width: int | None, seconds: float) -> None:
         """A forward of rows `index` at `width` took `seconds`: a point of the line whose intercept over its slope is a
@@ -301,19 +325,22 @@ class EvalGrowth:
         with Stopwatch(device) as watch:
             yield
         out_of_memory = self.pieces.retried > 0
+        seconds, peak, base = self.pieces.tape.measure(
+            "eval", self.pieces.step, "evaluation", [watch.seconds, watch.peak_bytes, base]
+        )
         local = [
-            watch.seconds,
+            seconds,
             float(
                 self.pieces.rows if is_stream(dataset) else math.ceil(len(dataset) / self.pieces.world_size)
             ),
             float(out_of_memory),
-            (watch.peak_bytes or 0.0) - (base or 0.0),
+            (peak or 0.0) - (base or 0.0),
             base or 0.0,
         ]
         seconds, rows, failed, above, most_base = (
             all_reduce_values(local, device, dist.ReduceOp.MAX) if self.pieces.distributed else local
         )
-        measured_memory = watch.peak_bytes is not None
+        measured_memory = peak is not None
         self.rows[prefix] = int(rows)
         line = self.sizer(prefix).record(
             EvalMeasure(

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..core.microbatch import CutController, MicroBatch, MicroBatchTooLargeError, StepMemory
 from ..core.noise import MicroBatchSums
+from ..core.replay import Tape
 from . import compat
 from .batch import StepBatch, is_packed
 from .engines import Engine, all_reduce_values
@@ -157,6 +158,7 @@ class MicroBatchRunner:
         self.device = trainer.args.device
         self.engine = engine
         self.noise = noise  # None where the engine cannot measure it (the session says so)
+        self.tape = Tape()  # what decisions read of time and memory: measured, or replayed (the session's)
         self.last = StepStats()
 
     @property
@@ -209,7 +211,7 @@ class MicroBatchRunner:
         retries = 0
         while True:
             outcome = self._attempt(
-                step, max_rows, math.ceil(max_rows / 2) if split and max_rows > 1 else None
+                step, max_rows, math.ceil(max_rows / 2) if split and max_rows > 1 else None, retries
             )
             if outcome.failed is None:
                 break
@@ -237,17 +239,17 @@ class MicroBatchRunner:
             logger.info("AdaptiveBatch settled: %s.", self.controller.settled_because)
         return outcome.loss
 
-    def _attempt(self, step: _Step, max_rows: int, row_cap: int | None = None) -> _Outcome:
+    def _attempt(self, step: _Step, max_rows: int, row_cap: int | None = None, attempt: int = 0) -> _Outcome:
         """Run the micro-batches the controller cuts the step into; stop at the first that ran out of memory on any
-        rank (its report in `failed`)."""
+        rank (its report in `failed`). `attempt`: the step's attempts before this one (they name the measurements)."""
         cut = self.controller.cut(step.batch, max_rows, self.agree, row_cap)
         outcome = _Outcome(loss=torch.zeros((), device=self.device))
         if self.noise is not None:
             self.noise.begin_attempt()
         retries_before = alloc_retries(self.device)
         reset_peak(self.device)
-        for micro in cut:
-            report = self._micro_batch(step, micro, outcome)
+        for index, micro in enumerate(cut):
+            report = self._micro_batch(step, micro, outcome, f"{attempt}.{index}")
             if report.out_of_memory:
                 report.failed_rows = cut.failed_rows(micro, report)
                 outcome.failed = report
@@ -260,21 +262,28 @@ class MicroBatchRunner:
             )
             if report.measured_peak is not None:
                 outcome.peak = max(outcome.peak, report.measured_peak)
-        notice = cut.finish(self._step_memory(outcome, retries_before))
+        notice = cut.finish(self._step_memory(outcome, retries_before, attempt))
         if notice is not None:
             logger.warning("AdaptiveBatch: %s", notice)
         return outcome
 
-    def _step_memory(self, outcome: _Outcome, retries_before: int) -> StepMemory:
+    def _step_memory(self, outcome: _Outcome, retries_before: int, attempt: int = 0) -> StepMemory:
         """What the step's end tells the controller about memory, the same on every rank (their largest)."""
         peak = peak_allocated(self.device)  # (`None` where not measured: the CPU)
         thrashed = peak is not None and alloc_retries(self.device) > retries_before
+        if peak is not None:
+            peak, thrashed = self.tape.measure("train", self._step, f"memory {attempt}", [peak, thrashed])
         # (a timed micro-batch reset the peak when it began: the step's is the larger of the two)
         tokens, peak, thrashed = self.agree(
             [outcome.largest_tokens, -1.0 if peak is None else max(peak, outcome.peak), float(thrashed)]
         )
         peak = None if peak < 0 else peak
         return StepMemory(outcome.largest, int(tokens), peak, bool(thrashed))
+
+    @property
+    def _step(self) -> int:
+        """The optimizer step running now (the key of its measurements)."""
+        return self.trainer.state.global_step
 
     @property
     def ranks(self) -> int:
@@ -317,13 +326,20 @@ class MicroBatchRunner:
         """The largest of each value over the ranks (the values themselves without DDP)."""
         return all_reduce_values(values, self.device, dist.ReduceOp.MAX) if self.distributed else values
 
-    def _micro_batch(self, step: _Step, micro: MicroBatch, outcome: _Outcome) -> MicroBatchReport:
+    def _micro_batch(self, step: _Step, micro: MicroBatch, outcome: _Outcome, name: str) -> MicroBatchReport:
         """Forward and backward of the micro-batch's rows (none: a row that adds nothing), the loss added to
-        `outcome`; timed if it says so. Returns the report of every rank combined (this rank's alone without DDP)."""
+        `outcome`; timed if it says so. Returns the report of every rank combined (this rank's alone without DDP).
+        `name`: the attempt and index that key its measurements; where a replayed run ran out of memory here, it is
+        not run and fails as that one did."""
         trainer, batch = self.trainer, step.batch
         start, own = micro.start, micro.rows
         stopwatch = Stopwatch(self.device) if micro.timed else None
         local = MicroBatchReport()
+        if self.tape.recorded_failure("train", self._step, f"oom {name}"):
+            rows = own or 1
+            local.out_of_memory, local.failed_rows = True, rows
+            local.failed_tokens = batch.tokens(start if own else batch.rows - 1, rows)[1]
+            return self._exchange(local)
         try:
             with (
                 stopwatch or contextlib.nullcontext(),
@@ -352,13 +368,17 @@ class MicroBatchRunner:
                 raise
             if not self.engine.retries:
                 raise self.engine.out_of_memory(error, self.world_size) from error
+            self.tape.failure("train", self._step, f"oom {name}")
             rows = own or 1  # a row that adds nothing is one row
             local.out_of_memory = True
             local.failed_rows = rows
             local.failed_tokens = batch.tokens(start if own else batch.rows - 1, rows)[1]
         if stopwatch is not None and not local.out_of_memory:
-            local.seconds = stopwatch.seconds
-            local.peak_bytes = stopwatch.peak_bytes if stopwatch.peak_bytes is not None else -math.inf
+            seconds, peak = self.tape.measure(
+                "train", self._step, f"micro {name}", [stopwatch.seconds, stopwatch.peak_bytes]
+            )
+            local.seconds = seconds
+            local.peak_bytes = peak if peak is not None else -math.inf
             local.real_tokens, local.padded_tokens = batch.tokens(start, max(own, 1))
         return self._exchange(local)
 

@@ -1,0 +1,231 @@
+"""Reproducible reruns: what a run measured, recorded, and replayed by a later run. Pure Python.
+
+The decisions that follow time (the micro-batch search under `"auto"`, the token cut's overhead and budget, a
+`NoiseScaleSchedule`'s step-time model, the eval batch under `adapt_evaluation="grow"`) and, on a GPU, peak memory
+are pure functions of what the run measured and of its data. So every run records each measurement a decision reads
+([`Tape`]), keyed by the optimizer step it was taken at and its stream (`"train"`: timed micro-batches and a step's
+peak memory; `"growth"`: step times; `"eval"`: timed forwards and evaluations), with the out-of-memory errors it
+survived. A run given that record (`AdaptiveBatch(replay=PATH)`) reads each measurement from it in place of the clock
+and makes the same decisions: the same cuts, batch changes and eval batch sizes, so on the same machine the run is
+bit for bit the recorded one. A recorded out-of-memory error is replayed: that micro-batch (or eval piece) is not
+run, and the step runs again as it did.
+
+Keys are steps, not positions in one sequence, so a replay may be killed and resumed: the resumed part reads the
+measurements of its own steps (`"growth"` gives the first step after the resume the time the recorded run measured,
+which a resumed run cannot measure itself).
+
+The record carries the run's description (`run`): plan identity, world size, settings, the cut's starting point. A
+replay whose description differs is refused before any compute ([`differences`], [`replay_error`]). Where a replay
+departs from its record all the same (an out-of-memory error the record does not hold, a measurement it lacks), the
+replay ends there with one warning and the rest of the run measures for itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+
+logger = logging.getLogger("adaptive_batch")
+
+FORMAT = 1  # the layout of the file; raise it when a key changes meaning
+FILE = "adaptive_batch_measurements.json"
+
+
+def file_name(rank: int, world_size: int) -> str:
+    """The record's file name for one process: one file per rank under several processes (each measures its own)."""
+    return FILE if world_size == 1 else FILE.replace(".json", f".rank{rank}.json")
+
+
+class Tape:
+    """The measurements of one run, recorded, and read back from an earlier run's record when replaying.
+
+    Attributes:
+        run: the run's description, compared with a record's before a replay.
+        streams: what this run measured (or replayed): `{stream: {step: [[tag, *values], ...]}}`, JSON as written.
+        source: the replayed record's `streams` (`None`: measuring); `path`: its file.
+        ended: why the replay ended early (`None` while it follows its record, or when not replaying).
+    """
+
+    def __init__(self, run: dict | None = None):
+        self.run = run
+        self.streams: dict[str, dict[str, list]] = {}
+        self.source: dict[str, dict[str, list]] | None = None
+        self.path: str | None = None
+        self.ended: str | None = None
+        self._read: dict[tuple[str, str], int] = {}  # (stream, step): entries of the source read so far
+
+    @property
+    def replaying(self) -> bool:
+        return self.source is not None and self.ended is None
+
+    def replay(self, record: dict, path: str) -> None:
+        """Read measurements from `record` (checked against this run's description first: [`differences`])."""
+        self.source, self.path, self.ended, self._read = record["streams"], path, None, {}
+
+    def continue_from(self, record: dict | None) -> None:
+        """A resumed run's own record starts with what its checkpoint's run had measured."""
+        if record is not None:
+            self.streams = copy.deepcopy(record["streams"])
+
+    # -- measurements ------------------------------------------------------------------------------------------
+
+    def measure(self, stream: str, step: int, tag: str, live: list) -> list:
+        """`live` was measured now (`tag` names what: the same tag at the same point of the recorded run); returns
+        what the decisions read: the recorded values while replaying, else `live`. Recorded either way."""
+        values = live
+        if self.replaying:
+            recorded = self._next(stream, step)
+            if recorded is None or recorded[0] != tag:
+                held = "nothing more" if recorded is None else f"{recorded[0]!r}"
+                self._end(f"at step {step} this run measured {tag!r} where the record holds {held}")
+            else:
+                values = list(recorded[1:])
+                self._advance(stream, step)
+        self._append(stream, step, [tag, *values])
+        return values
+
+    def recorded_failure(self, stream: str, step: int, tag: str) -> bool:
+        """Whether the recorded run ran out of memory here (`tag` next in the record): the replay then fails this
+        micro-batch (or piece) without running it, as the recorded run's failed."""
+        if not self.replaying:
+            return False
+        recorded = self._next(stream, step)
+        if recorded is None or recorded[0] != tag:
+            return False
+        self._advance(stream, step)
+        self._append(stream, step, [tag])
+        return True
+
+    def failure(self, stream: str, step: int, tag: str) -> None:
+        """An out-of-memory error this run met (one the record holds was replayed by [`recorded_failure`])."""
+        if self.replaying:
+            self._end(f"at step {step} this run ran out of memory ({tag!r}) where the recorded run did not")
+        self._append(stream, step, [tag])
+
+    def keyed(self, stream: str, step: int, live: list | None) -> list | None:
+        """A measurement some runs cannot take (the time of the step before a resumed run's first): while replaying
+        the record's at `step`, whether or not this run measured one (its first value must agree where both did),
+        else `live`; `None`: none. Recorded either way."""
+        values = live
+        if self.replaying:
+            entries = self.source.get(stream, {}).get(str(step), [])
+            recorded = list(entries[0][1:]) if entries else None
+            if recorded is not None and live is not None and recorded[:-1] != live[:-1]:
+                self._end(
+                    f"at step {step} this run timed a step of {live[:-1]} where the record timed {recorded[:-1]}"
+                )
+            else:
+                values = recorded
+        if values is not None:
+            self._append(stream, step, ["time", *values])
+        return values
+
+    # -- the file ----------------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "run": self.run,
+            "replayed": self.path,
+            "replay_ended": self.ended,
+            "streams": self.streams,
+        }
+
+    def write(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        temporary = path + ".tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(self.to_json(), handle, separators=(",", ":"))
+        os.replace(temporary, path)
+
+    # -- inside --------------------------------------------------------------------------------------------------
+
+    def _next(self, stream: str, step: int) -> list | None:
+        entries = self.source.get(stream, {}).get(str(step), [])
+        index = self._read.get((stream, str(step)), 0)
+        return entries[index] if index < len(entries) else None
+
+    def _advance(self, stream: str, step: int) -> None:
+        key = (stream, str(step))
+        self._read[key] = self._read.get(key, 0) + 1
+
+    def _append(self, stream: str, step: int, entry: list) -> None:
+        self.streams.setdefault(stream, {}).setdefault(str(step), []).append(entry)
+
+    def _end(self, why: str) -> None:
+        self.ended = why
+        logger.warning(
+            "AdaptiveBatch: the replay of %s ends: %s. From here the run measures for itself, so the rest is not "
+            "bit for bit the recorded run.",
+            self.path,
+            why,
+        )
+
+
+def read_record(path: str, rank: int, world_size: int) -> tuple[dict, str]:
+    """The record at `path` (a file, or a folder holding this rank's file) and the file read.
+
+    Raises:
+        ValueError: no such file, or not a record of this layout.
+    """
+    name = file_name(rank, world_size)
+    file = os.path.join(path, name) if os.path.isdir(path) else path
+    if world_size > 1 and not os.path.isdir(path):
+        raise ValueError(
+            f"replay={path!r} is a file, and under {world_size} processes each rank replays its own record. Pass "
+            f"the folder the recorded run wrote its {file_name(0, world_size)} ... files into (its output_dir, or a "
+            "checkpoint folder)."
+        )
+    if not os.path.isfile(file):
+        raise ValueError(
+            f"replay={path!r}: there is no {file}. Pass the {name} that a run with AdaptiveBatch wrote into its "
+            "output_dir (or a checkpoint folder), or that folder itself."
+        )
+    try:
+        with open(file, encoding="utf-8") as handle:
+            record = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"replay={path!r}: {file} is not a readable JSON record ({error}).") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT or "streams" not in record:
+        raise ValueError(
+            f"replay={path!r}: {file} is not a record of measurements of layout {FORMAT} (this release's). Pass a "
+            f"{FILE} written by this release of adaptive-batch."
+        )
+    return record, file
+
+
+def differences(recorded: dict | None, now: dict) -> list[str]:
+    """What differs between a record's run description and this run's, one phrase per value ("world_size: 1 in the
+    record, 2 now"), nested values named by their path ("settings.micro_batch_size"); the plan's fingerprint (its cut
+    into steps) only where nothing else explains its change."""
+    recorded, now = _flat(recorded or {}), _flat(json.loads(json.dumps(now, default=repr)))
+    changed = [name for name in sorted(set(recorded) | set(now)) if recorded.get(name) != now.get(name)]
+    if (
+        len(changed) > 1 and "plan.fingerprint" in changed
+    ):  # (the cut into steps: named where nothing else says why)
+        changed.remove("plan.fingerprint")
+    return [
+        f"{name}: {recorded.get(name, 'nothing')!r} in the record, {now.get(name, 'nothing')!r} now"
+        for name in changed
+    ]
+
+
+def replay_error(path: str, changed: list[str]) -> str:
+    return (
+        f"replay={path!r} was recorded by another run than this one, so its measurements would not decide this run's "
+        f"cuts, batch changes and eval batches as they decided the recorded run's (a replay needs the same dataset, "
+        f"plan, world size and AdaptiveBatch settings). Changed: {'; '.join(changed)}. Run with the recorded run's "
+        "settings, or leave replay out (replay=None) to measure afresh."
+    )
+
+
+def _flat(value: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, item in value.items():
+        if isinstance(item, dict):
+            flat.update(_flat(item, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = item
+    return flat
