@@ -162,7 +162,9 @@ def test_resuming_without_skipping_the_trained_steps_is_refused(make_trainer, tm
     "stated, expected",
     [
         (dict(micro_batch_size=2), {2}),  # a fixed size stated now, after a run fixed at 8
-        (dict(max_micro_batch_size=2), {2}),  # "auto" capped at 2 now: starts afresh at 1, then 2
+        # "auto" capped at 2 now: starts afresh at 1, then 2 where that is measured faster (on a loaded machine
+        # it may stay at 1); never the checkpoint's 8
+        (dict(max_micro_batch_size=2), {1, 2}),
     ],
 )
 def test_micro_batch_settings_stated_now_win_over_the_checkpoint(
@@ -185,7 +187,7 @@ def test_micro_batch_settings_stated_now_win_over_the_checkpoint(
     with caplog.at_level("INFO", logger="adaptive_batch"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-5"))
     after = [log["adaptive_batch/micro_batch_size"] for log in step_logs(resumed) if log["step"] > 5]
-    assert set(after) == expected
+    assert after and set(after) <= expected
     assert "as set now; the checkpoint's run had micro_batch_size=8" in caplog.text
 
 
