@@ -4,6 +4,7 @@ after -- or from a saved training_args.bin. Each count is checked against a real
 the CPU): its prepared train_dataset, the non-padding tokens of the batches its dataloader yields, and the optimizer
 steps of its epoch."""
 
+import dataclasses
 import json
 
 import pytest
@@ -62,9 +63,13 @@ def sft_trainer(chat_tokenizer, chat_jsonl, tmp_path, **config):
         num_train_epochs=1,
         max_length=MAX_LENGTH,
         bf16=False,
-        activation_checkpointing=False,
         **QUIET_CPU_RUN,
     )
+    # SFTConfig turns it on by default; transformers 5.24 calls it activation_checkpointing, 5.17 gradient_...
+    fields = {f.name for f in dataclasses.fields(trl.SFTConfig)}
+    settings[
+        "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    ] = False
     settings.update(config)
     return trl.SFTTrainer(
         model=tiny_llama(tokenizer, max_length=2 * MAX_LENGTH),
