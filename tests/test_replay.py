@@ -103,8 +103,8 @@ def test_a_replayed_run_is_bit_for_bit_the_recorded_one_whatever_its_clock_measu
     assert (tmp_path / "recorded" / RECORD).is_file()
     # the same script on another moment of the machine: other times, other cuts
     again = run(make_trainer, monkeypatch, tmp_path, "again", 2, dataset, settings, **args)
+    # (its logged losses may still come out equal where only a late step is cut otherwise)
     assert cuts(again) != cuts(recorded)
-    assert logged(again, "loss") != logged(recorded, "loss")
     # the same, replaying the record: the recorded run's cuts, losses and weights, bit for bit
     replayed = run(
         make_trainer,
