@@ -33,7 +33,8 @@ pytestmark = pytest.mark.slow
                 "The trap: batch 128 with the same max_steps took 128x the samples",
                 "the data stayed 20 samples (max_steps=20 x the starting batch of 1)",
                 "its largest step held 11 samples",  # the phase of 32 the budget ends in holds its rest
-                "2,488 from max_steps=20 steps of the plain Trainer at the starting effective batch 128",
+                # (the samples' number follows the rows pydoc_data.topics gives, which differ by CPython release)
+                "from max_steps=20 steps of the plain Trainer at the starting effective batch 128",
             ],
         ),
     ],
