@@ -162,7 +162,7 @@ def tape(session, checkpoint) -> Tape:
         recorded.continue_from(read_record(os.path.join(checkpoint.path, name), 0, 1)[0])
     if config.replay is not None:
         record, path = read_record(config.replay, session.rank, session.world_size)
-        changed = differences(record.get("run"), recorded.to_json()["run"])
+        changed = differences(record.get("run"), run)
         if changed:
             raise ValueError(replay_error(config.replay, changed))
         recorded.replay(record, path)

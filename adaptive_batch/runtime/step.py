@@ -118,6 +118,14 @@ class MicroBatchReport:
         return None if self.peak_bytes == -math.inf else self.peak_bytes
 
 
+def _failed(report: MicroBatchReport, batch: StepBatch, start: int, own: int) -> None:
+    """`report` says the micro-batch of `own` rows from `start` ran out of memory (a row that adds nothing, `own`
+    0, counts as one row)."""
+    rows = own or 1
+    report.out_of_memory, report.failed_rows = True, rows
+    report.failed_tokens = batch.tokens(start if own else batch.rows - 1, rows)[1]
+
+
 class PeerOutOfMemory(Exception):
     """Another rank ran out of memory in this micro-batch; raised on the others at the collective they wait in."""
 
@@ -336,9 +344,7 @@ class MicroBatchRunner:
         stopwatch = Stopwatch(self.device) if micro.timed else None
         local = MicroBatchReport()
         if self.tape.recorded_failure("train", self._step, f"oom {name}"):
-            rows = own or 1
-            local.out_of_memory, local.failed_rows = True, rows
-            local.failed_tokens = batch.tokens(start if own else batch.rows - 1, rows)[1]
+            _failed(local, batch, start, own)
             return self._exchange(local)
         try:
             with (
@@ -369,10 +375,7 @@ class MicroBatchRunner:
             if not self.engine.retries:
                 raise self.engine.out_of_memory(error, self.world_size) from error
             self.tape.failure("train", self._step, f"oom {name}")
-            rows = own or 1  # a row that adds nothing is one row
-            local.out_of_memory = True
-            local.failed_rows = rows
-            local.failed_tokens = batch.tokens(start if own else batch.rows - 1, rows)[1]
+            _failed(local, batch, start, own)
         if stopwatch is not None and not local.out_of_memory:
             seconds, peak = self.tape.measure(
                 "train", self._step, f"micro {name}", [stopwatch.seconds, stopwatch.peak_bytes]
