@@ -15,7 +15,7 @@ import types
 from pathlib import Path
 
 from ..runtime import compat, lengths
-from .sft_args import SFTArgs, sft_defaults
+from .sft_args import SFTArgs, named, sft_defaults
 
 
 @dataclasses.dataclass
@@ -43,26 +43,26 @@ def dataset_facts(path: Path, tokenizer_dir: Path | None = None, sft: SFTArgs | 
         raise ValueError(f"--dataset {path} holds no records.")
     tokenized = _all_tokenized(rows)
     defaults = sft_defaults()
-    given = _non_default(sft, defaults)
+    given = sft.changed(defaults)
     if tokenized and not sft.is_sft:
-        return DatasetFacts(len(rows), _total_tokens(rows))
+        return DatasetFacts(len(rows), lengths.total_tokens(rows))
     if (
         defaults is None
     ):  # no TRL: counted as the rows are (text through the tokenizer, chat through its template)
-        facts = DatasetFacts(len(rows), _total_tokens(rows) if tokenized else None)
+        facts = DatasetFacts(len(rows), lengths.total_tokens(rows) if tokenized else None)
         if not tokenized and tokenizer_dir is not None:
             facts.tokens = _count_tokens(rows, tokenizer_dir, path)
             facts.notes.append(
                 "TRL is not installed: tokens counted without SFTTrainer's preparation (its EOS, truncation, packing)"
             )
         if given:
-            facts.not_used.append(f"{_named(given)}: TRL is not installed to prepare the dataset with them")
+            facts.not_used.append(f"{named(given)}: TRL is not installed to prepare the dataset with them")
         return facts
     if not tokenized and tokenizer_dir is None:
         facts = DatasetFacts(len(rows), None)
         if given:
             facts.not_used.append(
-                f"{_named(given)}: the rows are not tokenised without --tokenizer, so their rows and tokens are the "
+                f"{named(given)}: the rows are not tokenised without --tokenizer, so their rows and tokens are the "
                 "file's, not SFTTrainer's; pass --tokenizer to prepare them as SFTTrainer does"
             )
         return facts
@@ -87,7 +87,7 @@ def _sft_facts(rows, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict, gi
             "each text row is --tokenizer's own; pass -- --eos_token TOKEN where the run sets one"
         )
     if (args.dataset_kwargs or {}).get("skip_prepare_dataset", False):
-        facts.tokens = _total_tokens(rows) if _all_tokenized(rows) else None
+        facts.tokens = lengths.total_tokens(rows) if _all_tokenized(rows) else None
         facts.notes.append(
             "dataset_kwargs skip_prepare_dataset=True: SFTTrainer trains on the rows as they are"
         )
@@ -124,7 +124,9 @@ def _sft_facts(rows, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict, gi
     completion_only_loss = args.completion_only_loss
     if completion_only_loss is None:
         completion_only_loss = "prompt" in first and "completion" in first
-    tokenize_only = argparse_copy(args, max_length=None, packing=False, shuffle_dataset=False)
+    tokenize_only = types.SimpleNamespace(
+        **{**vars(args), "max_length": None, "packing": False, "shuffle_dataset": False}
+    )
     with _quiet():
         try:
             tokenized = compat.sft_prepare_dataset(
@@ -145,13 +147,6 @@ def _sft_facts(rows, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict, gi
     facts.rows, facts.tokens = len(after), sum(after)
     facts.notes.append(_how(args, sft, before, after, trl.__version__))
     return facts
-
-
-def argparse_copy(namespace, **changes):
-    copy = types.SimpleNamespace(**vars(namespace))
-    for key, value in changes.items():
-        setattr(copy, key, value)
-    return copy
 
 
 def _how(args, sft: SFTArgs, before: list[int], after: list[int], version: str) -> str:
@@ -194,19 +189,6 @@ def _unusable(name: str, args, sft: SFTArgs) -> list[str]:
     if value in (None, "None", "none"):
         return []
     return [f"{name}={value!r}: the eval set's, and plan counts the train set only"]
-
-
-def _non_default(sft: SFTArgs, defaults: dict | None) -> dict:
-    """The given SFT fields whose value is not SFTConfig's default (all given ones without TRL)."""
-    return {
-        name: value
-        for name, value in sft.given.items()
-        if name != "seed" and (defaults is None or defaults.get(name) != value)
-    }
-
-
-def _named(fields: dict) -> str:
-    return ", ".join(f"{name}={value!r}" for name, value in fields.items())
 
 
 def _tokenizer(tokenizer_dir: Path, args, path: Path):
@@ -272,10 +254,6 @@ def _quiet():
 def _row_lengths(dataset) -> list[int]:
     """Each row's number of input_ids, reading the dataset through its indices (a shuffle or filter leaves one)."""
     return lengths.row_lengths(dataset.select_columns(["input_ids"]).flatten_indices())
-
-
-def _total_tokens(rows) -> int | None:
-    return lengths.total_tokens(rows)
 
 
 def _all_tokenized(rows) -> bool:

@@ -14,7 +14,7 @@ from ..core.schedule import PhaseSchedule, as_schedule, describe
 from ..core.traps import explicit_epochs, run_traps
 from .arguments import integer, number, positive_int, setting_help
 from .dataset_facts import dataset_facts
-from .sft_args import read_sft_args, sft_defaults
+from .sft_args import named, read_sft_args, sft_defaults
 from .training_args import apply_training_args
 
 HELP = "print the steps, samples, tokens and LR of a run before it starts"
@@ -211,17 +211,11 @@ def _unknown_options_line(options: list[str]) -> list[str]:
 def _sft_fields_without_dataset(sft) -> list[str]:
     """With --dataset-size: the SFT fields given that change the rows or tokens, which plan counts only from a
     --dataset file."""
-    defaults = sft_defaults() or {}
-    given = {
-        name: value
-        for name, value in sft.given.items()
-        if name not in ("seed", "dataset_num_proc") and defaults.get(name, object()) != value
-    }
+    given = sft.changed(sft_defaults(), leave_out=("seed", "dataset_num_proc"))
     if not given:
         return []
-    named = ", ".join(f"{name}={value!r}" for name, value in given.items())
     return [
-        f"{named}: they change the rows or tokens SFTTrainer trains on, which plan counts only from --dataset "
+        f"{named(given)}: they change the rows or tokens SFTTrainer trains on, which plan counts only from --dataset "
         "(with --tokenizer); --dataset-size is taken as the rows trained on"
     ]
 

@@ -59,6 +59,15 @@ class SFTArgs:
     )
     eval_only: dict = dataclasses.field(default_factory=dict)
 
+    def changed(self, defaults: dict | None, leave_out: tuple[str, ...] = ("seed",)) -> dict:
+        """The given fields whose value is not SFTConfig's (`defaults`; every given one without TRL), but those of
+        `leave_out`."""
+        return {
+            name: value
+            for name, value in self.given.items()
+            if name not in leave_out and (defaults is None or defaults.get(name) != value)
+        }
+
     def config(self, defaults: dict) -> argparse.Namespace:
         """The SFTConfig's fields as the run has them: `defaults` (SFTConfig's), overridden by the given ones."""
         fields = dict(defaults)
@@ -66,6 +75,11 @@ class SFTArgs:
         if fields.get("packing_strategy") == "bfd-requeue":  # as SFTConfig.__post_init__ renames it
             fields["packing_strategy"] = "bfd_split"
         return argparse.Namespace(**fields)
+
+
+def named(fields: dict) -> str:
+    """`fields` as the lines that name them: "max_length=128, packing=True"."""
+    return ", ".join(f"{name}={value!r}" for name, value in fields.items())
 
 
 def sft_defaults() -> dict | None:
