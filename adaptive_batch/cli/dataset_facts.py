@@ -46,9 +46,8 @@ def dataset_facts(path: Path, tokenizer_dir: Path | None = None, sft: SFTArgs | 
     given = sft.changed(defaults)
     if tokenized and not sft.is_sft:
         return DatasetFacts(len(rows), lengths.total_tokens(rows))
-    if (
-        defaults is None
-    ):  # no TRL: counted as the rows are (text through the tokenizer, chat through its template)
+    # no TRL: counted as the rows are (text through the tokenizer, chat through its template)
+    if defaults is None:
         facts = DatasetFacts(len(rows), lengths.total_tokens(rows) if tokenized else None)
         if not tokenized and tokenizer_dir is not None:
             facts.tokens = _count_tokens(rows, tokenizer_dir, path)

@@ -33,12 +33,8 @@ FIELDS = {
 BOOLEAN_FIELDS = {"packing", "padding_free", "assistant_only_loss", "shuffle_dataset", "completion_only_loss"}
 CHOICES = {
     "truncation_mode": ("keep_start", "keep_end"),
-    "packing_strategy": (
-        "bfd",
-        "bfd_split",
-        "wrapped",
-        "bfd-requeue",
-    ),  # bfd-requeue: TRL's old name of bfd_split
+    # bfd-requeue: TRL's old name of bfd_split
+    "packing_strategy": ("bfd", "bfd_split", "wrapped", "bfd-requeue"),
 }
 # fields read elsewhere, or that change no train row or token: the plan does not need them
 EVAL_ONLY = {"eval_packing"}
@@ -54,9 +50,8 @@ class SFTArgs:
     sources: dict = dataclasses.field(default_factory=dict)
     is_sft: bool = False
     unknown_options: list = dataclasses.field(default_factory=list)
-    hidden_eos_token: str = (
-        ""  # where --args holds eos_token as the '<EOS_TOKEN>' to_dict writes for any value
-    )
+    # where --args holds eos_token as the '<EOS_TOKEN>' to_dict writes for any value
+    hidden_eos_token: str = ""
     eval_only: dict = dataclasses.field(default_factory=dict)
 
     def changed(self, defaults: dict | None, leave_out: tuple[str, ...] = ("seed",)) -> dict:
@@ -164,9 +159,8 @@ def unknown_options(argv: list[str]) -> list[str]:
         if not item.startswith("-") or _is_number(item):
             continue
         name = item.lstrip("-").split("=", 1)[0].replace("-", "_")
-        bare = (
-            name[3:] if name.startswith("no_") else None
-        )  # HfArgumentParser's --no_X for a bool defaulting True
+        # HfArgumentParser's --no_X for a bool defaulting True
+        bare = name[3:] if name.startswith("no_") else None
         option = item.split("=", 1)[0]
         if name not in names and bare not in booleans and option not in unknown:
             unknown.append(option)

@@ -29,8 +29,9 @@ RULES = {
 def apply_training_args(options: argparse.Namespace) -> None:
     """Fill the plan's settings left unset on the command line from the script's arguments (after --), then from
     --args, then from the defaults; each value is checked, and a bad one refused naming where it came from, before any
-    compute. `options.saved_args` keeps the fields of --args (or `None`). `options.given` maps each flag (`per_device`, `epochs`, ...) set by one of those, not defaulted, to
-    where its value came from: "flag", "script" or "args"."""
+    compute. `options.saved_args` keeps the fields of --args (or `None`). `options.given` maps each flag
+    (`per_device`, `epochs`, ...) set by one of those, not defaulted, to where its value came from: "flag", "script"
+    or "args"."""
     sources = []
     script_args = getattr(options, "script_args", None) or []
     if script_args:

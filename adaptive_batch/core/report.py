@@ -69,9 +69,8 @@ def step_strategy_rows(
     largest = max([effective for _, _, effective in phases] + [may_grow_to or 0])
     rows = []
     for strategy in strategies:
-        gap = (
-            strategy.interval(plain_steps) * plain.effective_batch_size
-        )  # the plain Trainer's samples between two
+        # the plain Trainer's samples between two
+        gap = strategy.interval(plain_steps) * plain.effective_batch_size
         setting = f"{strategy.field}={strategy.every:g}"
         if len(phases) > 1:
             ours, theirs = strategy.steps(plan.num_steps), strategy.steps(plain_steps)

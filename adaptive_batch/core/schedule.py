@@ -73,9 +73,8 @@ class PhaseSchedule:
     """
 
     sizes: Sequence[int]
-    boundaries: Sequence[
-        float
-    ] = ()  # (so that PhaseSchedule([8, 16]) is refused naming the boundaries it lacks)
+    # a default, so that PhaseSchedule([8, 16]) is refused naming the boundaries it lacks
+    boundaries: Sequence[float] = ()
     unit: str = "fraction"
 
     def __post_init__(self):

@@ -99,21 +99,13 @@ def _max_steps_traps(run: RunPlan, schedule: Schedule, epochs_given: float | Non
         plain_samples = sum(plan.scheduled[min(k, plan.num_steps - 1)] for k in range(max_steps))
         later = [effective for _, _, effective in phases[1:]]
         change = "growing" if min(later) > starting else "shrinking" if max(later) < starting else "changing"
-        if plain_samples > samples:
-            fix = (
-                "To train on more samples, raise max_steps (in steps of the starting batch) or give the budget in "
-                "num_train_epochs."
-            )
-        else:
-            fix = (
-                "To train on fewer samples, lower max_steps (in steps of the starting batch) or give the budget in "
-                "num_train_epochs."
-            )
+        more, fix = ("more", "raise") if plain_samples > samples else ("fewer", "lower")
         sizes = " -> ".join(str(effective) for _, _, effective in phases)
         warnings.append(
             f"max_steps={max_steps} with a {change} batch ({sizes}): AdaptiveBatch counts it as {samples:,} samples "
             f"({max_steps} steps of {starting}) and runs {plan.num_steps:,} optimizer steps; the plain Trainer would "
-            f"run {max_steps} steps of the scheduled batches, {plain_samples:,} samples. {fix}"
+            f"run {max_steps} steps of the scheduled batches, {plain_samples:,} samples. To train on {more} samples, {fix} max_steps (in steps of the starting batch) or give the budget in "
+            "num_train_epochs."
         )
     elif isinstance(schedule, NoiseScaleSchedule):
         warnings.append(
