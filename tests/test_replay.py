@@ -15,6 +15,7 @@ from helpers import (
     LinearRegression,
     RegressionRows,
     adaptive_of,
+    assert_same_parameters,
     logged,
     parameters,
     step_logs,
@@ -67,9 +68,7 @@ def assert_bitwise_equal(a, b) -> None:
     assert logged(a, "loss") == logged(b, "loss")
     assert logged(a, "learning_rate") == logged(b, "learning_rate")
     assert cuts(a) == cuts(b)
-    first, second = parameters(a.model), parameters(b.model)
-    assert first.keys() == second.keys()
-    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert_same_parameters(a.model, b.model)
 
 
 @pytest.fixture
@@ -218,7 +217,7 @@ def test_a_record_of_another_run_is_refused_before_any_compute(
     def refused(dataset, settings, **args):
         timed_by(monkeypatch, 2)
         model = tiny_llama(tokenizer)
-        before = {name: value.clone() for name, value in parameters(model).items()}
+        before = parameters(model)  # (cloned)
         with pytest.raises(ValueError) as error:  # (when the Trainer is built: AdaptiveBatch plans there)
             make_trainer(
                 [AdaptiveBatch(replay=folder, **settings)],
