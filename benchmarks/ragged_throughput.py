@@ -2,9 +2,10 @@
 AdaptiveBatch mode, one process, one model, the same effective batch.
 
 The setup is qlora_throughput.py's (Llama-2-7B shape, NF4 QLoRA, LoRA r=16 on q/v, gradient checkpointing,
-paged 8-bit AdamW, sdpa attention), with sequences whose lengths follow a stated distribution: lognormal with a
-median of 200 tokens and sigma 0.8, clipped to [16, 1024] (SFT-like: instructions and chat turns; the histogram is
-in the JSON). Token ids are random. The user's config is 8 x 8 (effective batch 64).
+paged 8-bit AdamW, sdpa attention), with sequences whose lengths follow a stated distribution (`--mix`, see MIXES):
+`sft` (default) is lognormal with a median of 200 tokens and sigma 0.8, clipped to [16, 1024] (instructions and chat
+turns); `bimodal` is 3 in 4 lognormal around 100 and 1 in 4 around 700, clipped to [16, 2048] (short turns beside long
+documents). The histogram is in the JSON. Token ids are random. The user's config is 8 x 8 (effective batch 64).
 
 Arms (`--arms`, in this order by default):
 - `random`: the plain Trainer, a padding collator (right padding to the longest row of each batch), random order;
@@ -18,6 +19,8 @@ Arms (`--arms`, in this order by default):
 - `auto_torch`: `auto` with the same rows behind a map-style torch `Dataset` (`TorchRows`), which cannot tell its
   lengths before training: AdaptiveBatch reads them from the first collated step. The summary gives its ratio to
   `auto` (`torch_over_list`; the aim: within 5%).
+- `fixed`: the ceiling: the plain Trainer at 8 x 2 on rows all FIXED_LENGTH (1,024) tokens long, no padding at all
+  (`--fixed-steps` steps); `steady_over_fixed` in the summary is each arm's steady speed over it.
 
 Measured: the wall time of every optimizer step (device synchronised at each step end) and the real tokens each step
 trained on (counted in the collator); tokens per second over the steps after the first, and for AdaptiveBatch
@@ -26,11 +29,17 @@ its first (AdaptiveBatch's measuring steps included, as its user pays them) and 
 files in results/ written before this pooled AdaptiveBatch's steady steps against the plain arms' steps after the
 first).
 
+Compilation is counted: every run records the graphs torch.compile built and the recompiles (dynamo's counters),
+the steps during which they happened, and its whole-run real tokens/s (the Trainer's train time, first step and
+compilation included) beside the steady figure. `--cold` resets dynamo before every timed run, so that each run pays
+its own compilation as a user's fresh process does (run it with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 so no arm
+inherits another's kernels from disk); without it a round after the first finds its graphs compiled.
+
 `--attention flex_attention` runs every arm with flex attention instead of sdpa: on a padding-free row its block
 mask skips the blocks between sequences, where sdpa's packed mask is dense (quadratic in the whole row). It needs a
 GPU for training (torch has no flex attention backward on the CPU).
 
-Usage (results go to OUT/ragged_throughput.json, written after every arm, and a table at the end):
+Usage (results go to OUT/ragged_throughput_ATTENTION_MIX.json, written after every arm, and a table at the end):
 
     python benchmarks/ragged_throughput.py --out OUT            # the H200 run (needs CUDA and bitsandbytes)
     python benchmarks/ragged_throughput.py --out OUT --attention flex_attention --arms random,flat32,flat64,auto_pf
@@ -62,7 +71,13 @@ from base_model import header, qlora_trainer  # noqa: E402
 from qlora_throughput import StepClock, build_model  # noqa: E402
 from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
 
-MEDIAN, SIGMA, SHORTEST, LONGEST = 200, 0.8, 16, 1024
+MIXES = {  # name: how its lengths are drawn (see lengths())
+    "sft": "lognormal, median 200, sigma 0.8, clipped to [16, 1024]",
+    "bimodal": "3 in 4 lognormal median 100 sigma 0.6, 1 in 4 lognormal median 700 sigma 0.35; clipped to [16, 2048]",
+}
+FIXED_LENGTH = (
+    1024  # the `fixed` arm's rows: every row this long, so no padding and no ragged cost (the ceiling)
+)
 ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments or None, extra TrainingArguments)
     "random": (8, 8, "pad", None, {}),
     "grouped": (8, 8, "pad", None, {"train_sampling_strategy": "group_by_length"}),
@@ -75,15 +90,43 @@ ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments o
     "auto_flat": (8, 8, "flat", {}, {}),
     "auto_pf": (8, 8, "pad", {"padding_free": True}, {}),
     "auto_torch": (8, 8, "pad", {}, {}),
+    "fixed": (8, 2, "pad", None, {}),  # rows of FIXED_LENGTH tokens, micro-batch 8 (8,192 tokens)
 }
 TORCH_DATASET = {"auto_torch"}  # arms whose rows are served by a torch Dataset instead of a list
 TORCH_OVER_LIST_AIM = 0.05  # auto_torch within 5% of auto
 
 
-def lengths(count: int, seed: int = 0) -> list[int]:
+def lengths(count: int, mix: str = "sft", seed: int = 0) -> list[int]:
+    """`count` row lengths drawn from the mix named `mix` (MIXES), the same for the same seed."""
     generator = torch.Generator().manual_seed(seed)
-    drawn = torch.exp(math.log(MEDIAN) + SIGMA * torch.randn(count, generator=generator, dtype=torch.float64))
-    return drawn.round().clamp(SHORTEST, LONGEST).long().tolist()
+    normal = torch.randn(count, generator=generator, dtype=torch.float64)
+    if mix == "sft":
+        return torch.exp(math.log(200) + 0.8 * normal).round().clamp(16, 1024).long().tolist()
+    long_ = torch.rand(count, generator=generator, dtype=torch.float64) < 0.25
+    drawn = torch.where(
+        long_, torch.exp(math.log(700) + 0.35 * normal), torch.exp(math.log(100) + 0.6 * normal)
+    )
+    return drawn.round().clamp(16, 2048).long().tolist()
+
+
+class Compilations:
+    """How many graphs torch.compile built (and how often it recompiled) between `start()` and `stop()`: dynamo's
+    process-wide counters, read before and after."""
+
+    def start(self) -> None:
+        self.before = self.read()
+
+    def stop(self) -> dict:
+        return {key: value - self.before[key] for key, value in self.read().items()}
+
+    @staticmethod
+    def read() -> dict:
+        from torch._dynamo.utils import counters
+
+        return {
+            "graphs_compiled": counters["stats"]["unique_graphs"],
+            "recompiles": sum(counters["recompiles"].values()),
+        }
 
 
 class TorchRows(torch.utils.data.Dataset):
@@ -124,18 +167,22 @@ class CountingCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def run_arm(name, model, dataset, steps, tiny, workdir):
+def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
+    """One run of the arm `name`; `cold`: dynamo's caches cleared first, so the run compiles what it needs itself
+    (its whole-run figure then includes its compilation; run with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 so that
+    inductor's on-disk caches do not serve one arm what another compiled)."""
     from transformers import TrainerCallback
 
     from adaptive_batch import AdaptiveBatch
 
     per_device, accumulation, kind, adaptive, extra = ARMS[name]
     clock, collator = StepClock(), CountingCollator(kind)
-    counts = []
+    counts, graphs = [], []
 
     class Tokens(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             counts.append(collator.tokens)
+            graphs.append(Compilations.read()["graphs_compiled"])
 
     callbacks = [clock.callback, Tokens()]
     if adaptive is not None:
@@ -155,7 +202,13 @@ def run_arm(name, model, dataset, steps, tiny, workdir):
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    if cold:
+        torch._dynamo.reset()
+    compilations = Compilations()
+    compilations.start()
+    started = time.perf_counter()
     trainer.train()
+    train_seconds = time.perf_counter() - started
     seconds = clock.step_seconds
     tokens = [b - a for a, b in zip([0, *counts], counts)]
     logs = [log for log in trainer.state.log_history if "loss" in log]
@@ -168,6 +221,15 @@ def run_arm(name, model, dataset, steps, tiny, workdir):
         "adaptive_batch": adaptive,
         "training_arguments": extra,
         **step_record(seconds, tokens),
+        "cold": cold,
+        "train_seconds": train_seconds,
+        "whole_run_real_tokens_per_second": sum(tokens) / train_seconds,
+        **compilations.stop(),
+        "steps_that_compiled": [
+            i
+            for i, (a, b) in enumerate(zip([compilations.before["graphs_compiled"], *graphs], graphs))
+            if b > a
+        ],
         "accumulation_steps_per_step": [log.get("adaptive_batch/accumulation_steps") for log in logs],
         "micro_batch_size_per_step": [log.get("adaptive_batch/micro_batch_size") for log in logs],
     }
@@ -224,9 +286,17 @@ def main():
     parser.add_argument(
         "--adaptive-steps", type=int, default=16, help="optimizer steps of each AdaptiveBatch arm"
     )
+    parser.add_argument("--fixed-steps", type=int, default=6, help="optimizer steps of the fixed-length arm")
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
     add_arguments(parser)
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
+    parser.add_argument("--mix", default="sft", choices=list(MIXES), help="the length distribution (MIXES)")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="clear dynamo's caches before every timed run, so that each run's whole-run figure pays its own "
+        "compilation (set TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 too)",
+    )
     options = parser.parse_args()
     os.makedirs(options.out, exist_ok=True)
     os.makedirs(options.workdir, exist_ok=True)
@@ -236,40 +306,54 @@ def main():
         model.set_attn_implementation(options.attention)
     arms = options.arms.split(",")
     count = 64 * max(options.steps, options.adaptive_steps)
-    row_lengths = lengths(count)
+    row_lengths = lengths(count, options.mix)
     generator = torch.Generator().manual_seed(1)
     dataset = [
         {"input_ids": torch.randint(0, config.vocab_size, (n,), generator=generator).tolist()}
         for n in row_lengths
     ]
-    edges = [16, 64, 128, 256, 512, 768, 1024]
+    fixed = (
+        [  # the fixed arm's rows: FIXED_LENGTH random tokens each, as many as its steps need
+            {"input_ids": torch.randint(0, config.vocab_size, (FIXED_LENGTH,), generator=generator).tolist()}
+            for _ in range(16 * max(options.fixed_steps, options.warmup_steps))
+        ]
+        if "fixed" in arms
+        else []
+    )
+    longest = max(row_lengths)
+    edges = [16, 64, 128, 256, 512, 768, 1024, 1536, 2048]
     report = {
         **header(options.tiny),
         "attention": options.attention,
+        "cold_runs": options.cold,
+        "inductor_caches_disabled": os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1",
         "lengths": {
-            "distribution": f"lognormal, median {MEDIAN}, sigma {SIGMA}, clipped to [{SHORTEST}, {LONGEST}]",
+            "mix": options.mix,
+            "distribution": MIXES[options.mix],
             "rows": count,
             "mean": sum(row_lengths) / count,
+            "median": sorted(row_lengths)[count // 2],
+            "p99": sorted(row_lengths)[int(count * 0.99)],
             "histogram": {
-                f"{low}-{high}": sum(
-                    low <= n < high or (high == LONGEST and n == LONGEST) for n in row_lengths
-                )
+                f"{low}-{high}": sum(low <= n < high or (n == high == longest) for n in row_lengths)
                 for low, high in zip(edges, edges[1:])
+                if low < longest
             },
         },
+        "fixed_length": FIXED_LENGTH if fixed else None,
         "runs": [],
     }
     # an arm's first training pays for its shapes and kernels (the process's first, for the process's): not its cost
     warm_ups = WarmUps(options.warmup_steps)
     report["warmup"] = warm_ups.record()
-    path = os.path.join(options.out, "ragged_throughput.json")
+    path = os.path.join(options.out, f"ragged_throughput_{options.attention}_{options.mix}.json")
     for round_, name in interleaved(arms, options.rounds):
-        warm_ups.before(
-            name, run_arm, name, model, dataset, options.warmup_steps, options.tiny, options.workdir
-        )
+        rows = fixed if name == "fixed" else dataset
+        warm_ups.before(name, run_arm, name, model, rows, options.warmup_steps, options.tiny, options.workdir)
         started = time.perf_counter()
         steps = options.adaptive_steps if ARMS[name][3] is not None else options.steps
-        result = run_arm(name, model, dataset, steps, options.tiny, options.workdir)
+        steps = options.fixed_steps if name == "fixed" else steps
+        result = run_arm(name, model, rows, steps, options.tiny, options.workdir, cold=options.cold)
         result["round"] = round_
         report["runs"].append(result)
         with open(path, "w") as f:
@@ -294,9 +378,10 @@ def after_first_part(run) -> tuple[int, float]:
 
 
 def steady_part(run) -> tuple[int, float]:
-    """Real tokens and seconds of a run's steps after the first and after AdaptiveBatch's measuring steps (all but
-    the first where measuring took every step, as in a short dry run)."""
-    first = run.get("first_steady_step", 1)
+    """Real tokens and seconds of a run's steps after the first, after the last that compiled a graph and after
+    AdaptiveBatch's measuring steps (all but the first where these took every step, as in a short dry run)."""
+    compiled = run.get("steps_that_compiled") or [0]
+    first = max(run.get("first_steady_step", 1), compiled[-1] + 1)
     if first >= len(run["step_seconds"]):
         first = 1
     return sum(run["real_tokens_per_step"][first:]), sum(run["step_seconds"][first:])
@@ -309,8 +394,9 @@ def pool(parts: list[tuple[int, float]]) -> float:
 def summarise(report):
     """Per arm: its runs pooled (real tokens over seconds of every step after each run's first, the same basis for
     every arm), the ratios to the plain random arm and to the best plain padding-free arm, and how far apart its
-    repeats were (the noise floor of the ratios); the torch Dataset's "auto" over the list's. AdaptiveBatch's arms
-    also over their steady steps (`real_tokens_per_second_steady`), which no plain arm has a counterpart of."""
+    repeats were (the noise floor of the ratios); the torch Dataset's "auto" over the list's. Beside it, for every
+    arm: the steady steps (after compiling and AdaptiveBatch's measuring; `steady_over_*` compare steady with steady)
+    and the whole run (trainer.train()'s seconds, compilation included; whole with whole)."""
     by_arm: dict[str, list] = {}
     for run in report["runs"]:
         by_arm.setdefault(run["arm"], []).append(run)
@@ -318,7 +404,16 @@ def summarise(report):
     pooled = {name: pool(own) for name, own in parts.items()}
     base = pooled.get("random")
     flat = [speed for name, speed in pooled.items() if name.startswith("flat")]
-    summary = {"random_real_tokens_per_second": base}
+    whole = {  # every step's tokens over the seconds of trainer.train(), compilation and AdaptiveBatch's search in
+        name: sum(sum(run["real_tokens_per_step"]) for run in runs)
+        / sum(run["train_seconds"] for run in runs)
+        for name, runs in by_arm.items()
+    }
+    flat_whole = [speed for name, speed in whole.items() if name.startswith("flat")]
+    steadies = {name: pool([steady_part(run) for run in runs]) for name, runs in by_arm.items()}
+    flat_steady = [speed for name, speed in steadies.items() if name.startswith("flat")]
+    ceiling = steadies.get("fixed")
+    summary = {"random_real_tokens_per_second": base, "fixed_real_tokens_per_second": ceiling}
     if "auto" in pooled and "auto_torch" in pooled:
         ratio = pooled["auto_torch"] / pooled["auto"]
         summary["torch_over_list"] = ratio
@@ -333,15 +428,21 @@ def summarise(report):
             "over_best_plain_flat": speed / max(flat) if flat else None,
             "repeats": len(speeds),
             "spread_between_repeats": max(speeds) / min(speeds) - 1,
+            "whole_run_real_tokens_per_second": whole[name],
+            "whole_run_over_best_plain_flat": whole[name] / max(flat_whole) if flat_whole else None,
+            "graphs_compiled_per_run": [run["graphs_compiled"] for run in by_arm[name]],
         }
-        if ARMS[name][3] is not None:
-            summary[name]["real_tokens_per_second_steady"] = pool([steady_part(run) for run in by_arm[name]])
+        steady = steadies[name]
+        summary[name]["real_tokens_per_second_steady"] = steady
+        summary[name]["steady_over_best_plain_flat"] = steady / max(flat_steady) if flat_steady else None
+        summary[name]["steady_over_fixed"] = steady / ceiling if ceiling else None
     report["summary"] = summary
 
 
 def print_table(report):
     print(
-        f"\n{report['device']}, {report['model']}, {report['attention']}; lengths {report['lengths']['distribution']}"
+        f"\n{report['device']}, {report['model']}, {report['attention']}; lengths {report['lengths']['mix']}: "
+        f"{report['lengths']['distribution']}"
     )
     print(
         f"{'round':>5} {'arm':>10} {'pair':>6} {'real tok/s':>11} {'steady':>8} {'peak GiB':>9} {'cut by':>7}"
@@ -357,10 +458,11 @@ def print_table(report):
         )
     summary = report.get("summary", {})
     print(
-        "(real tok/s over the steps after each run's first; steady: AdaptiveBatch's steps after its measuring)"
+        "(real tok/s over the steps after each run's first; steady: after compiling and AdaptiveBatch's measuring)"
     )
     print(
-        f"\n{'pooled':>10} {'real tok/s':>11} {'x random':>9} {'x flat':>7} {'repeats apart':>14} {'steady':>8}"
+        f"\n{'pooled':>10} {'real tok/s':>11} {'x random':>9} {'x flat':>7} {'repeats apart':>14} {'steady':>8} "
+        f"{'st x flat':>9} {'st x fixed':>10} {'whole':>7} {'wh x flat':>9} {'graphs':>8}"
     )
     for name, row in summary.items():
         if isinstance(row, dict):
@@ -368,7 +470,10 @@ def print_table(report):
             print(
                 f"{name:>10} {row['real_tokens_per_second']:>11,.0f} {row['over_random'] or 0:>9.2f} "
                 f"{row['over_best_plain_flat'] or 0:>7.2f} {row['spread_between_repeats']:>14.1%} "
-                f"{f'{steady:,.0f}' if steady else '-':>8}"
+                f"{f'{steady:,.0f}' if steady else '-':>8} {row['steady_over_best_plain_flat'] or 0:>9.2f} "
+                f"{row['steady_over_fixed'] or 0:>10.2f} {row['whole_run_real_tokens_per_second']:>7,.0f} "
+                f"{row['whole_run_over_best_plain_flat'] or 0:>9.2f} "
+                f"{','.join(map(str, row['graphs_compiled_per_run'])):>8}"
             )
     if "torch_over_list" in summary:
         met = "met" if summary["torch_over_list_aim_met"] else "missed"
