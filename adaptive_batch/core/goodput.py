@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import statistics
 from collections import deque
 from dataclasses import dataclass
+from statistics import linear_regression, median
 
+from .fit import plane
 from .schedule import Progress, check_effective_batch_size
 
 RECENT = 16  # step times kept per (rows, micro-batches): the median discards steps that also logged or saved
@@ -72,24 +73,25 @@ class StepTimeModel:
 
     def medians(self) -> dict[tuple[int, int], float]:
         """The median time of each (rows, micro-batches) timed at least `min_steps` times."""
-        return {key: statistics.median(t) for key, t in self.times.items() if len(t) >= self.min_steps}
+        return {key: median(t) for key, t in self.times.items() if len(t) >= self.min_steps}
 
     def coefficients(self) -> tuple[float, float, float] | None:
-        """(f, a, b) of T = f + a n + b r, least squares over the medians (f = 0 where three configurations do not
-        determine it, or it comes out negative); `None` when they determine neither."""
+        """(f, a, b) of T = f + a n + b r, least squares over the medians (f = 0 where they do not determine it, or
+        any comes out negative); `None` when they determine neither a nor b."""
         points = [(n, r, t) for (r, n), t in self.medians().items()]
-        if len(points) >= 3:
-            solved = _least_squares([(1.0, n, r) for n, r, _ in points], [t for _, _, t in points])
-            if solved is not None and solved[0] >= 0 and solved[1] >= 0 and solved[2] >= 0:
-                return solved
-        if len(points) >= 2:
-            solved = _least_squares([(n, r) for n, r, _ in points], [t for _, _, t in points])
-            if solved is not None:
-                a, b = solved
-                if a < 0 or b < 0:  # one of them explains nothing: the other alone, through the origin
-                    a, b = (0.0, _through_origin(points, 1)) if a < 0 else (_through_origin(points, 0), 0.0)
-                return 0.0, a, b
-        return None
+        solved = plane(points)
+        if solved is not None and min(solved) >= 0:
+            return solved
+        solved = plane(points, through_origin=True)
+        if solved is None:
+            return None
+        _, a, b = solved
+        if a < 0 or b < 0:  # one of them explains nothing: the other alone, through the origin
+            index = 1 if a < 0 else 0
+            times = [point[2] for point in points]
+            slope = linear_regression([point[index] for point in points], times, proportional=True).slope
+            a, b = (0.0, slope) if a < 0 else (slope, 0.0)
+        return 0.0, a, b
 
     def measured(self, rows: int, micro_batches: int) -> bool:
         """Whether steps of `rows` rows in `micro_batches` micro-batches have been timed `min_steps` times."""
@@ -431,32 +433,6 @@ def _check_real(value, name: str, ok, rule: str) -> None:
         or not ok(value)
     ):
         raise ValueError(f"NoiseScaleSchedule {name}={value!r} must be {rule}.")
-
-
-def _least_squares(rows: list[tuple[float, ...]], targets: list[float]) -> tuple[float, ...] | None:
-    """Solve the normal equations by Gaussian elimination; `None` when the columns are (nearly) dependent."""
-    k = len(rows[0])
-    matrix = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
-    vector = [sum(r[i] * t for r, t in zip(rows, targets)) for i in range(k)]
-    scale = max(abs(matrix[i][i]) for i in range(k)) or 1.0
-    for column in range(k):
-        pivot = max(range(column, k), key=lambda i: abs(matrix[i][column]))
-        if abs(matrix[pivot][column]) <= 1e-12 * scale:
-            return None
-        matrix[column], matrix[pivot] = matrix[pivot], matrix[column]
-        vector[column], vector[pivot] = vector[pivot], vector[column]
-        for i in range(k):
-            if i != column:
-                ratio = matrix[i][column] / matrix[column][column]
-                matrix[i] = [x - ratio * y for x, y in zip(matrix[i], matrix[column])]
-                vector[i] -= ratio * vector[column]
-    return tuple(vector[i] / matrix[i][i] for i in range(k))
-
-
-def _through_origin(points: list[tuple[int, int, float]], index: int) -> float:
-    """The least-squares slope through the origin of time against n (`index` 0) or r (1)."""
-    xs = [p[index] for p in points]
-    return sum(x * p[2] for x, p in zip(xs, points)) / sum(x * x for x in xs)
 
 
 def _positive_int(value) -> bool:
