@@ -1,10 +1,7 @@
 """What every way of cutting a step into micro-batches shares: the micro-batch, the controller's interface, the
-search's memory bookkeeping ([`MicroBatchSearch`]), the error. Pure Python.
-
-A controller cuts each optimizer step in one unit: [`rows.RowController`] by rows, [`tokens.TokenController`] by
-padded tokens; [`controllers.controller_for`] picks one. The step runner runs the micro-batches of each [`Cut`] and
-tells it what they measured. Decisions read only those measurements and the step's rows, so ranks fed the same
-(all-reduced) measurements decide alike.
+search's memory bookkeeping ([`MicroBatchSearch`]), the error. A controller cuts each step in one unit
+([`rows.RowController`]: rows; [`tokens.TokenController`]: padded tokens); its decisions read only the (all-reduced)
+measurements and the step's rows, so every rank decides alike. Pure Python.
 """
 
 from __future__ import annotations
@@ -16,13 +13,12 @@ from typing import Protocol
 from .fit import predict_peak
 
 REGROW_AFTER_STEPS = 1  # steps run at the smaller size before the size that failed is tried again
-MAX_FAILURES = (
-    2  # steps failed at a size (out of memory, or allocator thrash) after which it is not tried again
-)
+# steps failed at a size (out of memory, or allocator thrash) after which it is not tried again
+MAX_FAILURES = 2
 
 
 class MicroBatchTooLargeError(RuntimeError):
-    """One sample per micro-batch still runs out of memory. `tried` holds the sizes that ran out, in order."""
+    """One sample per micro-batch still runs out of memory; `tried`: the sizes that ran out, in order."""
 
     def __init__(self, message: str, tried: list[int]):
         super().__init__(message)
@@ -45,8 +41,8 @@ class MicroBatch:
 @dataclass(frozen=True)
 class StepMemory:
     """What a step's end tells the controller: its largest micro-batch (`largest` in the controller's unit, `tokens`
-    as run), its peak bytes (`None` where not measured: the CPU), and whether the caching allocator had to free its
-    cache to retry an allocation (`thrashed`: memory is nearly full)."""
+    as run), its peak bytes (`None` where not measured), and whether the allocator freed its cache to retry an
+    allocation (`thrashed`: memory is nearly full)."""
 
     largest: int = 0
     tokens: int = 0
@@ -70,9 +66,8 @@ class Cut(Protocol):
 
 
 class CutController(Protocol):
-    """Decides how every step is cut into micro-batches, in one unit (`unit`, for messages); `kind` (`"rows"` or
-    `"tokens"`) is stored in a checkpoint; `max_tokens` is `None` where the cut counts rows; `settled_because` says
-    why it stopped measuring (`None` while `exploring`)."""
+    """Decides how every step is cut, in one unit (`unit`, for messages); `kind` (`"rows"`, `"tokens"`) is stored in a
+    checkpoint; `max_tokens` is `None` where the cut counts rows; `settled_because` says why it stopped measuring."""
 
     kind: str
     unit: str
@@ -99,14 +94,11 @@ class CutController(Protocol):
         """Apply a `max_micro_batch_size` stated after the size was learned (a resumed run)."""
 
     def larger_step_cap(self, last_micro_batch_size: int, usual_micro_batches: int) -> int | None:
-        """The most rows a micro-batch of a larger step may hold, as far as known (`None`: as memory allows)."""
+        """The most rows a micro-batch of a larger step may hold, where known (`None`: as memory allows)."""
 
     def on_out_of_memory(self, rows: int, padded_tokens: int | None) -> None:
-        """A micro-batch of `rows` rows and `padded_tokens` ran out of memory; the step will run again.
-
-        Raises:
-            MicroBatchTooLargeError: if it was one row.
-        """
+        """A micro-batch of `rows` rows and `padded_tokens` ran out of memory; the step runs again. Raises
+        [`MicroBatchTooLargeError`] if it was one row."""
 
     def retry_message(self, rows: int, padded_tokens: int | None) -> str: ...
 
@@ -126,22 +118,18 @@ class CutController(Protocol):
 
 class MicroBatchSearch:
     """What the row and the token controller share: the peaks measured, the micro-batches that ran out of memory, and
-    a size (rows, or a token budget) that ran, then failed, tried again later.
+    a size (rows, or a token budget) that failed, tried again later.
 
-    After an out-of-memory error or allocator thrash (the caching allocator freeing its cache to retry an allocation,
-    seen at a step's end) the size shrinks; `REGROW_AFTER_STEPS` steps later it is tried again where the peaks
-    measured since predict it fits, until it has failed `MAX_FAILURES` times. A size no step had run to its end (a
-    stated one too large from the start) marks memory's limit and is not tried again; where the retried step fails
-    again lower, the size tried again is the one it first failed at. A subclass holds the size and says how it
-    shrinks for thrash (`_thrashed`) and grows back (`_grow_back`).
-    """
+    After an out-of-memory error or allocator thrash the size shrinks; `REGROW_AFTER_STEPS` steps later it is tried
+    again where the peaks since predict it fits, until it has failed `MAX_FAILURES` times. A size no step had run to
+    its end (stated too large from the start) is not tried again. A subclass holds the size and says how it shrinks
+    for thrash (`_thrashed`) and grows back (`_grow_back`)."""
 
+    kind: str  # the checkpoint's name of the cut
     largest_key: str  # the checkpoint's name of `largest_run`
 
     def __init__(self, memory_limit: float | None, oom_is_fatal: bool):
-        self.memory_limit = (
-            memory_limit  # bytes a micro-batch's peak may reach (None: unknown, as on the CPU)
-        )
+        self.memory_limit = memory_limit  # bytes a micro-batch's peak may reach (None: unknown)
         self.oom_is_fatal = oom_is_fatal  # an error cannot be retried: grow only where a bound says it fits
         self.memory_points: list[tuple[float, float]] = []  # (tokens of a micro-batch, peak bytes)
         self.oom_sizes: list[int] = []  # rows of the micro-batches that failed
@@ -174,8 +162,8 @@ class MicroBatchSearch:
             )
 
     def _failed(self, size: int, had_run: bool) -> None:
-        """A micro-batch under `size` failed: try `size` again later where it had run and failed too few times; a
-        later failure in the same step keeps the size it first failed at."""
+        """A micro-batch under `size` failed: try `size` again later where it had run and failed too few times (a
+        later failure in the same step keeps the size it first failed at)."""
         if self.failed_this_step:
             return
         self.failed_this_step = True
@@ -184,8 +172,8 @@ class MicroBatchSearch:
         self.steps_since_shrink = 0
 
     def _after_step(self, memory: StepMemory, largest: int, tokens_per_unit: float) -> str | None:
-        """The memory side of a step that ran to its end (`largest`: its largest micro-batch in the unit's size):
-        a step down for allocator thrash, or the size that failed tried again; returns the line to log."""
+        """The memory side of a step that ran to its end (`largest` in the unit's size): a step down for allocator
+        thrash, or the size that failed tried again; returns the line to log."""
         self._measured(memory.tokens, memory.peak_bytes if memory.tokens > 0 else None)
         self.largest_run = max(self.largest_run, largest)
         self.failed_this_step = False
@@ -213,6 +201,7 @@ class MicroBatchSearch:
 
     def _search_state(self) -> dict:
         return {
+            "kind": self.kind,
             "settled_because": self.settled_because,
             "shrunk_from": self.shrunk_from,
             "steps_since_shrink": self.steps_since_shrink,
@@ -233,7 +222,6 @@ class MicroBatchSearch:
 
 
 def out_of_memory_text(fatal: bool, retry: str) -> str:
-    """What an out-of-memory error does, for the plan table."""
     if fatal:
         return (
             "an out-of-memory error cannot be retried under this engine and world size, so sizes grow only where "
@@ -243,7 +231,7 @@ def out_of_memory_text(fatal: bool, retry: str) -> str:
 
 
 def tried_again_text(what: str, times: int) -> str:
-    """The line logged where a size or budget that failed is tried again (`times`: this is the n-th time)."""
+    """The line logged where a size that failed is tried again for the `times`-th time."""
     left = MAX_FAILURES - 1 - times
     return (
         f"Trying {what} again: its out-of-memory error (or allocator thrash) may have been one long step or a "

@@ -1,14 +1,8 @@
-"""The micro-batch policy by rows: how many samples go through one forward/backward, decided by memory and speed.
-
-Order within an optimizer step does not change its gradient, so a step may be cut into micro-batches of any sizes.
-With `auto` the size starts at the user's per-device batch and doubles while tokens per second gain more than
-`growth_margin`; where the first doubling does not pay it halves while that pays (packed rows under sdpa, whose
-mask is quadratic in a micro-batch's tokens, ran 2.3x faster at 2 rows of 2,048 tokens than at 16). A trial size
-runs up to `repeats` micro-batches inside a step while the rest of the step runs the best size known, so the search
-costs about one step. An out-of-memory error halves the size and runs the step again ([`MicroBatchSearch`]).
-
-The unit is rows: the samples of a step, or the sequences of a padding-free one. Cutting by padded tokens is
-[`tokens.TokenController`]. Pure Python.
+"""The micro-batch policy by rows (the samples of a step, or a padding-free step's sequences), decided by memory and
+speed. With `auto` the size starts at the per-device batch and doubles while tokens per second gain more than
+`growth_margin`, or halves while that pays where the first doubling does not (packed rows under sdpa ran 2.3x faster
+at 2 rows of 2,048 tokens than at 16). A trial runs inside a step beside the best size known, so the search costs
+about one step; out-of-memory errors: [`MicroBatchSearch`]. Pure Python.
 """
 
 from __future__ import annotations
@@ -19,10 +13,8 @@ from .microbatch import MicroBatch, MicroBatchSearch, StepMemory, out_of_memory_
 
 
 def even_chunk(remaining: int, size: int) -> int:
-    """Size of the next micro-batch when `remaining` rows are cut into as few near-equal chunks of at most `size`.
-
-    Example: 10 rows at size 4 give 4, 3, 3 (not 4, 4, 2): the same number of micro-batches, a lower peak.
-    """
+    """The next micro-batch when `remaining` rows are cut into as few near-equal chunks of at most `size`: 10 rows at
+    4 give 4, 3, 3 (not 4, 4, 2), as many micro-batches at a lower peak."""
     chunks = math.ceil(remaining / size)
     return math.ceil(remaining / chunks)
 
@@ -35,19 +27,18 @@ class RowController(MicroBatchSearch):
     """Chooses the rows of every micro-batch (a [`microbatch.CutController`] whose unit is rows).
 
     Args:
-        start: the first size to run (the user's per-device batch, or a probed one).
-        auto: grow by doubling while it pays; if `False`, keep `start` and only shrink on out-of-memory.
-        max_size: never more samples per micro-batch than this.
+        start: the first size (the per-device batch, or a probed one).
+        auto: grow by doubling while it pays; `False`: keep `start`, only shrinking on out-of-memory.
+        max_size: never more rows per micro-batch.
         row_limit: the most rows a step holds on one rank (no point measuring beyond).
         growth_margin: the relative tokens/s gain a doubling must bring to be kept.
-        repeats: micro-batches timed per trial size (the best counts, which discards warm-up stalls); a trial whose
-            first one is `DECISIVE` margins faster than the size before is kept at once.
+        repeats: micro-batches timed per trial size (the best counts, discarding warm-up stalls); one `DECISIVE`
+            margins faster than the size before settles the trial at once.
         memory_limit: bytes a micro-batch's peak may reach; a trial predicted to exceed it is not run.
-        oom_is_fatal: an out-of-memory error cannot be retried (several processes under FSDP2 or DeepSpeed): a
-            trial runs only where [`predict_peak`]'s `cautious` bound fits.
-        row_tokens: for packed rows (TRL's `packing=True`), the tokens of one row: a micro-batch of `size` rows is
-            then a run of whole sequences of at most `size x row_tokens` tokens.
-    """
+        oom_is_fatal: an out-of-memory error cannot be retried: a trial runs only where [`predict_peak`]'s `cautious`
+            bound fits.
+        row_tokens: for packed rows (TRL's `packing=True`), the tokens of one: a micro-batch of `size` rows is a run
+            of whole sequences of at most `size x row_tokens` tokens."""
 
     kind = "rows"
     max_tokens = None  # the cut counts rows
@@ -93,26 +84,25 @@ class RowController(MicroBatchSearch):
         return self.size
 
     def cut(self, batch, max_rows: int, agree=None, row_cap: int | None = None) -> RowCut | PackedRowCut:
-        """See [`microbatch.CutController.cut`]; a step of packed rows flattened into sequences is cut between them,
-        each rank its own ([`PackedRowCut`])."""
+        """See [`microbatch.CutController.cut`]; packed rows are cut between sequences, each rank its own."""
         if self.row_tokens and batch.packed:
             return PackedRowCut(self, batch, agree, row_cap)
         return RowCut(self, batch.rows, max_rows, row_cap)
 
     def next_size(self, remaining: int) -> int:
-        """Size of the next micro-batch of a step with `remaining` rows left (the most of any rank)."""
+        """The next micro-batch of a step with `remaining` rows left (the most of any rank)."""
         if self.trial is not None and remaining >= self.trial:
             return self.trial
         return even_chunk(remaining, self.size)
 
     def needs_timing(self, size: int) -> bool:
-        """Whether a micro-batch of `size` is a trial whose time and memory must be measured."""
+        """Whether a micro-batch of `size` is a trial, to be measured."""
         return self.trial is not None and size == self.trial
 
     # -- what happened -----------------------------------------------------------------------------------------
 
     def record(self, size: int, seconds: float, tokens: float, peak_bytes: float | None = None) -> None:
-        """Feed the measured time, tokens and peak memory of a timed micro-batch of `size`."""
+        """Feed the time, tokens and peak memory of a timed micro-batch of `size`."""
         self._measured(tokens, peak_bytes)
         if not self.needs_timing(size) or seconds <= 0:
             return
@@ -130,7 +120,7 @@ class RowController(MicroBatchSearch):
             self._shrink(size, f"{size} ran out of memory")
 
     def end_step(self, memory: StepMemory) -> str | None:
-        """A step ran to its end, with `memory` measured over it; returns a line to log where the size changed."""
+        """A step ran to its end; returns a line to log where the size changed for memory."""
         return self._after_step(memory, memory.largest, memory.tokens / max(1, self.size))
 
     def retry_message(self, rows: int, padded_tokens: int | None) -> str:
@@ -196,15 +186,13 @@ class RowController(MicroBatchSearch):
         self.stopped_by_limit = by_limit
 
     def _limit_text(self, size: int) -> str:
-        """Why the search stopped at `size`, naming the limit it reached."""
         if self.max_size is not None and size >= self.max_size:
             return f"it reached max_micro_batch_size={self.max_size}"
         return f"it reached the {self.row_limit} {self.unit} a step holds on a rank"
 
     def set_row_limit(self, row_limit: int) -> None:
-        """A step now holds up to `row_limit` rows on a rank (a new plan). Where the effective batch grew, a search
-        that stopped at the old limit goes on doubling, and a fixed size that the old limit held down grows back
-        towards the one stated."""
+        """A step holds up to `row_limit` rows on a rank now (a new plan). Where it grew, a search stopped at the old
+        limit goes on doubling, and a fixed size the old limit held down grows back towards the one stated."""
         old, self.row_limit = self.row_limit, row_limit
         if self.trial is not None or old is None or row_limit <= old:
             return
@@ -220,8 +208,8 @@ class RowController(MicroBatchSearch):
             self.trial, self.trial_left, self.settled_because = bigger, self.repeats, None
 
     def larger_step_cap(self, last_micro_batch_size: int = 0, usual_micro_batches: int = 1) -> int | None:
-        """The most rows a micro-batch of a step larger than today's may hold, as far as known (`None`: as many as
-        memory allows, the search going on): the size stated, or the one a search stopped at for memory or speed."""
+        """The most rows a micro-batch of a larger step may hold (`None`: as memory allows, the search going on): the
+        size stated, or the one a search stopped at for memory or speed."""
         # (an out-of-memory error settles a fixed size otherwise: see `on_out_of_memory`)
         if self.settled_because == FIXED:
             return self.start if self.max_size is None else min(self.start, self.max_size)
@@ -230,7 +218,7 @@ class RowController(MicroBatchSearch):
         return self.max_size
 
     def limit_to(self, max_size: int | None) -> None:
-        """Apply a `max_size` stated after the size was learned (a resumed run): never above it from now on."""
+        """Apply a `max_size` stated after the size was learned (a resumed run)."""
         if max_size is None:
             return
         self.max_size = max_size
@@ -239,7 +227,7 @@ class RowController(MicroBatchSearch):
             self._settle(f"max_micro_batch_size={max_size}")
 
     def check_longest_row(self, tokens: int | None) -> None:
-        """Rows of any length run: a micro-batch of one row is as small as a cut by rows goes."""
+        """Rows of any length run: one row is as small as a cut by rows goes."""
 
     # -- the plan table ----------------------------------------------------------------------------------------
 
@@ -269,9 +257,8 @@ class RowController(MicroBatchSearch):
     # -- checkpoint --------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Plain JSON: what a resumed run needs to cut steps exactly as the uninterrupted run would."""
+        """Plain JSON: what a resumed run needs to cut steps as the uninterrupted run would."""
         return {
-            "kind": self.kind,
             "size": self.size,
             "trial": self.trial,
             "trial_left": self.trial_left,
@@ -290,9 +277,9 @@ class RowController(MicroBatchSearch):
 
 
 class RowCut:
-    """The micro-batches of one step cut by rows: the controller's size, decided afresh after each timed one (a trial
-    that settles the search changes the size of the rest of the step). Every rank runs the same sizes; a rank with a
-    row fewer runs its last micro-batch a row short, or a row that adds nothing."""
+    """The micro-batches of a step cut by rows, each sized afresh after a timed one (a trial that settles the search
+    resizes the rest). Every rank runs the same sizes; one with a row fewer runs its last a row short, or a row that
+    adds nothing."""
 
     def __init__(self, controller: RowController, rows: int, max_rows: int, row_cap: int | None = None):
         self.controller, self.rows, self.max_rows, self.row_cap = controller, rows, max_rows, row_cap
@@ -309,7 +296,6 @@ class RowCut:
             remaining -= size
 
     def record(self, micro: MicroBatch, report) -> None:
-        """What a micro-batch measured (`report`: seconds, real tokens, peak bytes, all ranks combined)."""
         if micro.timed:
             self.controller.record(micro.size, report.seconds, report.real_tokens, report.measured_peak)
 
@@ -321,10 +307,10 @@ class RowCut:
 
 
 class PackedRowCut(RowCut):
-    """The micro-batches of one step of packed rows flattened into sequences: runs of whole sequences, in order, of
-    at most `size x row_tokens` tokens, `size` the controller's rows (a trial's for the first `trial_left`, timed).
-    Each rank cuts its own sequences; all run as many micro-batches, of the same sizes and timing by index, so that
-    every rank feeds its controller the same."""
+    """The micro-batches of a step of packed rows flattened into sequences: runs of whole sequences, in order, of at
+    most `size x row_tokens` tokens (a trial's size for the first `trial_left`, timed). Each rank cuts its own
+    sequences; all run as many micro-batches, sized and timed alike by index, so every rank feeds its controller the
+    same."""
 
     def __init__(self, controller: RowController, batch, agree, row_cap: int | None = None):
         self.controller = controller

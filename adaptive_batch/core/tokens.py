@@ -1,13 +1,10 @@
-"""The micro-batch policy for rows of varying length: each step cut by padded tokens, at the least measured time.
-
-Each step's rows are cut ([`cut.py`]) into micro-batches of at most `max_tokens` padded tokens and `rows_cap` rows at
-the least modelled time, `overhead` x micro-batches + padded tokens. The overhead is stated, or measured over
-`CALIBRATION_STEPS` steps after a warm-up step; with `tune` the budget doubles while the cut would change and memory
-allows, and stops where micro-batches beyond the fitted line run more than `LINE_MARGIN` slower than it predicts,
-twice running. See docs/how-it-works.md, "Variable-length data". Out-of-memory errors: [`MicroBatchSearch`].
-
-Under DDP each rank cuts its own rows; the ranks agree on the number of micro-batches and on whether the budget bound
-the cut, and are fed the same combined measurements, so they decide alike. Pure Python.
+"""The micro-batch policy for rows of varying length: each step cut by padded tokens ([`cut.py`]) at the least
+modelled time, `overhead` x micro-batches + padded tokens, under a budget of `max_tokens` padded tokens and `rows_cap`
+rows. The overhead is stated or measured (`CALIBRATION_STEPS` steps after a warm-up one); with `tune` the budget
+doubles while the cut would change and memory allows, until micro-batches beyond the fitted line run more than
+`LINE_MARGIN` slower than it predicts, twice. Out-of-memory errors: [`MicroBatchSearch`]. Under DDP each rank cuts its
+own rows; the ranks agree on the number of micro-batches and on whether the budget bound the cut. See
+docs/how-it-works.md, "Variable-length data". Pure Python.
 """
 
 from __future__ import annotations
@@ -34,10 +31,9 @@ class TokenController(MicroBatchSearch):
         row_limit: the most rows a step holds on a rank (from the plan).
         tune: grow the budget while the cut needs more and memory allows.
         overhead: the fixed time of one micro-batch in padded tokens' worth; `None`: measured.
-        memory_limit: bytes a micro-batch's peak may reach (`None`: not known, as on the CPU).
+        memory_limit: bytes a micro-batch's peak may reach (`None`: not known).
         oom_is_fatal: an out-of-memory error cannot be retried: the budget doubles only where [`predict_peak`]'s
-            `cautious` bound fits.
-    """
+            `cautious` bound fits."""
 
     kind = "tokens"
     unit = "padded tokens"
@@ -74,12 +70,12 @@ class TokenController(MicroBatchSearch):
 
     @property
     def exploring(self) -> bool:
-        """Still measuring: the overhead of a micro-batch, or the budget."""
+        """Still measuring the overhead of a micro-batch, or the budget."""
         return self.calibrating or self.tuning
 
     @property
     def rows_cap(self) -> int | None:
-        """The most rows a micro-batch holds: a step's rows on a rank, capped by the stated `max_rows`."""
+        """The most rows a micro-batch holds: a step's rows on a rank, capped by `max_rows`."""
         caps = [cap for cap in (self.max_rows, self.row_limit) if cap is not None]
         return min(caps) if caps else None
 
@@ -91,8 +87,7 @@ class TokenController(MicroBatchSearch):
         self.row_limit = rows
 
     def larger_step_cap(self, last_micro_batch_size: int, usual_micro_batches: int) -> int | None:
-        """The largest micro-batch of the last step where steps are cut in several (the budget binds there), else
-        `None` (a larger step may still run whole)."""
+        """The largest micro-batch of the last step where steps are cut in several (the budget binds), else `None`."""
         return max(1, last_micro_batch_size) if usual_micro_batches > 1 else None
 
     def check_longest_row(self, tokens: int | None) -> None:
@@ -102,13 +97,12 @@ class TokenController(MicroBatchSearch):
     def cut(
         self, batch, max_rows: int, agree: Callable[[list[float]], list[float]], row_cap: int | None = None
     ) -> TokenCut:
-        """The micro-batches of a step (`batch`: a `StepBatch` or `PackedStepBatch`); `agree` combines values of
-        all ranks by their maximum (the identity on one); at most `row_cap` rows each (for this step only)."""
+        """See [`microbatch.CutController.cut`] (`batch`: a `StepBatch` or `PackedStepBatch`)."""
         return TokenCut(self, batch, agree, row_cap)
 
     def token_overhead(self, longest: int) -> int:
-        """The overhead a cut uses now: stated or measured; while measuring, or where the measurements gave no
-        rising line, one longest row's worth (`longest` padded tokens)."""
+        """The overhead a cut uses: stated or measured; while measuring, or where no rising line was measured, one
+        longest row's worth (`longest` padded tokens)."""
         return self.overhead if self.overhead is not None else longest
 
     # -- what happened -----------------------------------------------------------------------------------------
@@ -121,8 +115,8 @@ class TokenController(MicroBatchSearch):
             self.time_points.append((float(padded_tokens), seconds))
 
     def end_step(self, bound: bool, memory: StepMemory | None = None) -> str | None:
-        """A step is done; `bound`: a doubled budget would have cut it otherwise (on some rank); `memory`: what it
-        measured. Returns a line to log where the budget changed for memory."""
+        """A step is done; `bound`: a doubled budget would have cut it otherwise (on some rank). Returns a line to log
+        where the budget changed for memory."""
         notice = self._after_step(memory, memory.tokens, 1.0) if memory is not None else None
         if self.exploring:
             self._measure_step(bound)
@@ -193,12 +187,9 @@ class TokenController(MicroBatchSearch):
             self.settled_because = f"token budget {self.max_tokens:,} ({self.budget_because}), {overhead}"
 
     def on_out_of_memory(self, rows: int, padded_tokens: int) -> None:
-        """A micro-batch of `rows` rows and `padded_tokens` ran out of memory: the budget becomes at most half of
-        that and stops growing; the budget before is tried again later (see `end_step`).
-
-        Raises:
-            MicroBatchTooLargeError: if it was one row.
-        """
+        """A micro-batch of `rows` rows and `padded_tokens` ran out of memory: the budget becomes at most half of that
+        and stops growing (the budget before is tried again later). Raises [`MicroBatchTooLargeError`] if it was one
+        row."""
         self._out_of_memory(rows)
         self.failed_tokens.append(padded_tokens)
         self._shrink(min(self.max_tokens, padded_tokens // 2))
@@ -212,7 +203,7 @@ class TokenController(MicroBatchSearch):
         )
 
     def warn_long_row(self, length: int) -> None:
-        """Say, once per run, that a row longer than the budget runs alone (a row cannot be split)."""
+        """Say once per run that a row longer than the budget runs alone (a row cannot be split)."""
         if self.warned_long_row:
             return
         self.warned_long_row = True
@@ -257,9 +248,8 @@ class TokenController(MicroBatchSearch):
     # -- checkpoint --------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Plain JSON: what a resumed run needs to cut steps exactly as the uninterrupted run would."""
+        """Plain JSON: what a resumed run needs to cut steps as the uninterrupted run would."""
         return {
-            "kind": self.kind,
             "max_tokens": self.max_tokens,
             "tuning": self.tuning,
             "budget_because": self.budget_because,
@@ -289,8 +279,8 @@ class TokenController(MicroBatchSearch):
 
 
 class TokenCut:
-    """The micro-batches of one step cut by tokens, decided before it runs from this rank's row lengths; all ranks
-    run as many (a rank with fewer runs rows that add nothing)."""
+    """The micro-batches of a step cut by tokens, decided before it runs from this rank's row lengths; all ranks run
+    as many (a rank with fewer runs rows that add nothing)."""
 
     def __init__(
         self,
@@ -323,7 +313,6 @@ class TokenCut:
             start += own
 
     def record(self, micro: MicroBatch, report) -> None:
-        """What a micro-batch measured (`report`: seconds, padded tokens, peak bytes, all ranks combined)."""
         if micro.timed:
             self.controller.record(report.seconds, report.padded_tokens, report.measured_peak)
 
@@ -335,11 +324,10 @@ class TokenCut:
 
 
 def fitted_overhead(points: list[tuple[float, float]]) -> int | None:
-    """The fixed time of a micro-batch in tokens' worth: the intercept over the slope of the robust line of seconds
-    against padded tokens ([`fit.robust_affine`]; at least 0); `None` when the points give no rising line.
+    """The fixed time of a micro-batch in tokens' worth: intercept over slope of the robust line of seconds against
+    padded tokens (at least 0); `None` where the points give no rising line.
 
-    Example: micro-batches of 1,000 and 3,000 tokens taking 0.2 s and 0.4 s: 0.1 s + 0.0001 s per token, so 1,000.
-    """
+    Example: 1,000 and 3,000 tokens in 0.2 s and 0.4 s: 0.1 s + 0.0001 s per token, so 1,000."""
     line = robust_affine(points)
     if line is None or line[1] <= 0:
         return None
@@ -351,11 +339,9 @@ def slower_than_the_line(
     fitted_on: list[tuple[float, float]], new: list[tuple[float, float]]
 ) -> float | None:
     """How much slower than the line of `fitted_on` the `new` micro-batches larger than all of those ran, together,
-    where that is more than `LINE_MARGIN`; else `None` (also when none is larger, or there is no rising line).
+    where that is more than `LINE_MARGIN`; else `None` (also where none is larger, or there is no rising line).
 
-    Example: a line of 0.1 s + 0.0001 s per token fitted up to 2,000 tokens predicts 0.9 s at 8,000; 1.8 s is 100%
-    slower.
-    """
+    Example: 0.1 s + 0.0001 s per token fitted up to 2,000 tokens predicts 0.9 s at 8,000; 1.8 s is 100% slower."""
     line = robust_affine(fitted_on) if fitted_on else None
     if line is None or line[1] <= 0:
         return None
