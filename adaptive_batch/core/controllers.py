@@ -21,16 +21,12 @@ class RunFacts(Protocol):
     costs time)."""
 
     lengths_vary: bool | None  # the dataset's rows differ in length; None: not known before training
-    padding_free: (
-        bool  # the steps are padding-free: the collator flattens each batch, or the layout flattens them
-    )
+    padding_free: bool  # the collator flattens each batch, or the layout flattens them
     start: int  # where "auto" starts: a probed size for this setup, else the per-device batch
     longest_row: int  # tokens of the dataset's longest row (at most max_length)
     memory_limit: float | None  # bytes a micro-batch's peak may reach (None: unknown, as on the CPU)
     oom_is_fatal: bool  # an out-of-memory error cannot be retried (several processes under ZeRO or FSDP2)
-    packed_row_tokens: (
-        int | None
-    )  # tokens of a packed row (TRL's packing: its max_length); None: rows are not packed
+    packed_row_tokens: int | None  # tokens of a packed row (TRL's packing: its max_length); None: not packed
 
 
 def controller_for(config: AdaptiveBatchConfig, facts: RunFacts, row_limit: int) -> CutController:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from statistics import linear_regression, median
 
 from .fit import plane
-from .schedule import Progress, check_effective_batch_size
+from .schedule import Progress, check_effective_batch_size, finite_number
 
 RECENT = 16  # step times kept per (rows, micro-batches): the median discards steps that also logged or saved
 
@@ -208,9 +208,7 @@ class NoiseScaleSchedule:
         return next((change for change in reversed(self.changes) if change.step <= step), None)
 
     def describe(self) -> str:
-        bound = (
-            "" if self.min_efficiency is None else f", the run's efficiency at least {self.min_efficiency:g}"
-        )
+        bound = f", the run's efficiency at least {self.min_efficiency:g}" if self.min_efficiency else ""
         return (
             f"{self.start} growing by goodput up to {self.max_size} (x{self.factor:g}, margin {self.margin:.0%}, "
             f"noise scale's lower bound at z={self.confidence_z:g}{bound})"
@@ -353,8 +351,7 @@ class NoiseScaleSchedule:
 
 
 def _check_real(value, name: str, ok, rule: str) -> None:
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not (real and math.isfinite(value) and ok(value)):
+    if not (finite_number(value) and ok(value)):
         raise ValueError(f"NoiseScaleSchedule {name}={value!r} must be {rule}.")
 
 

@@ -58,12 +58,8 @@ def gain(effective_batch_size: int, starting_effective_batch_size: int, noise_sc
 def lr_scale(rule: LRRule, effective_batch_size: int, starting_effective_batch_size: int) -> float:
     """The multiplier of the learning rate at `effective_batch_size`; checked to be positive and finite."""
     scale = rule(effective_batch_size, starting_effective_batch_size)
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, (int, float))
-        or not math.isfinite(scale)
-        or scale <= 0
-    ):
+    number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+    if not number or not math.isfinite(scale) or scale <= 0:
         raise ValueError(
             f"lr_scaling rule gave {scale!r} for effective batch {effective_batch_size} (starting "
             f"{starting_effective_batch_size}); it must return a positive finite float."

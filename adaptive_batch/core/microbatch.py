@@ -15,6 +15,7 @@ from .fit import predict_peak
 REGROW_AFTER_STEPS = 1  # steps run at the smaller size before the size that failed is tried again
 # steps failed at a size (out of memory, or allocator thrash) after which it is not tried again
 MAX_FAILURES = 2
+Agree = Callable[[list[float]], list[float]]  # combines values of all ranks by their maximum
 
 
 class MicroBatchTooLargeError(RuntimeError):
@@ -81,9 +82,7 @@ class CutController(Protocol):
     def first_micro_batch_size(self) -> int | None:
         """Rows of the next step's first micro-batch, where known before it is cut."""
 
-    def cut(
-        self, batch, max_rows: int, agree: Callable[[list[float]], list[float]], row_cap: int | None = None
-    ) -> Cut:
+    def cut(self, batch, max_rows: int, agree: Agree, row_cap: int | None = None) -> Cut:
         """The micro-batches of a step of `batch.rows` rows here and `max_rows` on the rank with most; `agree`
         combines values of all ranks by their maximum; at most `row_cap` rows each (this step)."""
 

@@ -56,14 +56,9 @@ class PhaseSchedule:
     unit: str = "fraction"
 
     def __post_init__(self):
-        object.__setattr__(
-            self, "sizes", _as_list(self.sizes, "sizes", "PhaseSchedule([8, 16], boundaries=[0.5])")
-        )
-        object.__setattr__(
-            self,
-            "boundaries",
-            _as_list(self.boundaries, "boundaries", "PhaseSchedule([8, 16], boundaries=[0.5])"),
-        )
+        example = "PhaseSchedule([8, 16], boundaries=[0.5])"
+        object.__setattr__(self, "sizes", _as_list(self.sizes, "sizes", example))
+        object.__setattr__(self, "boundaries", _as_list(self.boundaries, "boundaries", example))
         if self.unit not in UNITS:
             raise ValueError(
                 f"PhaseSchedule unit={self.unit!r} is not one of {UNITS}; use e.g. unit='fraction'."
@@ -82,11 +77,7 @@ class PhaseSchedule:
                 "equal shares of the budget."
             )
         for boundary in self.boundaries:
-            if (
-                isinstance(boundary, bool)
-                or not isinstance(boundary, numbers.Real)
-                or not math.isfinite(boundary)
-            ):
+            if not finite_number(boundary):
                 raise ValueError(
                     f"PhaseSchedule boundary {boundary!r} is not a finite number; each boundary is where a phase "
                     "starts, e.g. boundaries=[0.1, 0.3] (fractions of the budget)."
@@ -117,10 +108,8 @@ class PhaseSchedule:
 
     def phase(self, progress: Progress) -> int:
         """The index of the phase at `progress` (0: before any boundary)."""
-        position = {"samples": progress.samples_seen, "steps": progress.step, "fraction": progress.fraction}[
-            self.unit
-        ]
-        return sum(1 for boundary in self.boundaries if position >= boundary)
+        positions = {"samples": progress.samples_seen, "steps": progress.step, "fraction": progress.fraction}
+        return sum(1 for boundary in self.boundaries if positions[self.unit] >= boundary)
 
     def describe(self) -> str:
         sizes = " -> ".join(str(s) for s in self.sizes)
@@ -159,16 +148,19 @@ def _even_fractions(phases: int) -> list[float]:
 def _as_list(values, name: str, example: str) -> tuple:
     """`values` as a tuple, where it is a list of values (not one number, nor a string)."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        what = (
-            "the effective batch of each phase"
-            if name == "sizes"
-            else "where each phase after the first starts"
-        )
+        what = "where each phase after the first starts"
+        if name == "sizes":
+            what = "the effective batch of each phase"
         fix = f"{name}=[{values!r}] or " if isinstance(values, numbers.Real) else ""
         raise ValueError(
             f"PhaseSchedule {name}={values!r} is not a list; it takes {what}, e.g. {fix}{example}."
         )
     return tuple(values)
+
+
+def finite_number(value) -> bool:
+    """A finite real number (not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_effective_batch_size(value, where: str) -> int:

@@ -222,17 +222,8 @@ def build_plan(
             f"The budget of {budget_samples} samples leaves no optimizer step (drop_last={drop_last}, dataset "
             f"{dataset_size} samples); raise num_train_epochs / max_steps or set dataloader_drop_last=False."
         )
-    return StepPlan(
-        dataset_size,
-        budget_samples,
-        world_size,
-        sizes,
-        scheduled,
-        starts,
-        samples_before,
-        tuple(notes),
-        done_steps=done_count,
-    )
+    arrays = (sizes, scheduled, starts, samples_before)
+    return StepPlan(dataset_size, budget_samples, world_size, *arrays, tuple(notes), done_steps=done_count)
 
 
 def nearest_multiples(value: int, divisor: int) -> str:

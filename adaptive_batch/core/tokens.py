@@ -10,10 +10,9 @@ docs/how-it-works.md, "Variable-length data". Pure Python.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from .fit import robust_affine
-from .microbatch import MicroBatch, MicroBatchSearch, StepMemory, out_of_memory_text
+from .microbatch import Agree, MicroBatch, MicroBatchSearch, StepMemory, out_of_memory_text
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -94,9 +93,7 @@ class TokenController(MicroBatchSearch):
         if tokens is not None and tokens > self.max_tokens:
             self.warn_long_row(tokens)
 
-    def cut(
-        self, batch, max_rows: int, agree: Callable[[list[float]], list[float]], row_cap: int | None = None
-    ) -> TokenCut:
+    def cut(self, batch, max_rows: int, agree: Agree, row_cap: int | None = None) -> TokenCut:
         """See [`microbatch.CutController.cut`] (`batch`: a `StepBatch` or `PackedStepBatch`)."""
         return TokenCut(self, batch, agree, row_cap)
 
@@ -123,8 +120,7 @@ class TokenController(MicroBatchSearch):
         return notice
 
     def _thrashed(self, memory: StepMemory) -> str:
-        self.failed_tokens.append(memory.tokens)
-        self._shrink(min(self.max_tokens, memory.tokens // 2))
+        self._shrink(memory.tokens)
         return (
             f"Allocator thrash at {memory.tokens:,} padded tokens: the next steps cut at {self.max_tokens:,}."
         )
@@ -133,11 +129,15 @@ class TokenController(MicroBatchSearch):
         self.max_tokens = budget
         return f"the token budget of {budget:,}"
 
-    def _shrink(self, budget: int) -> None:
-        """Cut at `budget` from now on, never above half the smallest micro-batch that failed; the budget before is
-        tried again where a micro-batch of the tokens that failed had run."""
-        previous, self.max_tokens = self.max_tokens, max(1, min(budget, min(self.failed_tokens) // 2))
-        had_run = self.failed_tokens[-1] <= self.largest_run and previous > self.max_tokens
+    def _shrink(self, failed: int) -> None:
+        """A micro-batch of `failed` padded tokens failed: cut at most at half the smallest that failed from now on;
+        the budget before is tried again where a micro-batch of `failed` tokens had run."""
+        self.failed_tokens.append(failed)
+        previous, self.max_tokens = (
+            self.max_tokens,
+            max(1, min(self.max_tokens, min(self.failed_tokens) // 2)),
+        )
+        had_run = failed <= self.largest_run and previous > self.max_tokens
         self._failed(previous, had_run)
 
     def _measure_step(self, bound: bool) -> None:
@@ -191,8 +191,7 @@ class TokenController(MicroBatchSearch):
         and stops growing (the budget before is tried again later). Raises [`MicroBatchTooLargeError`] if it was one
         row."""
         self._out_of_memory(rows)
-        self.failed_tokens.append(padded_tokens)
-        self._shrink(min(self.max_tokens, padded_tokens // 2))
+        self._shrink(padded_tokens)
         if self.tuning:
             self._stop_tuning(f"{padded_tokens:,} padded tokens ran out of memory")
 
@@ -282,13 +281,7 @@ class TokenCut:
     """The micro-batches of a step cut by tokens, decided before it runs from this rank's row lengths; all ranks run
     as many (a rank with fewer runs rows that add nothing)."""
 
-    def __init__(
-        self,
-        controller: TokenController,
-        batch,
-        agree: Callable[[list[float]], list[float]],
-        row_cap: int | None = None,
-    ):
+    def __init__(self, controller: TokenController, batch, agree: Agree, row_cap: int | None = None):
         self.controller = controller
         # a row cap counts the dataset's rows, which a padding-free step no longer shows (its sequences are the
         # rows it is cut between): there the token budget alone bounds a micro-batch
