@@ -8,7 +8,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from ..core.lr import SampleClock
-from . import compat
+from .compat.torch import lambda_lr_state
 
 
 class SampleClockLR(LambdaLR):
@@ -24,7 +24,7 @@ class SampleClockLR(LambdaLR):
         super().__init__(optimizer, [_clocked(fn, clock) for fn in base_lambdas])
 
     def state_dict(self) -> dict:
-        state = compat.lambda_lr_state(self, leave_out=("optimizer", "lr_lambdas", "clock"))
+        state = lambda_lr_state(self, leave_out=("optimizer", "lr_lambdas", "clock"))
         # as LambdaLR writes it for lambdas that are plain functions, so that a plain Trainer (a LambdaLR of its own
         # lambdas) can load it and go on from this step
         state["lr_lambdas"] = [None] * len(self.lr_lambdas)
