@@ -27,7 +27,7 @@ class EngineOutOfMemoryError(RuntimeError):
 
 
 class Engine(Protocol):
-    """What the step runner asks of an engine (see the module docstring)."""
+    """What the step runner asks of an engine."""
 
     name: str
     retries: bool  # an out-of-memory error can be retried
@@ -62,15 +62,14 @@ class SingleProcess:
             optimizer.zero_grad(set_to_none=True)
 
     def out_of_memory(self, error: BaseException, world_size: int) -> EngineOutOfMemoryError:
-        """The error to raise where an out-of-memory error cannot be retried (`retries` is False)."""
+        """The error to raise where an out-of-memory error cannot be retried."""
         why = self.no_retry_because or (
             "its forward and backward passes hold collectives that the other ranks are already waiting in, so the "
             "step cannot be run again smaller on every rank"
         )
         return EngineOutOfMemoryError(
             f"Out of memory in a micro-batch under {self.name} with {world_size} "
-            f"process{'es' if world_size != 1 else ''}: {why}. Choose a "
-            "micro-batch that fits before the run: run "
+            f"process{'es' if world_size != 1 else ''}: {why}. Choose a micro-batch that fits before the run: run "
             "`adaptive-batch probe` for this model and sequence length on one GPU and pass its size as "
             f"AdaptiveBatch(micro_batch_size=N) (or max_micro_batch_size=N). The error was: {error}"
         )
@@ -118,10 +117,8 @@ class FullyShardedV2(SingleProcess):
 
         if self.retries and not hasattr(FSDPModule, "reset_iter_state"):  # torch 2.13 has it, 2.11 not
             self.retries = False
-            self.no_retry_because = (
-                f"torch {torch.__version__} has no FSDPModule.reset_iter_state to undo the failed pass (torch 2.13 "
-                "has it)"
-            )
+            why = f"torch {torch.__version__} has no FSDPModule.reset_iter_state to undo the failed pass"
+            self.no_retry_because = f"{why} (torch 2.13 has it)"
 
     def forget(self, model, optimizer) -> None:
         model.reset_iter_state()  # the root module's: waits on in-flight collectives, reshards, clears the pass
@@ -153,9 +150,8 @@ class DeepSpeed(SingleProcess):
 
 
 def prepare(trainer) -> None:
-    """Check, before the Trainer builds the engine, that a DeepSpeed setup can follow AdaptiveBatch's steps; give
-    DeepSpeed back the accumulation boundary where the config took it away (AdaptiveBatch sets it per micro-batch).
-    Raises for one that cannot."""
+    """Before the Trainer builds the engine: refuse a DeepSpeed setup that cannot follow AdaptiveBatch's steps, and
+    give DeepSpeed back the accumulation boundary where the config took it away."""
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return
     import deepspeed
@@ -200,12 +196,9 @@ def engine_for(trainer, world_size: int) -> Engine:
 
 
 def average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20) -> None:
-    """Average the trainable parameters' gradients over the ranks, as DDP's reducer does.
-
-    A parameter that no rank made a gradient for keeps `grad=None`, so the optimizer skips it (AdamW neither
-    decays nor moves it), as under DDP with `find_unused_parameters`. One that only some ranks made a gradient
-    for is averaged with zeros from the others.
-    """
+    """Average the trainable parameters' gradients over the ranks, as DDP's reducer does. One that no rank made a
+    gradient for keeps `grad=None` (the optimizer skips it, as under DDP with `find_unused_parameters`); one that
+    only some ranks made is averaged with zeros from the others."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return
@@ -217,30 +210,24 @@ def average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    buckets: dict[tuple, list[list[torch.nn.Parameter]]] = {}
+    buckets: dict[tuple, list[list[torch.nn.Parameter]]] = {}  # by dtype and device, of about `bucket_bytes`
     filled: dict[tuple, int] = {}
     for p in params:
         key = (p.grad.dtype, p.grad.device)
-        lists = buckets.setdefault(key, [[]])
-        if filled.get(key, 0) >= bucket_bytes:
-            lists.append([])
+        if filled.get(key, bucket_bytes) >= bucket_bytes:
+            buckets.setdefault(key, []).append([])
             filled[key] = 0
-        lists[-1].append(p)
-        filled[key] = filled.get(key, 0) + p.grad.numel() * p.grad.element_size()
-    for lists in buckets.values():
-        for bucket in lists:
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            # torch 2.13's reducer (no comm hook, `batched_grad_copy=False`) multiplies each gradient by
-            # 1 / world_size as it copies it into its bucket, then sums: so here too (checked on 3 gloo ranks, one
-            # parameter: this is DDP's gradient bit for bit, the sum then a division is not; on 2 ranks both are
-            # exact). With more than 2 ranks the sum's order follows the bucket layout, and DDP's is not copied.
-            flat.mul_(1.0 / world_size)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            offset = 0
-            for p in bucket:
-                count = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + count].view_as(p.grad))
-                offset += count
+        buckets[key][-1].append(p)
+        filled[key] += p.grad.numel() * p.grad.element_size()
+    for bucket in (bucket for lists in buckets.values() for bucket in lists):
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        # torch 2.13's reducer (no comm hook, `batched_grad_copy=False`) multiplies each gradient by 1 / world_size
+        # as it copies it into its bucket, then sums: so here too (on 3 gloo ranks this is DDP's gradient bit for
+        # bit, the sum then a division is not). With more than 2 ranks the sum's order follows the bucket layout.
+        flat.mul_(1.0 / world_size)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for p, part in zip(bucket, flat.split([p.grad.numel() for p in bucket])):
+            p.grad.copy_(part.view_as(p.grad))
 
 
 def broadcast_buffers(model: torch.nn.Module) -> None:

@@ -39,13 +39,8 @@ MIN_POINTS, MAX_POINTS = 4, 64
 
 
 class EvalPieces:
-    """Runs eval batches through the Trainer's `prediction_step`, in pieces after an out-of-memory error.
-
-    Args:
-        trainer: the Trainer (its `label_names`, how it counts label tokens, its device).
-        world_size: the processes that evaluate together.
-        cut_by_tokens: loss-only batches of ragged rows run in pieces of similar lengths.
-    """
+    """Runs eval batches through the Trainer's `prediction_step`, in pieces after an out-of-memory error;
+    `cut_by_tokens`: loss-only batches of ragged rows run in pieces of similar lengths."""
 
     def __init__(self, trainer, world_size: int, cut_by_tokens: bool = False):
         self.trainer = trainer
@@ -139,9 +134,8 @@ class EvalPieces:
     def _attempt(self, prediction_step, model, inputs, rows, pieces, prediction_loss_only, ignore_keys):
         """The batch's (loss, logits, labels) from `pieces` (each its rows and the width it runs at), or `None` where
         one ran out of memory on any rank. Pieces out of the batch's row order are only run loss-only."""
-        if (
-            self.cap is not None and self.ranks.distributed
-        ):  # (every rank has the same cap: they failed together)
+        # (every rank has the same cap: they failed together)
+        if self.cap is not None and self.ranks.distributed:
             most, fewest = self.ranks.max([rows, -rows])
             if most != -fewest:
                 raise RuntimeError(
@@ -228,13 +222,8 @@ class EvalPieces:
 
 class EvalGrowth:
     """`adapt_evaluation="grow"`: every evaluation runs at the per-device eval batch an [`EvalSizer`] chose (one
-    sizer per metric prefix: each eval set has its own rows), and tells it what the evaluation measured.
-
-    Args:
-        trainer: the Trainer, whose `per_device_eval_batch_size` is set for the length of each evaluation.
-        pieces: the evaluation's [`EvalPieces`] (its rows, and the cap an out-of-memory error left).
-        growth_margin, memory_headroom: the sizer's.
-    """
+    sizer per metric prefix: each eval set has its own rows), and tells it what the evaluation measured (`pieces`:
+    its rows, and the cap an out-of-memory error left)."""
 
     def __init__(self, trainer, pieces: EvalPieces, growth_margin: float, memory_headroom: float):
         self.trainer, self.pieces = trainer, pieces
@@ -274,14 +263,13 @@ class EvalGrowth:
         base = float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
         with Stopwatch(device) as watch:
             yield
-        out_of_memory = self.pieces.retried > 0
         seconds, peak, base = self.pieces.tape.measure(
             "eval", self.pieces.step, "evaluation", [watch.seconds, watch.peak_bytes, base]
         )
         local = [
             seconds,
             float(self.pieces.rows if is_stream(dataset) else math.ceil(len(dataset) / ranks.world_size)),
-            float(out_of_memory),
+            float(self.pieces.retried > 0),  # ran out of memory
             (peak or 0.0) - (base or 0.0),
             base or 0.0,
         ]
@@ -372,11 +360,7 @@ def token_pieces(inputs: Mapping, rows: int, overhead: int) -> list[tuple[torch.
 
 def as_many_pieces(pieces: list, count: int, rows: int) -> list:
     """`pieces` split until there are `count` of them, the one of most rows halved each time (keeping its width), so
-    that ranks whose cuts differ run as many forwards.
-
-    Raises:
-        RuntimeError: where this rank's rows cannot make `count` pieces (the ranks' eval batches differ in rows).
-    """
+    that ranks whose cuts differ run as many forwards; raises where this rank's rows cannot make `count`."""
     pieces = list(pieces)
     while len(pieces) < count:
         sizes = [len(range(rows)[index]) if isinstance(index, slice) else len(index) for index, _ in pieces]

@@ -1,14 +1,15 @@
 """The rank-agreement protocol, one for training and evaluation: after each micro-batch (or eval piece), and before
 each collective of the Trainer or TRL inside one, the ranks exchange a [`Report`], so that one rank's out-of-memory
-error makes every rank run it again together, and none waits in a collective that the failed rank will never reach.
-See docs/how-it-works.md, "Several processes"."""
+error makes every rank run it again together, and none waits in a collective the failed rank will never reach.
+See docs/how-it-works.md, "Several processes".
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,15 +21,9 @@ from .memory import is_out_of_memory
 
 @dataclass
 class Report:
-    """What the ranks exchange, combined by MAX.
-
-    Attributes:
-        out_of_memory: a rank ran out of memory.
-        seconds, peak_bytes, real_tokens, padded_tokens: a timed micro-batch's time, peak memory (-inf where not
-            measured: the CPU), non-padding tokens and tokens as run; the largest over ranks.
-        failed_rows, failed_tokens: the rows and padded tokens of the smallest micro-batch that ran out of memory on
-            any rank (sent negated, so MAX gives the smallest); `None` when none did.
-    """
+    """What the ranks exchange, combined by MAX: whether a rank ran out of memory; a timed micro-batch's seconds,
+    peak bytes (-inf where not measured: the CPU), real and padded tokens; and the rows and padded tokens of the
+    smallest micro-batch that ran out of memory (sent negated, so that MAX gives the smallest; `None`: none did)."""
 
     out_of_memory: bool = False
     seconds: float = 0.0
@@ -39,28 +34,15 @@ class Report:
     failed_tokens: int | None = None
 
     def to_list(self) -> list[float]:
-        return [
-            float(self.out_of_memory),
-            self.seconds,
-            self.peak_bytes,
-            self.real_tokens,
-            self.padded_tokens,
-            -math.inf if self.failed_rows is None else -float(self.failed_rows),
-            -math.inf if self.failed_tokens is None else -float(self.failed_tokens),
+        *values, rows, tokens = astuple(self)
+        return [float(value) for value in values] + [
+            -math.inf if n is None else -float(n) for n in (rows, tokens)
         ]
 
     @classmethod
     def from_list(cls, values: list[float]) -> Report:
-        out_of_memory, seconds, peak, real, padded, rows, tokens = values
-        return cls(
-            bool(out_of_memory),
-            seconds,
-            peak,
-            real,
-            padded,
-            None if rows == -math.inf else int(-rows),
-            None if tokens == -math.inf else int(-tokens),
-        )
+        failed = (None if value == -math.inf else int(-value) for value in values[5:])
+        return cls(bool(values[0]), *values[1:5], *failed)
 
     @property
     def measured_peak(self) -> float | None:
@@ -82,10 +64,7 @@ class Ranks:
     def __init__(self, trainer, world_size: int):
         self.trainer = trainer
         self.world_size = world_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.trainer.args.device
+        self.device: torch.device = trainer.args.device
 
     @property
     def distributed(self) -> bool:
@@ -97,7 +76,6 @@ class Ranks:
         return self.world_size if self.distributed else 1
 
     def max(self, values: list[float]) -> list[float]:
-        """The largest of each value over the ranks."""
         return self._all_reduce(values, dist.ReduceOp.MAX)
 
     def sum(self, values: list[float]) -> list[float]:

@@ -1,11 +1,7 @@
-"""One optimizer step's forward and backward passes: the step batch cut into micro-batches, out-of-memory survived.
-
-Every micro-batch goes through the user's own `Trainer.training_step` with the step's `num_items_in_batch`, as in
-gradient accumulation; a loss that is a per-micro-batch mean is weighted by the micro-batch's share of the step's
-label tokens (or rows) through `Trainer.current_gradient_accumulation_steps`, which the Trainer divides it by. Every
-rank runs as many micro-batches (a rank with fewer rows runs rows that add nothing) and the ranks agree after each
-([`ranks.Ranks`]); the engine's part is its [`engines.Engine`]'s. See docs/how-it-works.md, "Data, cuts and
-measurements" (3. Micro-batches, Gradient noise scale) and "Several processes".
+"""One optimizer step's forward and backward passes: the step batch cut into micro-batches, each through the user's
+own `Trainer.training_step` as in gradient accumulation, out-of-memory errors survived; the ranks agree after each
+micro-batch ([`ranks.Ranks`]), and the engine's part is its [`engines.Engine`]'s. See docs/how-it-works.md, "Data,
+cuts and measurements" (3. Micro-batches) and "Several processes".
 """
 
 from __future__ import annotations
@@ -57,17 +53,9 @@ class StepStats:
 
 
 class MicroBatchRunner:
-    """Runs optimizer steps as micro-batches for one Trainer.
-
-    Args:
-        trainer: the Trainer (its `current_gradient_accumulation_steps`, `accelerator` and TRL metrics are used).
-        controller: cuts each step into micro-batches ([`core.microbatch.CutController`]).
-        world_size: data-parallel processes.
-        engine: what the engine (DDP, FSDP2, DeepSpeed, or none) does around the micro-batches.
-        packed: the collator flattens every batch into one padding-free row (cut between its sequences).
-        flatten: flatten a padding collator's step batches into such a row ([`flatten_padded`]).
-        noise: measures each micro-batch's contribution to the gradient for the noise scale (`None`: off).
-    """
+    """Runs optimizer steps as micro-batches for one Trainer, cut by `controller`. `packed`: the collator flattens
+    every batch into one padding-free row (cut between its sequences); `flatten`: flatten a padding collator's step
+    batches so ([`flatten_padded`]); `noise`: the noise scale's meter (`None`: off)."""
 
     def __init__(
         self,
@@ -108,16 +96,9 @@ class MicroBatchRunner:
         max_rows: int,
         split: bool = False,
     ) -> torch.Tensor:
-        """Forward and backward of one whole step batch; returns the step's loss (detached), as the Trainer does.
-
-        Args:
-            inner_step: the user's Trainer class's `training_step`, bound to the trainer.
-            model: the (possibly DDP-wrapped) model the Trainer passes.
-            inputs: this rank's share of the step batch.
-            num_items_in_batch: the step's label-token count from the Trainer (all ranks), or `None`.
-            max_rows: the largest share of this step on any rank.
-            split: cut the step into at least two micro-batches (so that one process measures the noise scale).
-        """
+        """Forward and backward of this rank's share of one step batch through `inner_step` (the user's Trainer
+        class's `training_step`); returns the step's loss (detached), as the Trainer does. `max_rows`: the largest
+        share on any rank; `split`: cut into at least two micro-batches (so that one process measures the noise)."""
         if self.flatten and not is_packed(inputs):
             inputs = flatten_padded(inputs)
         packed = self.packed or self.flatten or is_packed(inputs)
@@ -130,20 +111,17 @@ class MicroBatchRunner:
             max_rows = int(self.agree([batch.rows])[0])
         elif batch.rows not in (max_rows, max_rows - 1):
             raise RuntimeError(f"Step batch of {batch.rows} rows where the plan gives {max_rows} per rank.")
-        weights = _LossWeights(batch.label_counts(loss_shifts_labels(self.trainer)))
-        share_total = (
-            self._share_total(weights, batch, num_items_in_batch) if self.noise is not None else math.nan
+        step = _Step(
+            inner_step, model, batch, num_items_in_batch, batch.label_counts(loss_shifts_labels(self.trainer))
         )
-        step = _Step(inner_step, model, batch, num_items_in_batch, weights, share_total)
         if self.noise is not None:
+            step.share_total = self._share_total(step)
             self.noise.begin_step(model, self.trainer.optimizer)
         metrics = TrlMetrics(self.trainer)
         was_exploring = self.controller.exploring
-        retries = 0
+        retries, row_cap = 0, math.ceil(max_rows / 2) if split and max_rows > 1 else None
         while True:
-            outcome = self._attempt(
-                step, max_rows, math.ceil(max_rows / 2) if split and max_rows > 1 else None, retries
-            )
+            outcome = self._attempt(step, max_rows, row_cap, retries)
             if outcome.failed is None:
                 break
             retries += 1
@@ -158,11 +136,9 @@ class MicroBatchRunner:
                 raise MicroBatchTooLargeError(_too_large_message(batch, self.device), error.tried) from None
             logger.warning("%s", self.controller.retry_message(failed.failed_rows, failed.failed_tokens))
         real_tokens = batch.real_tokens()
-        sums = (
-            self.noise.step_sums(self.ranks.count, self.distributed)
-            if self.noise is not None
-            else MicroBatchSums()
-        )
+        sums = MicroBatchSums()
+        if self.noise is not None:
+            sums = self.noise.step_sums(self.ranks.count, self.distributed)
         self.engine.finish_step(model)
         if self.distributed:  # the noise sums travel with the token count: no collective of their own
             totals = self.ranks.sum([real_tokens, *sums.to_list()])
@@ -226,13 +202,13 @@ class MicroBatchRunner:
         if self.noise is not None:
             self.noise.remove()
 
-    def _share_total(self, weights: _LossWeights, batch, num_items) -> float:
+    def _share_total(self, step: _Step) -> float:
         """What a micro-batch's units are divided by to give its share of the step gradient: the Trainer's
         `num_items_in_batch` where it normalises the loss by the label tokens of all ranks; otherwise each rank's
         loss is a mean over its own units, and the ranks' gradients are averaged: this rank's units x ranks."""
-        if self.distributed and num_items is not None and loss_normalised_over_ranks(self.trainer):
-            return float(num_items)
-        return self.ranks.count * weights.total(batch)
+        if self.distributed and step.num_items is not None and loss_normalised_over_ranks(self.trainer):
+            return float(step.num_items)
+        return self.ranks.count * step.total()
 
     def _step_noise(self, sums: MicroBatchSums) -> StepNoise | None:
         """The step's noise measurement, unscaled, from the ranks' sums (`None` if there is nothing to estimate)."""
@@ -276,7 +252,7 @@ class MicroBatchRunner:
             if own > 0:
                 chunk = batch.take(start, own)
                 # the Trainer divides a loss computed without `num_items_in_batch` by this
-                trainer.current_gradient_accumulation_steps = step.weights.divisor(batch, start, own)
+                trainer.current_gradient_accumulation_steps = step.divisor(start, own)
                 if self.noise is not None:
                     self._measure(step, start, own)
             else:  # a rank with fewer rows: a row that adds nothing (a mean loss is divided by inf)
@@ -301,7 +277,7 @@ class MicroBatchRunner:
 
     def _measure(self, step: _Step, start: int, own: int) -> None:
         """Have the noise meter read this micro-batch's contribution to the gradient, with its units and share."""
-        units = step.weights.units(step.batch, start, own)
+        units = step.units(start, own)
         if units > 0:  # rows without a label token add no gradient
             self.noise.begin_micro_batch(units, units / step.share_total)
 
@@ -317,14 +293,28 @@ def _failed(batch: StepBatch, start: int, own: int) -> Report:
 
 @dataclass
 class _Step:
-    """What every micro-batch of one step goes through `training_step` with."""
+    """What every micro-batch of one step goes through `training_step` with, and what turns its mean loss into its
+    share of the step's: the label tokens of each row (`counts`; `None`: the rows weigh alike)."""
 
     inner_step: InnerStep
     model: torch.nn.Module
     batch: StepBatch | PackedStepBatch
     num_items: object
-    weights: _LossWeights
-    share_total: float  # a micro-batch's units over this are its share of the step gradient
+    counts: torch.Tensor | None
+    share_total: float = math.nan  # a micro-batch's units over this are its share of the step gradient
+
+    def units(self, start: int, size: int) -> float:
+        """What the micro-batch's loss is averaged over: its label tokens, or its rows."""
+        if self.counts is None:
+            return float(size)
+        return float(self.counts[self.batch.order[start : start + size]].sum())
+
+    def total(self) -> float:
+        return float(self.batch.rows) if self.counts is None else float(self.counts.sum())
+
+    def divisor(self, start: int, size: int) -> float:
+        part = self.units(start, size)
+        return self.total() / part if part > 0 else float("inf")
 
 
 @dataclass
@@ -336,27 +326,6 @@ class _Outcome:
     peak: float = 0.0  # the largest peak a timed micro-batch measured
     # the report of the micro-batch that ran out of memory on some rank
     failed: Report | None = None
-
-
-class _LossWeights:
-    """Divisors that turn per-micro-batch mean losses into shares of the step's mean (by label tokens or rows)."""
-
-    def __init__(self, counts: torch.Tensor | None):
-        self.counts = counts
-
-    def units(self, batch: StepBatch, start: int, size: int) -> float:
-        """What the micro-batch's loss is averaged over: its label tokens, or its rows without per-row labels."""
-        if self.counts is None:
-            return float(size)
-        return float(self.counts[batch.order[start : start + size]].sum())
-
-    def total(self, batch: StepBatch) -> float:
-        """The same for this rank's whole step batch."""
-        return float(batch.rows) if self.counts is None else float(self.counts.sum())
-
-    def divisor(self, batch: StepBatch, start: int, size: int) -> float:
-        part = self.units(batch, start, size)
-        return self.total(batch) / part if part > 0 else float("inf")
 
 
 def _too_large_message(batch: StepBatch | PackedStepBatch, device: torch.device) -> str:

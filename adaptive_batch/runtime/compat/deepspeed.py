@@ -65,7 +65,7 @@ def deepspeed_reset(engine) -> None:
     if hasattr(optimizer, "_backward_hook_state"):  # the epilogue a backward cut short did not run
         optimizer._epilogue_ran_this_backward = False
         optimizer._backward_hook_state.reset_for_new_step()
-    if hasattr(optimizer, "_backward_active_depth"):
+    if hasattr(optimizer, "_backward_active_depth"):  # the backward cut short is still counted as running
         optimizer._backward_active_depth = 0
     if hasattr(optimizer, "micro_step_id"):
         # what step() leaves, so that the next backward is the step's first: ZeRO-3 counts from 0, ZeRO-1/2 from -1

@@ -20,12 +20,8 @@ CONFIG_BOOKKEEPING_KEYS = (
 
 
 def trainer_being_built(callback):
-    """The Trainer whose `__init__` is calling `callback.on_init_end`, or `None`.
-
-    Callbacks are given no Trainer, so it is read from the frame of `Trainer.__init__` itself: the nearest caller
-    running that code object whose `self` holds `callback`. A release that builds callbacks otherwise gives `None`,
-    and the caller says to use `AdaptiveBatch.attach(trainer)`.
-    """
+    """The Trainer whose `__init__` is calling `callback.on_init_end`, or `None` (then the caller says to use
+    `AdaptiveBatch.attach`). Callbacks are given no Trainer: it is read from the frame of `Trainer.__init__`."""
     from transformers import Trainer
 
     init = inspect.unwrap(Trainer.__init__).__code__
