@@ -14,7 +14,8 @@ import json
 import types
 from pathlib import Path
 
-from ..runtime import compat, lengths
+from ..runtime import lengths
+from ..runtime.compat.trl import sft_prepare_dataset
 from .sft_args import SFTArgs, named, sft_defaults
 
 
@@ -128,11 +129,11 @@ def _sft_facts(rows, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict, gi
     )
     with _quiet():
         try:
-            tokenized = compat.sft_prepare_dataset(
+            tokenized = sft_prepare_dataset(
                 dataset, tokenizer, tokenize_only, False, chat_template, completion_only_loss
             )
             before = _row_lengths(tokenized)
-            prepared = compat.sft_prepare_dataset(
+            prepared = sft_prepare_dataset(
                 tokenized, tokenizer, args, args.packing, chat_template, completion_only_loss
             )
             after = _row_lengths(prepared)

@@ -13,7 +13,8 @@ from ..core.microbatch import CutController
 from ..core.noise import NoiseScale
 from ..core.plain_trainer import PlainBatching
 from ..core.replay import Tape, differences, file_name, read_record, replay_error
-from ..runtime import compat, lengths
+from ..runtime import lengths
+from ..runtime.compat.trainer import padding_free
 from ..runtime.engines import Engine, engine_for
 from ..runtime.evaluation import EvalGrowth, EvalPieces
 from ..runtime.noise_hooks import GradientNoiseMeter
@@ -100,7 +101,7 @@ def runner(session, engine: Engine) -> MicroBatchRunner:
         session.controller,
         session.world_size,
         engine,
-        packed=compat.padding_free(trainer),
+        packed=padding_free(trainer),
         flatten=layout(session, engine).flatten,
         noise=GradientNoiseMeter(config.noise_preconditioner, trainer.args.device) if measures else None,
     )

@@ -12,7 +12,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy
 
 from ..core.config import AdaptiveBatchConfig, settings_doc, settings_signature
 from ..core.steps import StepPlan
-from ..runtime import compat
+from ..runtime.compat.trainer import trainer_being_built
 from . import assemble, resume, status
 from .install import install
 from .session import Session
@@ -151,7 +151,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
     # -- callback events -------------------------------------------------------------------------------------------
 
     def on_init_end(self, args, state, control, **kwargs):
-        trainer = compat.trainer_being_built(self)
+        trainer = trainer_being_built(self)
         if trainer is None:
             raise RuntimeError(
                 "AdaptiveBatch could not find the Trainer being built. Call AdaptiveBatch.attach(trainer) after "

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..core.steps import StepPlan
-from ..runtime import compat
+from ..runtime.compat.trainer import train_dataset_and_collator
 from ..runtime.sampler import StepBatchSampler
 from ..runtime.stream import StepStream, is_stream
 
@@ -25,9 +25,7 @@ def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: boo
     [`StepBatchSampler`] over a map-style dataset, a [`StepStream`] over a stream), whose `plan` a growing schedule
     replaces and whose `issued` tells the last step drawn."""
     args = trainer.args
-    dataset, collator = compat.train_dataset_and_collator(
-        trainer, trainer.train_dataset, trainer.data_collator
-    )
+    dataset, collator = train_dataset_and_collator(trainer, trainer.train_dataset, trainer.data_collator)
     slots = args.gradient_accumulation_steps
     if is_stream(dataset):  # the steps come out of the stream itself, one list of samples each
         shared = args.dataloader_num_workers == 0 and dist.is_available() and dist.is_initialized()

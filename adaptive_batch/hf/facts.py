@@ -10,7 +10,8 @@ from ..core import traps
 from ..core.config import AdaptiveBatchConfig
 from ..core.controllers import Layout, choose_layout
 from ..probe.cache import cached_start, describe_setup
-from ..runtime import compat, lengths
+from ..runtime import lengths
+from ..runtime.compat.trainer import attention_implementation, padding_free
 from ..runtime.engines import Engine
 from ..runtime.memory import memory_limit
 
@@ -45,14 +46,14 @@ class TrainerFacts:
         tells lengths the dataset could not)."""
         return choose_layout(
             self.config.padding_free,
-            compat.padding_free(self.trainer),
-            compat.attention_implementation(self.trainer.model),
+            padding_free(self.trainer),
+            attention_implementation(self.trainer.model),
             self.lengths_vary,
         )
 
     @property
     def padding_free(self) -> bool:
-        return compat.padding_free(self.trainer) or self.layout.flatten
+        return padding_free(self.trainer) or self.layout.flatten
 
     @cached_property
     def longest_row(self) -> int:

@@ -33,7 +33,7 @@ import sys
 import torch
 from torch.utils.data import DataLoader
 
-from ..runtime import compat
+from ..runtime.compat.trainer import KeepsLiveCallbackState, put_in_front
 from ..runtime.engines import prepare as prepare_engine
 from ..runtime.lr_scheduler import follow_sample_clock
 from . import dataloader
@@ -45,7 +45,7 @@ from .session import Session
 logger = logging.getLogger("adaptive_batch")
 
 
-class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
+class AdaptiveTrainerMixin(KeepsLiveCallbackState):
     """Placed in front of the user's Trainer class; see the module docstring."""
 
     _adaptive_batch: Session
@@ -146,7 +146,7 @@ def install(trainer, callback) -> Session:
     prepare_engine(trainer)
     _configure_logger(trainer.args)
     session = Session(trainer, callback, LossScale(trainer))
-    compat.put_in_front(trainer, AdaptiveTrainerMixin, prefix="AdaptiveBatch")
+    put_in_front(trainer, AdaptiveTrainerMixin, prefix="AdaptiveBatch")
     trainer._adaptive_batch = session
     if trainer.train_dataset is not None:
         session.prepare()

@@ -20,7 +20,7 @@ from ..core.checkpoint import (
 )
 from ..core.plain_trainer import PlainBatching, plain_resume_mismatch
 from ..core.steps import DoneSteps
-from ..runtime import compat
+from ..runtime.compat.trainer import saved_callback_state
 from ..runtime.stream import is_stream
 from . import assemble
 
@@ -48,7 +48,7 @@ def read_checkpoint(path: str) -> StoredCheckpoint:
         )
     with open(file) as handle:
         trainer_state = json.load(handle)
-    attributes = compat.saved_callback_state(trainer_state, STATE_KEY)
+    attributes = saved_callback_state(trainer_state, STATE_KEY)
     state = (attributes or {}).get("checkpoint") or None
     if state is not None:
         check_schema(state, path)

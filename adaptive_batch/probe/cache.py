@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..runtime import compat
+from ..runtime.compat.trainer import CONFIG_BOOKKEEPING_KEYS
 
 if TYPE_CHECKING:
     from .search import ProbeReport
@@ -139,7 +139,7 @@ def describe_setup(model: torch.nn.Module, optim: str, gradient_checkpointing: b
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config.to_dict()
     quantization = config.pop("quantization_config", None)
-    for key in compat.CONFIG_BOOKKEEPING_KEYS:
+    for key in CONFIG_BOOKKEEPING_KEYS:
         config.pop(key, None)
     peft_config = getattr(model, "peft_config", {}).get("default") if hasattr(model, "peft_config") else None
     lora = None

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..runtime.compat import TorchDispatchMode, tree_flatten
+from ..runtime.compat.torch import TorchDispatchMode, tree_flatten
 from ..runtime.memory import Stopwatch, is_out_of_memory, memory_limit, release_memory, synchronize
 from .boundary import Trial
 
