@@ -20,11 +20,8 @@ logger = logging.getLogger("adaptive_batch")
 class TrainerFacts:
     """[`core.controllers.RunFacts`] of one Trainer, for one plan."""
 
-    def __init__(
-        self, trainer, config: AdaptiveBatchConfig, engine: Engine, per_device_train_batch_size: int
-    ):
+    def __init__(self, trainer, config: AdaptiveBatchConfig, engine: Engine):
         self.trainer, self.config = trainer, config
-        self.per_device_train_batch_size = per_device_train_batch_size
         self.oom_is_fatal = not engine.retries
 
     @cached_property
@@ -86,12 +83,12 @@ class TrainerFacts:
     def start(self) -> int:
         """Where "auto" starts: a cached `adaptive-batch probe` result for this setup, else the per-device size.
         When the cache holds another setup, one line says which field differs."""
-        probed = self.probed
+        probed, per_device = self.probed, self.trainer.args.per_device_train_batch_size
         if probed is None:
-            return self.per_device_train_batch_size
+            return per_device
         if probed.message is not None:
             logger.info("%s", probed.message)
-        return probed.size if probed.size is not None else self.per_device_train_batch_size
+        return probed.size if probed.size is not None else per_device
 
     def probed_traps(self) -> list[str]:
         """A stated micro-batch or eval batch above what the probe found to fit ([`core.traps.probed_traps`])."""

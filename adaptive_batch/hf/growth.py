@@ -1,10 +1,5 @@
-"""Growing the effective batch during training by goodput: the driver of a [`core.goodput.NoiseScaleSchedule`].
-
-After each step it times the step before (for [`core.goodput.StepTimeModel`]), now and then cuts a step of one
-micro-batch in two so that one process measures the noise scale, and asks the schedule whether a larger effective
-batch pays. A change takes effect from the first step the data loader has not drawn yet: the session plans the rest
-of the run again ([`session.Session.replan`]).
-"""
+"""Growing the effective batch during training by goodput: the driver of a [`core.goodput.NoiseScaleSchedule`]. See
+docs/how-it-works.md, "An effective batch chosen by goodput"."""
 
 from __future__ import annotations
 
@@ -12,6 +7,7 @@ import logging
 import time
 
 from ..core.goodput import NoiseScaleSchedule, StepCosts, StepTimeModel
+from ..core.planning import RunPlan
 from ..core.schedule import Progress
 from ..runtime.engines import Engine
 
@@ -24,23 +20,27 @@ def growth_for(schedule) -> Growth | None:
 
 
 class Growth:
-    """The growth of one run's effective batch (see the module docstring)."""
+    """Times each step, cuts a step in two now and then so that one process measures the noise scale, and asks the
+    schedule whether a larger effective batch pays; a change takes effect from the first step the data loader has not
+    drawn yet ([`session.Session.replan`])."""
 
     def __init__(self, schedule: NoiseScaleSchedule):
         self.schedule = schedule
         self.step_time = StepTimeModel()
-        self._timing: tuple[float, tuple[int, int] | None] | None = (
-            None  # (start of the last step, what it ran)
-        )
+        # (start of the last step, what it ran: rows and micro-batches, None where it is not to be timed)
+        self._timing: tuple[float, tuple[int, int] | None] | None = None
         self._usual_micro_batches = (
             1  # a step's micro-batches on a rank, outside the steps cut in two to measure
         )
 
     # -- before training -------------------------------------------------------------------------------------------
 
-    def check(self, session, engine: Engine, stored: dict | None) -> None:
-        """The schedule's requirements; its changes: none for a new run, the checkpoint's (`stored`) to resume."""
-        schedule, config, world_size = self.schedule, session.config, session.world_size
+    def check(
+        self, config, engine: Engine, world_size: int, stream_workers: int, stored: dict | None
+    ) -> None:
+        """The schedule's requirements (`stream_workers`: the data loader's workers reading a training stream); its
+        changes: none for a new run, the checkpoint's (`stored`) to resume."""
+        schedule = self.schedule
         if not config.measure_noise:
             raise ValueError(
                 "schedule=NoiseScaleSchedule(...) decides by the gradient noise scale, but measure_noise=False turns "
@@ -57,17 +57,17 @@ class Growth:
                 f"must take the same share. Use {schedule.start // world_size * world_size or world_size} or a "
                 "multiple of the world size."
             )
-        if session.is_stream and session.trainer.args.dataloader_num_workers > 0:
+        if stream_workers > 0:
             raise ValueError(
-                f"NoiseScaleSchedule with a training stream and dataloader_num_workers="
-                f"{session.trainer.args.dataloader_num_workers}: the stream is read in a worker process, which a new "
-                "plan cannot reach after a change. Use dataloader_num_workers=0, or a map-style dataset."
+                f"NoiseScaleSchedule with a training stream and dataloader_num_workers={stream_workers}: the stream "
+                "is read in a worker process, which a new plan cannot reach after a change. Use "
+                "dataloader_num_workers=0, or a map-style dataset."
             )
         schedule.reset()
         if stored:
             schedule.load_state_dict(stored)
 
-    def check_sizes(self, run, world_size: int) -> None:
+    def check_sizes(self, run: RunPlan, world_size: int) -> None:
         """Every size the schedule may grow to fits the dataset and gives a valid learning rate, before any compute."""
         largest = self.schedule.sizes(world_size)[-1]
         if largest > run.dataset_size:
@@ -128,25 +128,24 @@ class Growth:
     def _maybe_grow(self, session, step: int) -> None:
         """Ask the schedule, after `step`, whether a larger effective batch pays; if so, plan again from the first
         step the data loader has not drawn yet."""
-        schedule, plan = self.schedule, session.plan
+        schedule, plan, runner = self.schedule, session.plan, session.runner
         first = self._first_undrawn(session, step)
         # the size decided last: steps drawn before it took effect still run the one before
         current, samples = schedule(Progress(first, 0, 0.0)), plan.samples_before_step[step + 1]
         noise = session.noise.lower_bound(schedule.confidence_z)
         proposal = schedule.propose(current, samples, noise, self._costs(session), budget=plan.budget)
         size, reason = proposal if proposal is not None else (0, "")
-        if session.runner.distributed:
+        if runner.distributed:
             # timings differ between ranks: the largest proposal holds for all, from the latest undrawn step
-            size, first = (int(x) for x in session.runner.agree([size, first]))
+            size, first = (int(x) for x in runner.agree([size, first]))
             if size and not reason:
                 reason = "another rank's step times"
         if not size or first >= plan.num_steps:
             return
         change = schedule.change(first, size, samples, reason, session.noise.value)
-        new = session.run.steps(schedule)
+        new = session.replan(schedule)
         if new.sizes[:first] != plan.sizes[:first] or new.starts[:first] != plan.starts[:first]:
             raise RuntimeError("A new plan changed steps already drawn; this is a bug in AdaptiveBatch.")
-        session.replan(new)
         if session.trainer.args.should_log:
             logger.info(
                 "AdaptiveBatch: effective batch %d -> %d from step %d (after %s samples): %s; %d steps in all now.",
