@@ -459,7 +459,9 @@ def foreign_assignments(source: str) -> list[str]:
 
 def test_the_trainer_wiring_assigns_only_attributes_of_objects_it_owns():
     # each part owns its state: a session's counters are set by the status, not by resume.py; the controller by
-    # the assembly that made it, not by a function given the session
+    # the assembly that made it, not by a function given the session. (hf/ only: below it, code sets what torch and
+    # transformers leave to the caller to set, `param.grad = None`, `model.config.use_cache = False`, and compat's
+    # reach into other libraries' objects is its job)
     outside = {
         path.name: found
         for path in sorted((PACKAGE / "hf").glob("*.py"))
@@ -568,3 +570,82 @@ def test_the_entry_count_sees_a_module_entered_four_times():
     wiring = planted("_wiring.py", "def wire(part):\n    return [part(i) for i in range(4)]\n")
     entries = module_entries(lambda: wiring["wire"](parts["part"]))
     assert entries["hf/_parts.py"] == 4 > ENTERED_AT_MOST
+
+
+TESTS = Path(__file__).resolve().parent
+WRITES = {"write_text", "write_bytes", "touch", "mkdir", "symlink_to", "rename", "copy", "copy2"}
+
+
+def source_tree_writes(source: str) -> list[str]:
+    """Where a test writes into the source tree: a write (`write_text`, `write_bytes`, `touch`, `mkdir`, `open` to
+    write, a `shutil` copy or move) to a path made from `PACKAGE` or a `__file__`, directly or through names bound
+    to such a path (at any depth of the module)."""
+    tree = ast.parse(source)
+    tainted = {"PACKAGE", "__file__"}
+
+    def from_tree(node: ast.AST) -> bool:
+        return any(
+            isinstance(part, ast.Name) and part.id in tainted or getattr(part, "attr", None) == "__file__"
+            for part in ast.walk(node)
+        )
+
+    # (what is bound, where it comes from) by an assignment, a `for` and a `with ... as`
+    binds = {
+        ast.Assign: ("targets", "value"),
+        ast.For: ("target", "iter"),
+        ast.withitem: ("optional_vars", "context_expr"),
+    }
+    for _ in range(10):  # names bound to such paths, and names bound to those
+        for node in ast.walk(tree):
+            if type(node) in binds and from_tree(getattr(node, binds[type(node)][1])):
+                bound = getattr(node, binds[type(node)][0])
+                for target in bound if isinstance(bound, list) else [bound]:
+                    tainted |= (
+                        {n.id for n in ast.walk(target) if isinstance(n, ast.Name)} if target else set()
+                    )
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "attr", getattr(node.func, "id", None))
+        written = None
+        if name in WRITES and isinstance(node.func, ast.Attribute) and name not in ("copy", "copy2"):
+            written = node.func.value  # path.write_text(...)
+        elif name in ("copy", "copy2", "copyfile", "copytree", "move") and len(node.args) >= 2:
+            written = node.args[1]  # shutil.copy(source, target)
+        elif name == "open" and node.args:
+            mode = (
+                node.args[1]
+                if len(node.args) > 1
+                else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            )
+            if isinstance(mode, ast.Constant) and set(str(mode.value)) & set("wax+"):
+                written = node.args[0]
+        if written is not None and from_tree(written):
+            found.append(f"{node.lineno}: {ast.unparse(node)[:60]}")
+    return found
+
+
+def test_no_test_writes_into_the_source_tree():
+    found = {
+        path.name: writes
+        for path in sorted(TESTS.glob("*.py"))
+        if (writes := source_tree_writes(path.read_text()))
+    }
+    assert found == {}
+
+
+def test_the_source_tree_check_sees_a_test_writing_into_the_core():
+    planted = """
+def test_contract():
+    bad = PACKAGE / "core" / "_contract_probe.py"
+    bad.write_text("from ..hf import session")  # 4
+    here = Path(__file__).parent
+    with open(here / "out.json", "w") as handle:  # 6
+        handle.write("{}")
+    for folder in [PACKAGE / "hf"]:
+        shutil.copy("a.py", folder / "a.py")  # 9
+    (tmp_path / "fine.txt").write_text("a test's own folder")
+    print(open(here / "README.md").read())  # reading: fine
+"""
+    assert [line.split(":")[0] for line in source_tree_writes(planted)] == ["4", "6", "9"]
