@@ -1,5 +1,5 @@
-"""What runs a session's plan, and owns it: the engine, the controller that cuts the steps (chosen from what the
-Trainer tells, [`facts.TrainerFacts`]), the step runner, the record of measurements and the evaluation's pieces."""
+"""What runs a session's plan, and owns it: the controller that cuts the steps (chosen from what the Trainer tells,
+[`facts.TrainerFacts`]), the step runner, the record of measurements and the evaluation's pieces."""
 
 from __future__ import annotations
 
@@ -33,23 +33,17 @@ class Assembly:
         # the dataset could not tell its rows' lengths: the first step tells them ([`lengths_from_step`])
         self.lengths_pending = False
         # evaluation survives an out-of-memory error ([`runtime.evaluation`]), unless adapt_evaluation=False or the
-        # engine's forward gathers parameters from every rank (DeepSpeed, FSDP): there the Trainer's own (None)
-        sharded = getattr(trainer, "is_deepspeed_enabled", False) or getattr(
-            trainer, "is_fsdp_enabled", False
-        )
-        adapt = config.adapt_evaluation and not sharded
-        self.eval_pieces = (
-            EvalPieces(trainer, world_size, cut_by_tokens=config.adapt_evaluation == "grow")
-            if adapt
-            else None
-        )
-        # adapt_evaluation="grow": the eval batch grown between evaluations (None: the user's size)
-        grow = config.adapt_evaluation == "grow" and self.eval_pieces is not None
-        self.eval_growth = (
-            EvalGrowth(trainer, self.eval_pieces, config.growth_margin, config.memory_headroom)
-            if grow
-            else None
-        )
+        # engine's forward gathers parameters from every rank (DeepSpeed, FSDP): there the Trainer's own (None);
+        # under adapt_evaluation="grow" the eval batch grows between evaluations (None: the user's size)
+        sharded = any(getattr(trainer, name, False) for name in ("is_deepspeed_enabled", "is_fsdp_enabled"))
+        grow = config.adapt_evaluation == "grow"
+        self.eval_pieces = self.eval_growth = None
+        if config.adapt_evaluation and not sharded:
+            self.eval_pieces = EvalPieces(trainer, world_size, cut_by_tokens=grow)
+            if grow:
+                self.eval_growth = EvalGrowth(
+                    trainer, self.eval_pieces, config.growth_margin, config.memory_headroom
+                )
 
     def engine(self) -> Engine:
         return engine_for(self.trainer, self.world_size)

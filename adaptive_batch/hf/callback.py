@@ -35,40 +35,16 @@ class _attach_method:
 class AdaptiveBatch(TrainerCallback, ExportableState):
     """Keeps the effective batch exact while choosing how each optimizer step is cut into micro-batches.
 
-    Add it to a Trainer (`transformers.Trainer`, TRL's `SFTTrainer`, or a subclass):
-
-    ```python
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, callbacks=[AdaptiveBatch()])
-    ```
-
-    With no arguments the effective batch is the user's (`per_device_train_batch_size x
-    gradient_accumulation_steps x world size`) and only the micro-batching changes. One instance may serve several
-    Trainers in turn (a sweep, a notebook cell run twice): each gets its own plan and state.
+    `callbacks=[AdaptiveBatch()]` on a Trainer (`transformers.Trainer`, TRL's `SFTTrainer`, a subclass), or
+    `AdaptiveBatch.attach(trainer)`. With no arguments the effective batch is the user's (`per_device_train_batch_size
+    x gradient_accumulation_steps x world size`) and only the micro-batching changes. One instance may serve several
+    Trainers in turn, each with its own plan and state.
 
     Args:
     {settings}
 
     The budget is counted in samples: at a constant batch the steps, epochs and learning rate are the plain
-    Trainer's; a growing batch shortens the run in steps. `state.epoch`, and epoch-strategy evaluation and saving,
-    follow data epochs. See docs/how-it-works.md, "Data, cuts and measurements".
-
-    Logged with every training log (README, "What it logs"). The three noise keys are averages over the measured
-    steps, only in the logs of steps that measured the noise scale, never `inf`; where the loss is a mean over label
-    tokens they are estimated per token and converted to samples by the step's samples / label tokens (see
-    docs/how-it-works.md, "Gradient noise scale"):
-
-    | key | meaning |
-    | --- | --- |
-    | `adaptive_batch/effective_batch_size` | samples in the last optimizer step, all ranks together |
-    | `adaptive_batch/micro_batch_size` | largest micro-batch of the last step, samples per rank |
-    | `adaptive_batch/accumulation_steps` | micro-batches the last step was cut into, per rank |
-    | `adaptive_batch/samples_seen` | samples trained on since the start, all ranks |
-    | `adaptive_batch/tokens_seen` | non-padding tokens trained on since the start, all ranks |
-    | `adaptive_batch/lr_scale` | the LR rule's multiplier at the last step |
-    | `adaptive_batch/noise_scale` | noise scale B_simple = grad_variance / grad_norm_sq, in samples; measured steps only, never inf |
-    | `adaptive_batch/grad_norm_sq` | squared norm of the true gradient, G^2 (averaged estimate, before clipping); measured steps only |
-    | `adaptive_batch/grad_variance` | tr(Sigma), summed variance of one sample's gradient (averaged estimate); measured steps only |
-    | `adaptive_batch/statistical_efficiency` | with a `NoiseScaleSchedule`: the run's modelled sample-weighted statistical efficiency so far |
+    Trainer's. What it logs (`adaptive_batch/*` keys): README, "What it logs"; how: docs/how-it-works.md.
     """
 
     def __init__(self, schedule=None, **settings):
@@ -102,29 +78,19 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
 
     @property
     def plan(self) -> StepPlan:
-        """The step plan (read it, do not change it): `plan.sizes[k]` samples in optimizer step `k` over all GPUs,
-        `plan.starts[k]` where they start in the sample stream, `plan.num_steps`, `plan.num_samples`,
-        `plan.samples_before_step[k]`. Known once the Trainer is built; a `NoiseScaleSchedule` replaces it when it
-        grows the batch."""
+        """The step plan (read it, do not change it; [`core.steps.StepPlan`]): `plan.sizes[k]` samples in step `k`
+        over all GPUs. Known once the Trainer is built; a `NoiseScaleSchedule` replaces it when it grows the batch."""
         return self._session("plan").plan
 
     def plan_table(self) -> list[tuple[str, str]]:
-        """The plan as (label, value) rows, as logged when training starts: effective batch, micro-batch, steps,
-        samples, epochs, learning rate rule, phases."""
+        """The plan as (label, value) rows, as logged when training starts."""
         return self._session("plan_table()").plan_rows()
 
     def current(self) -> dict:
-        """Where the run stands after its last optimizer step (before training: what step 0 will run): `step`,
-        `effective_batch_size`, `micro_batch_size` (the last step's largest; before training the first
-        micro-batch's rows where a cut by rows knows them, else `None`), `accumulation_steps`, `samples_seen`,
-        `tokens_seen`, `lr_scale`, `statistical_efficiency` (with a `NoiseScaleSchedule`), the noise scale's averages as they stand after the last step measured, whether
-        or not the last step itself measured (`noise_scale`, `grad_norm_sq`, `grad_variance`: `None` before any step
-        measured; `noise_scale` is `inf` while the averaged `grad_norm_sq` is not positive), `noise_steps` (steps
-        the noise scale was measured on: 0 means the three are `None`), `cut_by` (`"rows"` or `"tokens"`),
-        `max_tokens_per_micro_batch` (the token budget of a cut by tokens, else `None`),
-        `micro_batch_settled_because` (`None` while the micro-batch search goes on),
-        `micro_batch_settled_at_step` (the first step run after it, `None` before) and `batch_changes` (those a
-        `NoiseScaleSchedule` made: step, size, samples seen, reason)."""
+        """Where the run stands after its last optimizer step (before training: what step 0 will run): the logged
+        values without their prefix, the noise scale's averages as they stand, how the micro-batch is cut and when it
+        settled, and the batch changes a `NoiseScaleSchedule` made (README, "Reading the plan and the run from
+        Python", lists the keys)."""
         return self._session("current()").current()
 
     def _session(self, what: str) -> Session:
@@ -186,8 +152,8 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             control.should_log = control.should_evaluate = control.should_save = False
 
     def on_save(self, args, state, control, **kwargs):
-        """A checkpoint that a Trainer without AdaptiveBatch would resume elsewhere says so in its state; every
-        process writes its record of measurements into it (what a replay, or this run resumed, reads)."""
+        """A checkpoint a Trainer without AdaptiveBatch would resume elsewhere says so; every process writes its
+        record of measurements into it."""
         session = self.training_session
         if session is None:
             return
@@ -198,7 +164,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             session.assembly.write_tape(folder)
 
     def on_train_end(self, args, state, control, **kwargs):
-        """Every process writes its record of measurements into the output_dir: `replay=` makes a rerun follow it."""
+        """Every process writes its record of measurements into the output_dir (what `replay=` follows)."""
         if self.training_session is not None and args.output_dir:
             self.training_session.assembly.write_tape(args.output_dir)
 

@@ -1,5 +1,4 @@
-"""What the choice of a controller reads of a Trainer ([`core.controllers.RunFacts`]), each read on first use: the
-dataset's lengths, the collator, the probe's cache, the device's memory and the engine."""
+"""What the choice of a controller reads of a Trainer ([`core.controllers.RunFacts`]), each read on first use."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ class TrainerFacts:
 
     @property
     def layout(self) -> Layout:
-        """How a padding collator's steps run ([`core.controllers.choose_layout`]; it changes once the first step
-        tells lengths the dataset could not)."""
+        """How a padding collator's steps run ([`core.controllers.choose_layout`])."""
         return choose_layout(
             self.config.padding_free,
             compat.padding_free(self.trainer),
@@ -70,8 +68,7 @@ class TrainerFacts:
 
     @cached_property
     def probed(self):
-        """The `adaptive-batch probe` cache's entry for this setup at the run's length ([`probe.cache.CachedStart`]),
-        or `None` where the run's length or the model's config is unknown."""
+        """The probe cache's entry for this setup at the run's length (`None`: length or model config unknown)."""
         trainer, args = self.trainer, self.trainer.args
         seq_len = getattr(args, "max_length", None) or lengths.longest(trainer.train_dataset)
         if seq_len is None or not hasattr(trainer.model, "config"):
@@ -81,8 +78,8 @@ class TrainerFacts:
 
     @cached_property
     def start(self) -> int:
-        """Where "auto" starts: a cached `adaptive-batch probe` result for this setup, else the per-device size.
-        When the cache holds another setup, one line says which field differs."""
+        """Where "auto" starts: a cached probe result for this setup, else the per-device size (one line says which
+        field differs where the cache holds another setup)."""
         probed, per_device = self.probed, self.trainer.args.per_device_train_batch_size
         if probed is None:
             return per_device

@@ -20,18 +20,16 @@ def growth_for(schedule) -> Growth | None:
 
 
 class Growth:
-    """Times each step, cuts a step in two now and then so that one process measures the noise scale, and asks the
-    schedule whether a larger effective batch pays; a change takes effect from the first step the data loader has not
-    drawn yet ([`session.Session.replan`])."""
+    """Times each step, cuts one in two now and then so that one process measures the noise scale, and asks the
+    schedule whether a larger batch pays: from the first step not drawn yet ([`session.Session.replan`])."""
 
     def __init__(self, schedule: NoiseScaleSchedule):
         self.schedule = schedule
         self.step_time = StepTimeModel()
         # (start of the last step, what it ran: rows and micro-batches, None where it is not to be timed)
         self._timing: tuple[float, tuple[int, int] | None] | None = None
-        self._usual_micro_batches = (
-            1  # a step's micro-batches on a rank, outside the steps cut in two to measure
-        )
+        # a step's micro-batches on a rank, outside the steps cut in two to measure
+        self._usual_micro_batches = 1
 
     # -- before training -------------------------------------------------------------------------------------------
 
@@ -39,7 +37,7 @@ class Growth:
         self, config, engine: Engine, world_size: int, stream_workers: int, stored: dict | None
     ) -> None:
         """The schedule's requirements (`stream_workers`: the data loader's workers reading a training stream); its
-        changes: none for a new run, the checkpoint's (`stored`) to resume."""
+        changes: none, or the checkpoint's (`stored`)."""
         schedule = self.schedule
         if not config.measure_noise:
             raise ValueError(
@@ -82,9 +80,8 @@ class Growth:
     # -- during training -------------------------------------------------------------------------------------------
 
     def before_step(self, step: int, last_step: int, tape) -> None:
-        """Time the last step, from its start to this one's (its optimizer step, logging and data loading included);
-        `tape` records the time, or gives the recorded run's ([`core.replay.Tape.keyed`]: also the step before a
-        resumed run's first, which that run cannot time)."""
+        """Time the last step, from its start to this one's (optimizer step, logging, data loading included); `tape`
+        records it, or gives the recorded run's ([`core.replay.Tape.keyed`])."""
         now, measured = time.perf_counter(), None
         if self._timing is not None and self._timing[1] is not None and step == last_step + 1:
             rows, micro_batches = self._timing[1]
@@ -95,8 +92,7 @@ class Growth:
         self._timing = (now, None)
 
     def split(self, session, step: int) -> bool:
-        """Whether to cut this step in two so that one process measures the noise scale
-        (`NoiseScaleSchedule.cut_every`)."""
+        """Whether to cut this step in two so that one process measures the noise scale (`cut_every`)."""
         schedule = self.schedule
         if session.world_size != 1:
             return False
@@ -118,16 +114,14 @@ class Growth:
         self._maybe_grow(session, step)
 
     def _first_undrawn(self, session, step: int) -> int:
-        """The first step whose samples the data loader has not drawn yet, and not before the last change: where a
-        change made now would take effect."""
+        """Where a change made now takes effect: the first step the loader has not drawn, not before the last change."""
         first = (session.sampler.issued if session.sampler is not None else step) + 1
         if self.schedule.changes:  # (a change may already wait in steps the loader has not drawn)
             first = max(first, self.schedule.changes[-1].step + 1)
         return first
 
     def _maybe_grow(self, session, step: int) -> None:
-        """Ask the schedule, after `step`, whether a larger effective batch pays; if so, plan again from the first
-        step the data loader has not drawn yet."""
+        """Ask the schedule whether a larger effective batch pays; if so, plan again from the first undrawn step."""
         schedule, plan, runner = self.schedule, session.plan, session.runner
         first = self._first_undrawn(session, step)
         # the size decided last: steps drawn before it took effect still run the one before
@@ -158,8 +152,7 @@ class Growth:
             )
 
     def _costs(self, session) -> StepCosts:
-        """What prices a larger step: the step times, and the most rows a micro-batch may hold there, as far as
-        the controller knows."""
+        """What prices a larger step: the step times, and the most rows a micro-batch may hold there."""
         cap = session.controller.larger_step_cap(
             session.runner.last.micro_batch_size, self._usual_micro_batches
         )

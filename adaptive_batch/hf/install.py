@@ -1,8 +1,6 @@
-"""Wiring into `transformers.Trainer` (and subclasses such as TRL's SFTTrainer): the Trainer instance gets a class of
-its own with [`AdaptiveTrainerMixin`] in front of its class, whose methods hand the training loop's steps, data,
-scheduler, loss, logs and evaluation to the [`session.Session`]. Everything else (the evaluation loop itself,
-checkpoints, callbacks, mixed precision, DDP wrapping) is the Trainer's own.
-"""
+"""Wiring into `transformers.Trainer` and subclasses: [`AdaptiveTrainerMixin`], put in front of the Trainer's class,
+hands the loop's steps, data, scheduler, loss, logs and evaluation to the [`session.Session`]; the rest is the
+Trainer's own."""
 
 from __future__ import annotations
 
@@ -95,9 +93,8 @@ class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
             return super().predict(test_dataset, ignore_keys, metric_key_prefix, *args, **kwargs)
 
     def _eval_sized(self, prefix: str):
-        growth = (
-            self._adaptive_batch.assembly.eval_growth
-        )  # (adapt_evaluation="grow": the eval batch it chose)
+        # adapt_evaluation="grow": the eval batch it chose
+        growth = self._adaptive_batch.assembly.eval_growth
         return growth.sized(prefix) if growth is not None else contextlib.nullcontext()
 
     def evaluation_loop(
@@ -143,12 +140,8 @@ def install(trainer, callback) -> Session:
 
 
 def _configure_logger(args) -> None:
-    """Show the plan table by default: INFO on the main process unless `log_level` says otherwise (as the Trainer
-    sets transformers' verbosity from it).
-
-    Records propagate as a library's do; where no handler above would receive them (the script configured no
-    logging), [`_ShownWhereUnconfigured`] writes them to stderr, as Python's last-resort handler does for warnings.
-    """
+    """Show the plan table by default: INFO on the main process unless `log_level` says otherwise; where no handler
+    would receive the records (no logging configured), [`_ShownWhereUnconfigured`] writes them to stderr."""
     if args.should_log:
         level = logging.INFO if args.log_level == "passive" else args.get_process_log_level()
     else:
@@ -162,9 +155,6 @@ def _configure_logger(args) -> None:
 
 class _ShownWhereUnconfigured(logging.StreamHandler):
     """Writes a record to stderr only where no other handler on its way up would receive it."""
-
-    def __init__(self):
-        super().__init__()  # (stderr, read when a record is written)
 
     @property
     def stream(self):

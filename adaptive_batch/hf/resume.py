@@ -1,5 +1,5 @@
-"""Resuming: reading a checkpoint before the Trainer does, taking over from a plain Trainer's checkpoint, and
-restoring what a run learned, by the rules of [`core.checkpoint`]."""
+"""Resuming: a checkpoint read before the Trainer does, a plain Trainer's taken over, what a run learned restored
+([`core.checkpoint`]'s rules). See README, "Interrupt and resume"."""
 
 from __future__ import annotations
 
@@ -26,11 +26,8 @@ PLAIN_RESUME_KEY = "AdaptiveBatch:"
 
 
 def read_checkpoint(path: str) -> StoredCheckpoint:
-    """Read a checkpoint folder's `trainer_state.json` (before the Trainer does, so the plan can be built first).
-
-    Raises:
-        ValueError: if the folder has no `trainer_state.json`, or holds AdaptiveBatch state of another layout.
-    """
+    """A checkpoint folder's `trainer_state.json`, read before the Trainer does so that the plan is built first
+    (`ValueError` where there is none, or it holds AdaptiveBatch state of another layout)."""
     file = os.path.join(path, TRAINER_STATE_NAME)
     if not os.path.isdir(path):
         raise ValueError(f"resume_from_checkpoint={path!r} is not a folder; pass a checkpoint-N folder.")
@@ -93,8 +90,7 @@ class Resume:
         return plain.done_steps(adopted.global_step)
 
     def check(self, identity: PlanIdentity) -> None:
-        """Refuse, before any compute, a checkpoint written under another step plan: one that gives the steps left
-        other samples, sizes or learning rates (`PlanIdentity.differences` names each field that changed)."""
+        """Refuse, before any compute, a checkpoint written under another step plan (each changed field named)."""
         if self.checkpoint is None or self.checkpoint.state is None:
             return
         differences = identity.differences(self.checkpoint.state["plan"])
@@ -127,8 +123,8 @@ def plain_batching(args, plan: StepPlan) -> PlainBatching:
 
 
 def adoption_message(plan, checkpoint: StoredCheckpoint, same_order: bool) -> str:
-    """What taking over a plain Trainer's checkpoint means for the samples (`same_order`: the plain Trainer drew
-    the epochs' permutations as AdaptiveBatch does, with accelerate's seedable sampler, its default)."""
+    """What taking over a plain Trainer's checkpoint means for the samples (`same_order`: it drew the epochs'
+    permutations as AdaptiveBatch does, with accelerate's seedable sampler)."""
     steps = checkpoint.global_step
     position = plan.starts[steps] if steps < plan.num_steps else plan.budget
     samples = plan.samples_before_step[steps]
@@ -151,11 +147,9 @@ def adoption_message(plan, checkpoint: StoredCheckpoint, same_order: bool) -> st
 
 
 def guard_plain_resume(checkpoint_dir: str, global_step: int, run: RunPlan, args) -> None:
-    """Make a Trainer without AdaptiveBatch refuse the checkpoint just saved in `checkpoint_dir` where it would resume
-    at another sample or learning rate than this run's (`plain_resume_mismatch`): a top-level key of
-    `trainer_state.json` that is the refusal's text, which `TrainerState(**json)` names in its `TypeError` before
-    any training. A checkpoint of steps the plain Trainer would have run alike gets none, and resumes without
-    AdaptiveBatch as the plain run would. AdaptiveBatch's own resume reads past it ([`readable_by_the_trainer`])."""
+    """Make a Trainer without AdaptiveBatch refuse the checkpoint just saved where it would resume at another sample
+    or learning rate (`plain_resume_mismatch`): a top-level key of `trainer_state.json` that is the refusal's text,
+    which `TrainerState(**json)` names in its `TypeError`. AdaptiveBatch reads past it ([`readable_by_the_trainer`])."""
     file = os.path.join(checkpoint_dir, TRAINER_STATE_NAME)
     if not os.path.isfile(file):  # (saved elsewhere: a hyperparameter search's trial folder)
         return
@@ -185,10 +179,9 @@ def guard_plain_resume(checkpoint_dir: str, global_step: int, run: RunPlan, args
 
 @contextlib.contextmanager
 def readable_by_the_trainer(path: str | None) -> Iterator[str | None]:
-    """The checkpoint folder to give this Trainer's `train`: `path` itself, or where it carries the key of
-    [`guard_plain_resume`] (which the Trainer's `TrainerState(**json)` refuses), a view of it in a temporary folder
-    of the same name: its `trainer_state.json` without the key, every other entry a link to the checkpoint's own
-    (a copy where the file system makes no links). Nothing of the checkpoint, or of transformers, is changed."""
+    """The checkpoint folder to give the Trainer's `train`: `path`, or where it carries [`guard_plain_resume`]'s key, a
+    temporary view of it: `trainer_state.json` without the key, every other entry linked (or copied). Nothing of the
+    checkpoint is changed."""
     if path is None:
         yield path
         return

@@ -1,10 +1,6 @@
-"""AdaptiveBatch's state for one Trainer, and the order in which things happen to it.
-
-A `Session` is made when AdaptiveBatch is attached to a Trainer and planned again when `train()` starts (the
-arguments or the dataset may have changed, and a checkpoint may be resumed). It plans ([`core.planning`]) and holds
-the parts that own the rest: the [`assemble.Assembly`] (controller, step runner, evaluation), the [`status.Status`]
-(counters, metrics, plan table), the [`resume.Resume`] of a checkpoint and the [`growth.Growth`] of a growing batch.
-"""
+"""AdaptiveBatch's state for one Trainer, and the order in which things happen to it: made when AdaptiveBatch is
+attached, planned again when `train()` starts ([`core.planning`]). It holds the parts that own the rest: the
+[`assemble.Assembly`], [`status.Status`], [`resume.Resume`] and [`growth.Growth`]."""
 
 from __future__ import annotations
 
@@ -15,20 +11,19 @@ from dataclasses import asdict, replace
 from ..core import traps
 from ..core.checkpoint import SCHEMA_VERSION, PlanIdentity, StoredCheckpoint
 from ..core.planning import RunPlan, RunSettings, StepPlan, plan_run
+from ..core.schedule import describe
 from ..runtime.stream import is_stream
 from . import dataloader
 from .assemble import Assembly
 from .checks import check_trainer
 from .growth import Growth, growth_for
 from .resume import Resume
-from .status import Status, plan_table, rule_text, schedule_text
+from .status import Status, plan_table, rule_text
 
 logger = logging.getLogger("adaptive_batch")
 
 
 class Session:
-    """AdaptiveBatch's state for one Trainer. See the module docstring."""
-
     def __init__(self, trainer, callback, loss_scale):
         self.trainer, self.callback, self.config = trainer, callback, callback.config
         self.world_size = max(1, trainer.args.world_size)
@@ -73,8 +68,8 @@ class Session:
     # -- planning ------------------------------------------------------------------------------------------------
 
     def prepare(self, checkpoint: StoredCheckpoint | None = None) -> None:
-        """Plan from the current arguments and dataset (and the checkpoint to resume, if any), then build what runs
-        the plan. Every refusal happens here, before any compute."""
+        """Plan from the current arguments, dataset and checkpoint (if any), then build what runs the plan. Every
+        refusal happens here, before any compute."""
         trainer, config, args = self.trainer, self.config, self.trainer.args
         if trainer.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
@@ -118,7 +113,7 @@ class Session:
             data_seed=args.data_seed if args.data_seed is not None else args.seed,
             shuffle=not self.is_stream and args.train_sampling_strategy != "sequential",
             adopted_at_step=self.resume.adoption.global_step if self.resume.adoption else 0,
-            schedule=schedule_text(schedule),
+            schedule=describe(schedule),  # (a growing one by its settings)
             lr_scaling=rule_text(config.lr_scaling),
             fingerprint=self.plan.fingerprint(),
         )
@@ -129,9 +124,8 @@ class Session:
             self.resume.restore(self.plan, self.identity.shuffle, self.status, self.assembly, self.growth)
 
     def replan(self, schedule) -> StepPlan:
-        """Plan the rest of the run again under a grown `schedule`, and make everything that follows the plan follow
-        it: the LR clock, the data loader's steps, the controller's row limit, the checkpoint's identity and the
-        Trainer's step count. Returns the new plan."""
+        """Plan the rest of the run again under a grown `schedule`; the LR clock, the data loader, the controller's
+        row limit, the checkpoint's identity and the Trainer's step count follow the new plan, returned."""
         plan = self.run.replan(schedule)
         if self.sampler is not None:
             self.sampler.plan = plan
@@ -144,8 +138,7 @@ class Session:
 
     @contextlib.contextmanager
     def training(self, checkpoint: StoredCheckpoint | None):
-        """Around `Trainer.train`: plan (taking the checkpoint into account), log the plan, run the loop as the
-        callback's training session."""
+        """Around `Trainer.train`: plan, log the plan, run the loop as the callback's training session."""
         args = self.trainer.args
         if checkpoint is not None and args.ignore_data_skip:
             raise ValueError(
@@ -153,9 +146,7 @@ class Session:
                 "AdaptiveBatch's step k must take the samples the plan gives step k. Resume with "
                 "ignore_data_skip=False (skipping costs no data loading: only the sampler's indices are skipped)."
             )
-        self.status.start(
-            resumed=checkpoint is not None
-        )  # (a checkpoint's counters are restored in `prepare`)
+        self.status.start(resumed=checkpoint is not None)  # (a checkpoint's counters: restored in `prepare`)
         self.prepare(checkpoint)
         if args.should_log:
             logger.info("%s", plan_table(self.plan_rows()))
@@ -174,18 +165,16 @@ class Session:
             self.runner.close()
 
     def initial_training_values(self) -> tuple:
-        """What `Trainer.set_initial_training_values` returns, from the plan: the loop sees one epoch of all steps,
-        each `gradient_accumulation_steps` batches of the data loader (the step batch in the last). Data epochs are
-        tracked by the callback (`state.epoch`, epoch-end evaluation and saving)."""
-        plan = self.plan
+        """What `Trainer.set_initial_training_values` returns: the loop sees one epoch of all steps, each
+        `gradient_accumulation_steps` batches (the step batch in the last); the callback tracks data epochs."""
+        plan, accumulation = self.plan, self.trainer.args.gradient_accumulation_steps
         return (
             1,  # num_train_epochs of the loop
             plan.num_steps,  # num_update_steps_per_epoch
             plan.dataset_size,  # num_examples
             plan.num_samples,  # num_train_samples
             plan.scheduled[plan.done_steps],  # total_train_batch_size (the first scheduled effective batch)
-            plan.num_steps
-            * self.trainer.args.gradient_accumulation_steps,  # steps_in_epoch: the loop's batches
+            plan.num_steps * accumulation,  # steps_in_epoch: the loop's batches
             plan.num_steps,  # max_steps
         )
 

@@ -23,17 +23,17 @@ class Status:
 
     def __init__(self, trainer, config: AdaptiveBatchConfig, assembly: Assembly):
         self.trainer, self.config, self.assembly = trainer, config, assembly
-        self.noise = NoiseScale(config.noise_time_constant_samples) if config.measure_noise else None
         self.tokens_seen, self.last_step = 0, -1
         self.settled_at_step: int | None = None  # the first step run after the controller stopped measuring
+        self.noise: NoiseScale | None = None
+        self.start(resumed=False)
 
     def start(self, resumed: bool) -> None:
         """A train() starts: new noise averages, and new counters unless a checkpoint's are restored."""
         if not resumed:
             self.tokens_seen, self.last_step, self.settled_at_step = 0, -1, None
-        self.noise = (
-            NoiseScale(self.config.noise_time_constant_samples) if self.config.measure_noise else None
-        )
+        config = self.config
+        self.noise = NoiseScale(config.noise_time_constant_samples) if config.measure_noise else None
 
     def adopt(self, global_step: int) -> None:
         """A plain Trainer's checkpoint is resumed: its steps count as done (their tokens unknown)."""
@@ -146,7 +146,7 @@ class Status:
             plan,
             run.clock,
             run.budget,
-            schedule_text=schedule_text(schedule),
+            schedule_text=describe(schedule),
             micro_batch_text=controller.describe()
             + (
                 "; the dataset cannot tell its rows' lengths before training: where the first step's vary, steps are "
@@ -197,15 +197,6 @@ def plan_table(rows: list[tuple[str, str]]) -> str:
     return report.format_rows("AdaptiveBatch plan", rows)
 
 
-# The schedule and the LR rule as the plan table names them; a checkpoint's plan records the same words, so a resume
-# under another one is refused naming both.
-
-
-def schedule_text(schedule) -> str:
-    """The schedule described (a growing one by its settings, not the changes it made)."""
-    return describe(schedule)
-
-
 def rule_text(lr_scaling) -> str:
-    """The LR rule's name, or a callable rule's description."""
+    """The LR rule as the plan table, and a checkpoint's plan, name it."""
     return lr_scaling if isinstance(lr_scaling, str) else describe(lr_scaling)
