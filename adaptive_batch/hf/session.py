@@ -11,14 +11,13 @@ from dataclasses import asdict, replace
 from ..core import traps
 from ..core.checkpoint import SCHEMA_VERSION, PlanIdentity, StoredCheckpoint
 from ..core.planning import RunPlan, RunSettings, StepPlan, plan_run
-from ..core.schedule import describe
 from ..runtime.stream import is_stream
 from . import dataloader
 from .assemble import Assembly
 from .checks import check_trainer
 from .growth import Growth, growth_for
 from .resume import Resume
-from .status import Status, plan_table, rule_text
+from .status import Status, plan_table, rule_text, schedule_text
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -113,7 +112,7 @@ class Session:
             data_seed=args.data_seed if args.data_seed is not None else args.seed,
             shuffle=not self.is_stream and args.train_sampling_strategy != "sequential",
             adopted_at_step=self.resume.adoption.global_step if self.resume.adoption else 0,
-            schedule=describe(schedule),  # (a growing one by its settings)
+            schedule=schedule_text(schedule),
             lr_scaling=rule_text(config.lr_scaling),
             fingerprint=self.plan.fingerprint(),
         )

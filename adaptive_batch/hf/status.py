@@ -146,7 +146,7 @@ class Status:
             plan,
             run.clock,
             run.budget,
-            schedule_text=describe(schedule),
+            schedule_text=schedule_text(schedule),
             micro_batch_text=controller.describe()
             + (
                 "; the dataset cannot tell its rows' lengths before training: where the first step's vary, steps are "
@@ -197,6 +197,13 @@ def plan_table(rows: list[tuple[str, str]]) -> str:
     return report.format_rows("AdaptiveBatch plan", rows)
 
 
+# The schedule and the LR rule as the plan table names them, and a checkpoint's plan (a resume under another one is
+# refused naming both)
+
+
+def schedule_text(schedule) -> str:
+    return describe(schedule)  # (a growing one by its settings, not the changes it made)
+
+
 def rule_text(lr_scaling) -> str:
-    """The LR rule as the plan table, and a checkpoint's plan, name it."""
     return lr_scaling if isinstance(lr_scaling, str) else describe(lr_scaling)
