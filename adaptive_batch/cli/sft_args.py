@@ -9,8 +9,7 @@ import argparse
 import contextlib
 import dataclasses
 
-BOOLEANS = {"true": True, "t": True, "yes": True, "y": True, "1": True}
-BOOLEANS.update({"false": False, "f": False, "no": False, "n": False, "0": False})
+from .training_args import BOOLEANS, script_fields
 
 # the fields of SFTConfig (and the one of TrainingArguments) that change the train set's rows or tokens, each with
 # the rule its value must follow; the plan prepares the dataset as SFTTrainer does with them
@@ -137,17 +136,8 @@ def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) 
 
 
 def read_script_sft_args(argv: list[str]) -> dict:
-    """The SFT fields among a script's arguments (HfArgumentParser style), each as its text (a bare bool flag as
-    'true'), for [`_checked`] to convert."""
-    parser = _ScriptParser(add_help=False, allow_abbrev=False)
-    for field in (*FIELDS, *EVAL_ONLY):
-        names = [f"--{field}", f"--{field.replace('_', '-')}"]
-        if field in BOOLEAN_FIELDS or field in EVAL_ONLY:
-            parser.add_argument(*names, dest=field, nargs="?", const="true")
-        else:
-            parser.add_argument(*names, dest=field)
-    known, _ = parser.parse_known_args(argv)
-    return {field: text for field, text in vars(known).items() if text is not None}
+    """The SFT fields among a script's arguments, each as its text, for [`_checked`] to convert."""
+    return script_fields(argv, (*FIELDS, *EVAL_ONLY), switches=BOOLEAN_FIELDS | EVAL_ONLY)
 
 
 def unknown_options(argv: list[str]) -> list[str]:
@@ -173,11 +163,6 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-class _ScriptParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ValueError(f"The script arguments after -- are not valid: {message}.")
 
 
 def _checked(field: str, value, where: str):

@@ -17,6 +17,9 @@ FIELDS = (
     ("max_steps", "max_steps", -1, 500),
     ("drop_last", "dataloader_drop_last", False, "false"),
 )
+# a bool's texts as HfArgumentParser's string_to_bool takes them
+BOOLEANS = {"true": True, "t": True, "yes": True, "y": True, "1": True}
+BOOLEANS.update({"false": False, "f": False, "no": False, "n": False, "0": False})
 RULES = {
     "per_device_train_batch_size": "a positive int",
     "gradient_accumulation_steps": "a positive int",
@@ -113,19 +116,25 @@ def read_training_args(path: Path) -> dict:
 
 
 def read_script_args(argv: list[str]) -> dict:
-    """The TrainingArguments fields the plan reads, from a script's command line as HfArgumentParser takes it
-    (`--per_device_train_batch_size 4` or `--per-device-train-batch-size=4`, a bool as a bare flag or with a
-    value); every other argument is ignored. A value that is not a number (or a bool) is kept as given, for
-    [`apply_training_args`] to refuse naming its field."""
+    """The TrainingArguments fields the plan reads from a script's command line, as HfArgumentParser takes them
+    (`--per_device_train_batch_size 4`, `--per-device-train-batch-size=4`, a bool bare or with a value); a value
+    that is not a number (or a bool) is kept as given, for [`apply_training_args`] to refuse naming its field."""
+    texts = script_fields(argv, [field for _, field, _, _ in FIELDS], switches={"dataloader_drop_last"})
+    return {field: _script_value(field, text) for field, text in texts.items()}
+
+
+def script_fields(argv: list[str], fields, switches) -> dict[str, str]:
+    """The text of each of `fields` among a script's arguments (HfArgumentParser style: `--a_b` or `--a-b`); one of
+    `switches` given bare reads 'true'. Every other argument is ignored."""
     parser = _ScriptParser(add_help=False, allow_abbrev=False)
-    for _, field, _, _ in FIELDS:
+    for field in fields:
         names = [f"--{field}", f"--{field.replace('_', '-')}"]
-        if field == "dataloader_drop_last":
+        if field in switches:
             parser.add_argument(*names, dest=field, nargs="?", const="true")
         else:
             parser.add_argument(*names, dest=field)
     known, _ = parser.parse_known_args(argv)
-    return {field: _script_value(field, text) for field, text in vars(known).items() if text is not None}
+    return {field: text for field, text in vars(known).items() if text is not None}
 
 
 class _ScriptParser(argparse.ArgumentParser):
@@ -136,9 +145,7 @@ class _ScriptParser(argparse.ArgumentParser):
 def _script_value(field: str, text: str):
     """A script argument's text as the value HfArgumentParser would give it (the text itself where it gives none)."""
     if field == "dataloader_drop_last":
-        booleans = {"true": True, "t": True, "yes": True, "y": True, "1": True}
-        booleans.update({"false": False, "f": False, "no": False, "n": False, "0": False})
-        return booleans.get(text.lower(), text)
+        return BOOLEANS.get(text.lower(), text)
     for kind in (int, float):
         with contextlib.suppress(ValueError):
             return kind(text)
