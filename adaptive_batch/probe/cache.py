@@ -47,10 +47,8 @@ def cached_start(setup: dict, seq_len: int) -> CachedStart:
     """The cached recommendation for `setup` at `seq_len` tokens, from the shortest probed length >= `seq_len` (a
     size that fits longer sequences fits shorter ones), or why there is none."""
     path = _cache_file(setup)
-    if not path.exists():
-        return CachedStart(None, None, _no_entry_message(setup))
     try:
-        entries = json.loads(path.read_text())
+        entries = json.loads(path.read_text()) if path.exists() else {}
     except ValueError as error:
         return CachedStart(
             None,
