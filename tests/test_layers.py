@@ -297,20 +297,13 @@ def foreign_private_names(path: Path, own: set[str], source: str | None = None) 
     return [f"{line}: {what}" for line, what in sorted(found)]
 
 
-# found outside compat, and left to the module's owner to move there (issue 35 item 6): argparse's private hook for
-# an option's help text, overridden and called by cli/arguments.py's HelpFormatter
-NOT_MOVED_YET = {"cli/arguments.py": {"def _get_help_string", "._get_help_string"}}
-
-
 def test_other_libraries_private_names_are_touched_in_compat_alone():
     own = own_private_names()
-    outside = {}
-    for path in modules():
-        where = path.relative_to(PACKAGE).as_posix()
-        found = [] if in_compat(path) else foreign_private_names(path, own)
-        found = [text for text in found if text.split(": ", 1)[1] not in NOT_MOVED_YET.get(where, ())]
-        if found:
-            outside[where] = found
+    outside = {
+        path.relative_to(PACKAGE).as_posix(): found
+        for path in modules()
+        if not in_compat(path) and (found := foreign_private_names(path, own))
+    }
     assert outside == {}
     # compat does touch them: the check sees what it looks for
     assert any(foreign_private_names(path, own) for path in modules() if in_compat(path))
