@@ -60,7 +60,7 @@ class LossScale:
         items = kwargs.get("num_items_in_batch")
         func = getattr(self.trainer, "compute_loss_func", None)
         # where the Trainer divides the loss itself (as it does without num_items_in_batch or loss kwargs, and no
-        # compute_loss_func), the divisor is the micro-batch's share ([`compat.set_loss_divisor`])
+        # compute_loss_func), the divisor is the micro-batch's share ([`runtime.step`] sets it)
         divides = (
             items is None or not getattr(self.trainer, "model_accepts_loss_kwargs", False)
         ) and func is None
