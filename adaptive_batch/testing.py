@@ -6,6 +6,7 @@
 - `token_dataset(tokenizer, texts)`: tokenised rows of varying length, ready for a causal-LM collator.
 - `FakeOutOfMemory`: makes a model raise the real `torch.OutOfMemoryError` above a number of rows (or tokens) per
   forward.
+- `eval_pieces(trainer)`: the evaluation in pieces of a Trainer AdaptiveBatch is attached to, for tests to read.
 """
 
 from __future__ import annotations
@@ -161,6 +162,12 @@ class FakeOutOfMemory:
 
     def remove(self) -> None:
         self.handle.remove()
+
+
+def eval_pieces(trainer):
+    """The [`runtime.evaluation.EvalPieces`] that runs `trainer`'s eval batches under AdaptiveBatch (`None` where the
+    Trainer's own evaluation runs): tests read its fitted `overhead` and its timed `points`, or set the overhead."""
+    return trainer._adaptive_batch.assembly.eval_pieces
 
 
 def example_model(model_dir: str | None, texts: list[str], vocab_size: int = 512, hidden_size: int = 64):

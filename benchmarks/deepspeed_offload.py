@@ -35,19 +35,14 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from base_model import TINY, save_random_llama  # noqa: E402
-from qlora_throughput import sync  # noqa: E402
-from rounds import WARMUP_STEPS, WarmUps  # noqa: E402
+from base_model import TINY, save_random_llama
+from common import device_name, save, sync, versions
+from rounds import WARMUP_STEPS, WarmUps
 
 TINYLLAMA_1B = dict(
     hidden_size=2048,
@@ -222,10 +217,8 @@ def main() -> None:
 
     report = {
         "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-        "versions": versions(),
+        "device": device_name(),
+        "versions": versions("deepspeed"),
         "shape": "tiny" if options.tiny else "TinyLlama-1.1B",
         "seq_len": seq_len,
         "micro": options.micro,
@@ -312,20 +305,8 @@ def summarise(arms: list[dict], params: dict) -> dict:
     return summary
 
 
-def versions() -> dict:
-    import deepspeed
-    import transformers
-
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "deepspeed": deepspeed.__version__,
-    }
-
-
 def write(report: dict, out: str) -> None:
-    with open(os.path.join(out, "deepspeed_offload.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    save(report, os.path.join(out, "deepspeed_offload.json"))
 
 
 def print_table(report: dict) -> None:

@@ -16,8 +16,8 @@ import subprocess
 import sys
 
 import torch
+from common import ROOT, save
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 
 
@@ -89,8 +89,7 @@ def main() -> None:
         else:
             entry["stderr"] = retried.get("stderr") or clean.get("stderr")
         report["kinds"][kind] = entry
-        with open(os.path.join(options.out, "engine_resets.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        save(report, os.path.join(options.out, "engine_resets.json"))
     for kind, entry in report["kinds"].items():
         print(kind, {k: v for k, v in entry.items() if k != "stderr"})
 

@@ -34,22 +34,15 @@ counted).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from base_model import header, qlora_trainer  # noqa: E402
-from packing_throughput import Deadline  # noqa: E402
-from qlora_throughput import build_model, sync  # noqa: E402
-from ragged_throughput import CountingCollator, lengths  # noqa: E402
-from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
+from base_model import header, qlora_trainer
+from common import Deadline, build_model, save, sync
+from ragged_throughput import CountingCollator, lengths
+from rounds import WarmUps, add_arguments, interleaved
 
 
 class LogLines(logging.Handler):
@@ -236,14 +229,12 @@ def main():
         record = deadline.run(run_arm, name, model, rows, options.tiny, options.workdir, options.evaluations)
         record["round"] = round_
         report["runs"].append(record)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        save(report, path)
         sizes = [r["batch_size"] for r in record["evaluations"]]
         seconds = ", ".join(f"{r['seconds']:.2f}" for r in record["evaluations"])
         print(f"{name:>10} (round {round_}): eval batches {sizes}, seconds {seconds}", flush=True)
     summarise(report)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    save(report, path)
     print_table(report)
 
 

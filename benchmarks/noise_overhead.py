@@ -21,16 +21,11 @@ import gc
 import json
 import os
 import statistics
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from base_model import header, qlora_trainer  # noqa: E402
-from qlora_throughput import StepClock, build_model  # noqa: E402
-from rounds import WARMUP_STEPS, WarmUps  # noqa: E402
+from base_model import header, qlora_trainer
+from common import StepClock, build_model, save
+from rounds import WARMUP_STEPS, WarmUps
 
 
 def run(model, dataset, measure: bool, steps: int, tiny: bool, workdir: str) -> dict:
@@ -106,16 +101,14 @@ def main():
             result = run(model, dataset, measure, options.steps, options.tiny, options.workdir)
             result["pair"] = pair
             report["runs"].append(result)
-            with open(path, "w") as f:
-                json.dump(report, f, indent=1)
+            save(report, path)
             print(
                 f"pair {pair} measure_noise={measure!s:5}: {result['mean_step_seconds_after_first']:.3f} s/step, "
                 f"noise scale {result['noise_scale_per_step'][-1]}",
                 flush=True,
             )
     summarise(report)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    save(report, path)
     print(json.dumps(report["summary"], indent=1))
 
 

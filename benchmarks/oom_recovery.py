@@ -36,18 +36,12 @@ import argparse
 import logging
 import os
 import statistics
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from base_model import header, qlora_trainer  # noqa: E402
-from packing_throughput import Deadline, increments, logged, save, train  # noqa: E402
-from qlora_throughput import StepClock, build_model  # noqa: E402
-from ragged_throughput import step_record  # noqa: E402
-from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
+from base_model import header, qlora_trainer
+from common import Deadline, StepClock, build_model, increments, logged, save, train
+from ragged_throughput import step_record
+from rounds import WarmUps, add_arguments, interleaved
 
 LONGER = 4  # the long step's rows, in usual lengths
 AFTER_RECOVERY_AIM = 0.97

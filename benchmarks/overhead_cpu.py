@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -23,11 +22,8 @@ import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from rounds import WARMUP_STEPS, WarmUps  # noqa: E402
+from common import save, versions
+from rounds import WARMUP_STEPS, WarmUps
 
 
 def main():
@@ -48,7 +44,6 @@ def main():
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
 
-    import transformers
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -58,7 +53,6 @@ def main():
         default_data_collator,
     )
 
-    import adaptive_batch
     from adaptive_batch import AdaptiveBatch
     from adaptive_batch.runtime.step import MicroBatchRunner
 
@@ -147,11 +141,7 @@ def main():
     report = {
         "command": " ".join(sys.argv),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "adaptive_batch": adaptive_batch.__version__,
-        },
+        "versions": versions("adaptive_batch"),
         "setup": {
             "model": "Llama 4x128",
             "seq_len": options.seq_len,
@@ -170,8 +160,7 @@ def main():
         "own_code_share_of_step": statistics.median(own_seconds) / statistics.median(plugin),
     }
     os.makedirs(options.out, exist_ok=True)
-    with open(os.path.join(options.out, "overhead_cpu.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    save(report, os.path.join(options.out, "overhead_cpu.json"))
     print(
         f"\nmedian step: plain {statistics.median(plain) * 1000:.1f} ms, plugin {statistics.median(plugin) * 1000:.1f}"
         f" ms; ratio of medians {report['median_ratio']:.4f}, of minimums {report['min_ratio']:.4f}, median of "

@@ -35,21 +35,14 @@ counted), so that a call under a time limit still ends with its summary; the arm
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
-import time
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from base_model import header, qlora_arguments  # noqa: E402
-from qlora_throughput import StepClock, build_model  # noqa: E402
-from ragged_throughput import after_first_part, lengths, pool, settled, steady_part, step_record  # noqa: E402
-from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
+from base_model import header, qlora_arguments
+from common import Deadline, StepClock, build_model, increments, logged, save, train
+from ragged_throughput import after_first_part, lengths, pool, settled, steady_part, step_record
+from rounds import WarmUps, add_arguments, interleaved
 
 EFFECTIVE = 16
 ARMS = {  # name: (per-device, accumulation, AdaptiveBatch or not)
@@ -90,82 +83,6 @@ def placeholder_tokenizer():
         pad_token="<pad>",
         eos_token="<eos>",
     )
-
-
-class ForwardCounter:
-    """The forwards of a model in every optimizer step (a pre-hook on its forward: a micro-batch that ran out of
-    memory counts too), in `per_step`; `callback` goes to the Trainer."""
-
-    def __init__(self, model):
-        from transformers import TrainerCallback
-
-        counter = self
-        self.calls = 0
-        self.per_step: list[int] = []
-        self.handle = model.register_forward_pre_hook(self._count)
-
-        class Callback(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kwargs):
-                counter.calls = 0
-
-            def on_step_end(self, args, state, control, **kwargs):
-                counter.per_step.append(counter.calls)
-                counter.calls = 0
-
-        self.callback = Callback()
-
-    def _count(self, module, args):
-        self.calls += 1
-
-    def remove(self) -> None:
-        self.handle.remove()
-
-
-class Deadline:
-    """Runs arms, timed; starts none that would end after `seconds` from now (0: no limit), judged by the longest
-    arm so far."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self.started, self.longest = seconds, time.perf_counter(), 0.0
-
-    def allows_another(self) -> bool:
-        return not self.seconds or time.perf_counter() - self.started + self.longest <= self.seconds
-
-    def run(self, arm, *args) -> dict:
-        """`arm(*args)`, its result with the seconds it took (`seconds`)."""
-        started = time.perf_counter()
-        result = arm(*args)
-        result["seconds"] = time.perf_counter() - started
-        self.longest = max(self.longest, result["seconds"])
-        return result
-
-
-def train(trainer) -> list[int]:
-    """`trainer.train()`, the device's peak memory reset first; returns the forwards of the model in each step."""
-    forwards = ForwardCounter(trainer.model)
-    trainer.add_callback(forwards.callback)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        trainer.train()
-    finally:
-        forwards.remove()
-    return forwards.per_step
-
-
-def save(report: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-
-
-def logged(trainer, key: str) -> list:
-    """A value of every step's training log (`None` where a step did not log it)."""
-    return [log.get(key) for log in trainer.state.log_history if "loss" in log]
-
-
-def increments(running: list) -> list[int]:
-    """Each step's part of a running count logged at every step."""
-    return [int(b - a) for a, b in zip([0, *running], running)]
 
 
 def run_arm(name, model, dataset, tokenizer, steps, options):

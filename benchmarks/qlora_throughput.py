@@ -25,80 +25,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from base_model import LLAMA2_7B, TINY, header, qlora_trainer, save_random_llama  # noqa: E402
-from rounds import WarmUps, add_arguments, interleaved  # noqa: E402
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def build_model(tiny: bool, workdir: str):
-    """The base model as a user loads it: 4-bit NF4 from a saved checkpoint, then LoRA through peft."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
-
-    shape = TINY if tiny else LLAMA2_7B
-    started = time.perf_counter()
-    path = save_random_llama(os.path.join(workdir, "llama-base"), shape, on_gpu=not tiny)
-    config = LlamaConfig(**shape, use_cache=False)
-    if tiny:
-        model = AutoModelForCausalLM.from_pretrained(path)
-    else:
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
-        model = AutoModelForCausalLM.from_pretrained(
-            path, quantization_config=quantization, dtype=torch.bfloat16, device_map={"": 0}
-        )
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
-    model = get_peft_model(
-        model,
-        LoraConfig(
-            r=16, lora_alpha=32, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
-        ),
-    )
-    print(f"model ready in {time.perf_counter() - started:.0f} s", flush=True)
-    return model, config
-
-
-class StepClock:
-    """Wall time of every optimizer step, the device synchronised at each step end."""
-
-    def __init__(self):
-        from transformers import TrainerCallback
-
-        clock = self
-
-        class Callback(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kwargs):
-                sync()
-                clock.marks = [time.perf_counter()]
-
-            def on_step_end(self, args, state, control, **kwargs):
-                sync()
-                clock.marks.append(time.perf_counter())
-
-        self.callback = Callback()
-        self.marks: list[float] = []
-
-    @property
-    def step_seconds(self) -> list[float]:
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+from base_model import header, qlora_trainer
+from common import StepClock, build_model, save  # ragged_throughput.py imports the first two from here
+from rounds import WarmUps, add_arguments, interleaved
 
 
 def run_config(model, dataset, seq_len, per_device, accumulation, steps, adaptive, tiny, workdir):
@@ -251,8 +184,7 @@ def main():
         result["kind"] = kind
         result["round"] = round_
         report["runs"].append(result)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        save(report, path)
         print(
             f"{kind:>5} {per_device}x{accumulation}: {result['tokens_per_second_after_first_step']:,.0f} tokens/s "
             f"(steps {', '.join(f'{s:.2f}' for s in result['step_seconds'])} s) in "
@@ -261,8 +193,7 @@ def main():
         )
 
     summarise(report)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    save(report, path)
     print_table(report)
 
 

@@ -32,18 +32,14 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from rounds import WarmUps  # noqa: E402
+from common import EvalClock, device_name, first_at, save, scratch_model, versions
+from rounds import WarmUps
 
 ARMS = ("fixed16", "fixed32", "fixed64", "fixed128", "fixed256", "phase", "noise")
 LEARNING_RATES = (1.5e-3, 7.5e-4, 3e-3)  # the middle one first
@@ -71,85 +67,6 @@ def load_rows(corpus: str | None, seq_len: int, train_rows: int, eval_rows: int,
     return train, held_out, vocab, info
 
 
-def build_model(vocab: int, seq_len: int, tiny: bool, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    size = (
-        dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4)
-        if tiny
-        else dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8)
-    )
-    config = LlamaConfig(
-        vocab_size=vocab,
-        max_position_embeddings=seq_len,
-        num_key_value_heads=size["num_attention_heads"],
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-        **size,
-    )
-    return LlamaForCausalLM(config)
-
-
-class EvalClock:
-    """A callback: the held-out loss every `every` samples (as `adaptive`'s plan counts them), and the training time
-    without the evaluations."""
-
-    def __init__(self, held_out: torch.Tensor, every: int, adaptive, batch: int = 128):
-        from transformers import TrainerCallback
-
-        self.held_out, self.every, self.adaptive, self.batch = held_out, every, adaptive, batch
-        self.points: list[dict] = []
-        self.eval_seconds = 0.0
-        self.start = None
-        clock = self
-
-        class Callback(TrainerCallback):
-            def on_train_begin(self, args, state, control, model=None, **kwargs):
-                clock.model = model
-                clock.evaluate(0, 0)
-                clock.start = clock.now()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                samples = clock.adaptive.plan.samples_before_step[state.global_step]
-                if samples // clock.every > clock.done or state.global_step == state.max_steps:
-                    clock.evaluate(samples, state.global_step)
-
-        self.done = -1
-        self.callback = Callback()
-
-    def now(self) -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def evaluate(self, samples: int, step: int) -> None:
-        began = self.now()
-        train_seconds = 0.0 if self.start is None else began - self.start - self.eval_seconds
-        model = self.model
-        model.eval()
-        losses = []
-        with (
-            torch.no_grad(),
-            torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"),
-        ):
-            for first in range(0, len(self.held_out), self.batch):
-                ids = self.held_out[first : first + self.batch].to(model.device)
-                losses.append(float(model(input_ids=ids, labels=ids).loss) * len(ids))
-        model.train()
-        self.points.append(
-            {
-                "samples": samples,
-                "step": step,
-                "train_seconds": train_seconds,
-                "eval_loss": sum(losses) / len(self.held_out),
-            }
-        )
-        self.done = samples // self.every
-        if self.start is not None:
-            self.eval_seconds += self.now() - began
-
-
 def schedule_for(arm: str, lr_scaling_out: dict):
     from adaptive_batch import NoiseScaleSchedule, PhaseSchedule
 
@@ -170,7 +87,7 @@ def run(arm: str, lr: float, seed: int, data, options) -> dict:
     from adaptive_batch import AdaptiveBatch
 
     train, held_out, vocab, _ = data
-    model = build_model(vocab, options.seq_len, options.tiny, seed)
+    model = scratch_model(vocab, options.seq_len, options.tiny, seed)
     if torch.cuda.is_available():
         model = model.cuda()
     rule: dict = {}
@@ -224,13 +141,6 @@ def run(arm: str, lr: float, seed: int, data, options) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
-
-
-def first_at(points: list[dict], target: float) -> dict | None:
-    for point in points:
-        if point["samples"] > 0 and point["eval_loss"] <= target:
-            return point
-    return None
 
 
 def to_target(run: dict, target: float, seq_len: int) -> dict:
@@ -386,8 +296,7 @@ def main():
             with open(name) as f:
                 runs.extend(json.load(f)["runs"])
         result = {"sources": options.compare, **compare(runs, options.target, options.seq_len)}
-        with open(os.path.join(options.out, f"time_to_loss_{options.name}.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        save(result, os.path.join(options.out, f"time_to_loss_{options.name}.json"))
         plot_curves(
             runs,
             options.target,
@@ -402,14 +311,15 @@ def main():
             with open(name) as f:
                 runs.extend(json.load(f)["runs"])
         summary = summarise(runs, options.seq_len)
-        with open(os.path.join(options.out, "time_to_loss_summary.json"), "w") as f:
-            json.dump({"sources": options.summarise, "summary": summary}, f, indent=1)
+        save(
+            {"sources": options.summarise, "summary": summary},
+            os.path.join(options.out, "time_to_loss_summary.json"),
+        )
         best = summary["best_lr"]  # each arm at its best LR, seed 0
         chosen = [r for r in runs if r["seed"] == 0 and best.get(r["arm"]) == r["lr"]]
         plot_curves(chosen, summary["target_eval_loss"], os.path.join(options.out, "time_to_loss_h200.png"))
         print(json.dumps(summary, indent=1))
         return
-    import transformers
 
     data = load_rows(options.corpus, options.seq_len, options.train_rows, options.eval_rows, options.tiny)
     arms = options.arms.split(",")
@@ -425,10 +335,8 @@ def main():
     plan = [run_ for i, block in enumerate(blocks) for run_ in (block if i % 2 == 0 else block[::-1])]
     report = {
         "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "device": device_name(),
+        "versions": versions(),
         "corpus": data[3],
         "seq_len": options.seq_len,
         "train_rows": options.train_rows,
@@ -445,8 +353,7 @@ def main():
         result = run(arm, lr, seed, data, options)
         report["runs"].append(result)
         report["summary"] = summarise(report["runs"], options.seq_len)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        save(report, path)
         sizes = sorted({log.get("adaptive_batch/effective_batch_size") for log in result["logs"]} - {None})
         print(
             f"{arm:9} lr {lr:<7g} seed {seed}: {result['train_seconds']:7.1f} s train, {result['steps']:5} steps, "

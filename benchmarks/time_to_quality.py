@@ -76,13 +76,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from corpus import source_files, texts  # noqa: E402
-from packing_throughput import Deadline  # noqa: E402
-from time_to_loss import EvalClock, build_model, first_at  # noqa: E402
+from common import Deadline, EvalClock, device_name, first_at, save, scratch_model, versions
+from corpus import source_files, texts
 
 SETUPS = ("scratch", "full", "lora")
 GRIDS = {  # the middle one first: a call cut short still holds the likeliest best
@@ -140,8 +135,7 @@ def prepare_english(corpus: str, roots: list[str]) -> dict:
         "tokens": int(len(tokens)),
         "sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
     }
-    with open(os.path.join(corpus, "english.json"), "w") as f:
-        json.dump(info, f, indent=1)
+    save(info, os.path.join(corpus, "english.json"))
     return info
 
 
@@ -276,7 +270,7 @@ def pretrain_base(data: dict, options) -> dict:
     from adaptive_batch import AdaptiveBatch
 
     train, held_out = split(data["code"], options.base_rows, options.eval_rows, "corpus A (base)")
-    model = build_model(data["vocab"], options.seq_len, options.tiny, 0)
+    model = scratch_model(data["vocab"], options.seq_len, options.tiny, 0)
     if torch.cuda.is_available():
         model = model.cuda()
     adaptive = AdaptiveBatch(schedule=options.base_batch)
@@ -308,7 +302,7 @@ def pretrain_base(data: dict, options) -> dict:
 
 def make_model(setup: str, seed: int, data: dict, options):
     if setup == "scratch":
-        return build_model(data["vocab"], options.seq_len, options.tiny, seed)
+        return scratch_model(data["vocab"], options.seq_len, options.tiny, seed)
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(os.path.join(options.workdir, "base"), dtype=torch.float32)
@@ -667,12 +661,11 @@ def main():
             targets = [float(t) for t in options.targets.split(",")] if options.targets else None
             targets = targets or report.get("targets_by_setup", {}).get(setup)
             print_table(setup, report_setup(setup, report, options.out, targets))
-        with open(
-            os.path.join(options.out, f"time_to_quality_{'_'.join(summarised)}_summary.json"), "w"
-        ) as f:
-            json.dump({k: v for k, v in report.items() if k != "runs"}, f, indent=1)
+        save(
+            {k: v for k, v in report.items() if k != "runs"},
+            os.path.join(options.out, f"time_to_quality_{'_'.join(summarised)}_summary.json"),
+        )
         return
-    import transformers
 
     deadline = Deadline(options.time_limit)
     data = load_corpora(options)
@@ -695,10 +688,8 @@ def main():
     for setup in setups:
         report = {
             "command": " ".join(sys.argv),
-            "device": torch.cuda.get_device_name()
-            if torch.cuda.is_available()
-            else platform.processor() or "cpu",
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "device": device_name(),
+            "versions": versions(),
             "setup": setup,
             "phase": options.phase,
             "options": vars(options),
@@ -746,8 +737,7 @@ def main():
                     [r for r in report["runs"] if r["phase"] == "grid"], best.get(setup, {})
                 )
             report_setup(setup, report, options.out)
-            with open(path, "w") as f:
-                json.dump(report, f, indent=1)
+            save(report, path)
             sizes = sorted(
                 {log.get("adaptive_batch/effective_batch_size") for log in result["logs"]} - {None}
             )
@@ -756,8 +746,7 @@ def main():
                 f"{result['steps']:5} steps, final eval {result['final_eval_loss']:.4f}, batches {sizes}",
                 flush=True,
             )
-        with open(path, "w") as f:  # again: the arms left out
-            json.dump(report, f, indent=1)
+        save(report, path)  # again: the arms left out
         if report["skipped"]:
             print(f"{setup}: {len(report['skipped'])} arms left out by --time-limit {options.time_limit:g}")
         if report.get("plots", {}).get(setup):

@@ -424,6 +424,7 @@ def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> Non
     from adaptive_batch import AdaptiveBatch
     from adaptive_batch.testing import (
         FakeOutOfMemory,
+        eval_pieces,
         text_corpus,
         tiny_llama,
         token_dataset,
@@ -464,7 +465,7 @@ def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> Non
         ]
     rank = trainer.args.process_index
     if os.environ.get("WORKER_OVERHEAD_RANK0") and rank == 0:
-        trainer._adaptive_batch.eval_pieces.overhead = int(os.environ["WORKER_OVERHEAD_RANK0"])
+        eval_pieces(trainer).overhead = int(os.environ["WORKER_OVERHEAD_RANK0"])
     watcher = None
     if fake_oom_rank == str(rank):
         watcher = FakeOutOfMemory(trainer.model, max_rows=1, in_eval=True)

@@ -73,8 +73,8 @@ def test_two_ranks_under_zero_train_as_one_process_taking_each_step_at_once(tmp_
 def test_one_process_under_zero_retries_an_out_of_memory_error_exactly(tmp_path, stage, env):
     # in the middle of the backward of the first step's last micro-batch, the accumulation boundary: the first
     # micro-batch's gradients are reduced (offloaded: in the CPU buffers), the boundary's work half done, the reduce
-    # bucket half filled; ZeRO-3 gathered parameters besides (a retry without compat.deepspeed_reset asserts "already
-    # reduced")
+    # bucket half filled; ZeRO-3 gathered parameters besides (a retry without compat/deepspeed.py's deepspeed_reset
+    # asserts "already reduced")
     kind = f"zero{stage}"
     retried, weights = launch(
         tmp_path,

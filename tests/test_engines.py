@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from adaptive_batch.runtime import compat
+from adaptive_batch.runtime.compat import deepspeed as compat
 from adaptive_batch.runtime.engines import FullyShardedV2, prepare
 
 

@@ -9,7 +9,7 @@ from helpers import BlockClock
 
 import adaptive_batch.runtime.memory
 from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
-from adaptive_batch.testing import FakeOutOfMemory
+from adaptive_batch.testing import FakeOutOfMemory, eval_pieces
 
 EVAL = dict(per_device_eval_batch_size=8, dtype=torch.float64)
 
@@ -207,7 +207,7 @@ def test_grow_runs_loss_only_batches_of_ragged_rows_in_pieces_of_similar_lengths
     def run(callbacks, overhead=None, max_rows=None):
         trainer = make_trainer(callbacks, eval_dataset=ragged, **EVAL)
         if overhead is not None:  # (a forward's fixed time, as fitted from earlier forwards' times)
-            trainer._adaptive_batch.eval_pieces.overhead = overhead
+            eval_pieces(trainer).overhead = overhead
         watcher = FakeOutOfMemory(trainer.model, max_rows, in_eval=True)
         return trainer.evaluate(), watcher
 
@@ -230,7 +230,7 @@ def test_the_fixed_time_of_an_eval_forward_is_fitted_from_the_forwards_times(mak
     # until four forwards are timed the batches run whole; then the line of seconds against padded tokens gives
     # the fixed time of a forward: here 0.5 s + 1 ms per token, so 500 tokens' worth
     trainer = make_trainer([AdaptiveBatch(adapt_evaluation="grow")], eval_dataset=rows[:27], **EVAL)
-    pieces = trainer._adaptive_batch.eval_pieces
+    pieces = eval_pieces(trainer)
     batch = {
         "input_ids": torch.ones(4, 10, dtype=torch.long),
         "attention_mask": torch.ones(4, 10, dtype=torch.long),

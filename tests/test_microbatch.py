@@ -1,8 +1,13 @@
 import pytest
 
 from adaptive_batch.core.fit import predict_peak
-from adaptive_batch.core.microbatch import MicroBatchTooLargeError, StepMemory
-from adaptive_batch.core.rows import FIXED, MAX_FAILURES, REGROW_AFTER_STEPS, RowController, even_chunk
+from adaptive_batch.core.microbatch import (
+    MAX_FAILURES,
+    REGROW_AFTER_STEPS,
+    MicroBatchTooLargeError,
+    StepMemory,
+)
+from adaptive_batch.core.rows import FIXED, RowController, even_chunk
 
 
 def run_step(controller, rows, speed, tokens_per_row=100, oom_at=None):

@@ -1,10 +1,6 @@
 """What `adaptive-batch plan` needs of a dataset file: its rows and, where they can be counted, its tokens, as the run
-will train on them.
-
-Rows of 'text', 'messages' or 'prompt'/'completion' are tokenised only by TRL's SFTTrainer, so they are prepared as it
-prepares them (its own `_prepare_dataset`, with the run's SFTConfig fields: chat template, EOS, truncation at
-`max_length`, packing); a tokenised dataset ('input_ids') likewise where the run is an SFTTrainer run by its
-arguments, else counted as it is (the plain Trainer trains on it as it is)."""
+will train on them: prepared by the installed TRL's own `SFTTrainer._prepare_dataset` where the run is an SFTTrainer
+run, else as the file holds them. See docs/how-it-works.md, "The commands"."""
 
 from __future__ import annotations
 
@@ -14,15 +10,15 @@ import json
 import types
 from pathlib import Path
 
-from ..runtime import compat, lengths
+from ..runtime import lengths
+from ..runtime.compat.trl import sft_prepare_dataset
 from .sft_args import SFTArgs, named, sft_defaults
 
 
 @dataclasses.dataclass
 class DatasetFacts:
-    """The rows the run trains on per epoch, their tokens (`None`: not known), one line on how they were counted
-    where they are not the file's own rows and tokens, and one line for each given setting the count could not
-    follow."""
+    """The rows the run trains on per epoch, their tokens (`None`: not known), how they were counted, and one line
+    for each given setting the count could not follow."""
 
     rows: int
     tokens: int | None
@@ -32,7 +28,7 @@ class DatasetFacts:
 
 def dataset_facts(path: Path, tokenizer_dir: Path | None = None, sft: SFTArgs | None = None) -> DatasetFacts:
     """The rows and tokens per epoch of a .jsonl/.json file or a `datasets.save_to_disk` folder, as the run trains
-    on them (see the module's docstring); tokens `None` where they cannot be counted (text without --tokenizer)."""
+    on them; tokens `None` where they cannot be counted (text without --tokenizer)."""
     sft = sft or SFTArgs()
     if not path.exists():
         raise ValueError(
@@ -128,11 +124,11 @@ def _sft_facts(rows, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict, gi
     )
     with _quiet():
         try:
-            tokenized = compat.sft_prepare_dataset(
+            tokenized = sft_prepare_dataset(
                 dataset, tokenizer, tokenize_only, False, chat_template, completion_only_loss
             )
             before = _row_lengths(tokenized)
-            prepared = compat.sft_prepare_dataset(
+            prepared = sft_prepare_dataset(
                 tokenized, tokenizer, args, args.packing, chat_template, completion_only_loss
             )
             after = _row_lengths(prepared)
@@ -218,12 +214,8 @@ def _check_first_row(first: dict, tokenizer, args, path: Path) -> None:
             f"--dataset {path} is not tokenised ('input_ids'): pass --tokenizer to count its tokens."
         )
     conversational = is_conversational(first) or is_conversational_from_value(first)
-    if conversational and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"--dataset {path} row 0 holds 'messages' but the --tokenizer has no chat_template to render them "
-            "with; pass the tokenizer folder of a chat model (its tokenizer_config.json or chat_template.jinja holds "
-            "one), or rows of 'text' / 'input_ids'."
-        )
+    if conversational:
+        _check_chat_template(tokenizer, path, 0)
     if (
         not conversational
         and args.dataset_text_field not in first
@@ -304,11 +296,15 @@ def _chat_tokens(tokenizer, messages: list, path: Path, index: int) -> int:
     """Tokens of one conversation: the chat template's text, tokenized without adding special tokens again (the
     template writes its own). Not `len(apply_chat_template(tokenize=True))`: in transformers 5 that returns a
     `BatchEncoding`, whose `len()` is its number of keys."""
+    _check_chat_template(tokenizer, path, index)
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _check_chat_template(tokenizer, path: Path, index: int) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"--dataset {path} row {index} holds 'messages' but the --tokenizer has no chat_template to render them "
             "with; pass the tokenizer folder of a chat model (its tokenizer_config.json or chat_template.jinja holds "
             "one), or rows of 'text' / 'input_ids'."
         )
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,16 +1,13 @@
-"""Pictures of a run: effective batch, micro-batch, noise scale, learning rate and loss against samples seen.
+"""Pictures of a run: effective batch, micro-batch, noise scale, learning rate and loss against samples seen, from
+the Trainer's own log history (`trainer_state.json`). Reading the series needs the standard library only; drawing
+them needs matplotlib (`pip install "adaptive-batch[plot]"`), through its Agg canvas: no window opens and the caller's
+pyplot backend is left alone. See docs/how-it-works.md, "The commands".
 
 ```python
 from adaptive_batch.cli.figure import plot_run
 
 plot_run("out")  # writes out/adaptive_batch.png from the newest trainer_state.json under out/
 ```
-
-The numbers come from the Trainer's own log history (`TrainerState.log_history`, saved in `trainer_state.json` at
-every checkpoint and by `trainer.save_state()`), where `AdaptiveBatch` adds its `adaptive_batch/*` keys to every
-training log. Reading them into series ([`find_trainer_state`], [`read_series`], or both in [`read_run`]) needs
-nothing but the standard library; drawing them ([`plot_run`]) needs matplotlib (`pip install "adaptive-batch[plot]"`),
-through its Agg canvas only: no window opens and the caller's pyplot backend is left alone.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 STATE_FILE = "trainer_state.json"
@@ -31,27 +28,9 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 @dataclass
 class RunSeries:
-    """A run's logged values as series, one entry per training log (`samples_seen` is their x), plus the
-    evaluations. A value a log lacks is `None` (the noise scale before the first step that measured it, say).
-
-    Attributes:
-        source: where the log history was read from (a path, for titles and errors).
-        step: the optimizer step of each training log.
-        samples_seen: samples consumed by the end of that step (all ranks).
-        tokens_seen: the same in non-padding tokens.
-        effective_batch_size: the samples of the step (all ranks).
-        micro_batch_size: samples per forward/backward per rank in that step.
-        accumulation_steps: micro-batches per rank in that step.
-        lr_scale: the learning-rate multiplier of the step's rule.
-        learning_rate: the Trainer's logged learning rate (after the multiplier).
-        loss: the Trainer's training loss, averaged over the steps since the previous log.
-        noise_scale: the gradient noise scale, in samples.
-        grad_norm_sq: its numerator's average, |G|^2.
-        grad_variance: its denominator's average, tr(Sigma) per sample.
-        eval_step: the step of each evaluation.
-        eval_samples_seen: samples seen at that step: those of the training log of the same step, or, between two
-            training logs, interpolated by step (exact while the effective batch is constant between them).
-        eval_loss: the evaluation's loss.
+    """A run's logged values as series, one entry per training log (`samples_seen` is their x; each series reads
+    the log key [`TRAINING_KEYS`] names, README "What it logs"), plus the evaluations; `eval_samples_seen` is
+    interpolated by step between training logs. A value a log lacks is `None`. `source`: where they were read.
     """
 
     source: str
@@ -77,20 +56,11 @@ class RunSeries:
         return any(_plottable(value) for value in self.noise_scale)
 
 
-# Each series and the log key it reads, in the order of RunSeries' fields.
+# each training series and the log key it reads: the Trainer's own, else AdaptiveBatch's
 TRAINING_KEYS = {
-    "step": "step",
-    "samples_seen": SAMPLES_SEEN,
-    "tokens_seen": "adaptive_batch/tokens_seen",
-    "effective_batch_size": "adaptive_batch/effective_batch_size",
-    "micro_batch_size": "adaptive_batch/micro_batch_size",
-    "accumulation_steps": "adaptive_batch/accumulation_steps",
-    "lr_scale": "adaptive_batch/lr_scale",
-    "learning_rate": "learning_rate",
-    "loss": "loss",
-    "noise_scale": "adaptive_batch/noise_scale",
-    "grad_norm_sq": "adaptive_batch/grad_norm_sq",
-    "grad_variance": "adaptive_batch/grad_variance",
+    f.name: f.name if f.name in ("step", "learning_rate", "loss") else f"adaptive_batch/{f.name}"
+    for f in fields(RunSeries)
+    if f.name != "source" and not f.name.startswith("eval_")
 }
 
 
@@ -136,16 +106,8 @@ def load_log_history(state_file: str | Path) -> list[dict]:
 
 
 def read_series(log_history: list[dict], source: str = "the log history") -> RunSeries:
-    """The run's series from a Trainer's `log_history`: every log with `adaptive_batch/samples_seen` is a
-    training log; every log with `eval_loss` an evaluation. Values are kept as logged.
-
-    Example:
-
-    ```python
-    series = read_series(trainer.state.log_history)
-    series.samples_seen, series.effective_batch_size  # [4, 8, 12, 16, 24, ...], [4, 4, 4, 4, 8, ...]
-    ```
-    """
+    """The run's series from a Trainer's `log_history` (e.g. `trainer.state.log_history`): every log with
+    `adaptive_batch/samples_seen` is a training log, every log with `eval_loss` an evaluation; values as logged."""
     series = RunSeries(source=source)
     training = [log for log in log_history if isinstance(log, dict) and SAMPLES_SEEN in log]
     if not training:
@@ -181,24 +143,13 @@ def _samples_at(step: int, anchors: list[tuple[int, int]], last_log: dict) -> fl
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw a run's effective batch, micro-batch, noise scale, learning rate and loss against samples seen, into
-    one PNG.
-
-    Args:
-        run_dir: a Trainer output_dir (its root `trainer_state.json`, else its newest checkpoint's) or the path
-            of a `trainer_state.json`.
-        out: where to write the PNG; default: `adaptive_batch.png` in `run_dir` (in the folder of a
-            `trainer_state.json` passed as `run_dir`).
-
-    Returns:
-        The PNG's path.
-    """
+    """Draw the run in `run_dir` (a Trainer output_dir or a `trainer_state.json`, see [`find_trainer_state`]) into
+    the PNG `out` (default: [`default_png`]); returns its path."""
     return write_png(read_run(run_dir), out if out is not None else default_png(run_dir))
 
 
 def read_run(run_dir: str | Path) -> RunSeries:
-    """The series of the run in `run_dir` ([`find_trainer_state`]); their `source` is the `trainer_state.json`
-    read."""
+    """The series of the run in `run_dir` ([`find_trainer_state`]), their `source` the file read."""
     state_file = find_trainer_state(run_dir)
     return read_series(load_log_history(state_file), source=str(state_file))
 

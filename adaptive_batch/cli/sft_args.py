@@ -1,7 +1,6 @@
-"""The SFTConfig fields that `adaptive-batch plan` reads, from the script's command line after `--` and from `--args`
-(a saved SFTConfig): those that change the rows or the tokens TRL's SFTTrainer trains on. Each is checked as TRL
-takes it, a bad value refused naming the field and where it came from; a field that changes the rows or tokens but
-that the plan cannot follow, and an option after `--` that is no field at all, are named in one line each."""
+"""The SFTConfig fields that `adaptive-batch plan` reads (those that change the rows or tokens SFTTrainer trains
+on), from the script's arguments after `--` and from `--args`, each checked as TRL takes it. See docs/how-it-works.md,
+"The commands"."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ import argparse
 import contextlib
 import dataclasses
 
-BOOLEANS = {"true": True, "t": True, "yes": True, "y": True, "1": True}
-BOOLEANS.update({"false": False, "f": False, "no": False, "n": False, "0": False})
+from .training_args import BOOLEANS, script_fields
 
 # the fields of SFTConfig (and the one of TrainingArguments) that change the train set's rows or tokens, each with
 # the rule its value must follow; the plan prepares the dataset as SFTTrainer does with them
@@ -42,12 +40,10 @@ EVAL_ONLY = {"eval_packing"}
 
 @dataclasses.dataclass
 class SFTArgs:
-    """The SFT fields given (by the script's arguments, else by --args), where each came from, whether the run is an
-    SFTTrainer run by its arguments (an SFT field given, or --args an SFTConfig), and one line for each option
-    after -- that is no field of SFTConfig or TrainingArguments."""
+    """The SFT fields given (by the script's arguments, else by --args), whether the run is an SFTTrainer run by its
+    arguments (an SFT field given, or --args an SFTConfig), and the options after -- that are no field at all."""
 
     given: dict = dataclasses.field(default_factory=dict)
-    sources: dict = dataclasses.field(default_factory=dict)
     is_sft: bool = False
     unknown_options: list = dataclasses.field(default_factory=list)
     # where --args holds eos_token as the '<EOS_TOKEN>' to_dict writes for any value
@@ -115,7 +111,8 @@ def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) 
     sources = []
     if script_args:
         result.unknown_options = unknown_options(script_args)
-        sources.append(("the script arguments after -- give", read_script_sft_args(script_args)))
+        texts = script_fields(script_args, (*FIELDS, *EVAL_ONLY), switches=BOOLEAN_FIELDS | EVAL_ONLY)
+        sources.append(("the script arguments after -- give", texts))
     if saved is not None:
         result.is_sft = "max_length" in saved and "packing" in saved  # an SFTConfig, not a TrainingArguments
         sources.append((saved_where, {k: v for k, v in saved.items() if k in FIELDS or k in EVAL_ONLY}))
@@ -130,24 +127,9 @@ def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) 
                 result.hidden_eos_token = where.removesuffix(" gives")
                 continue
             result.given[name] = _checked(name, value, where)
-            result.sources[name] = where
             if not where.startswith("--args") and name != "seed":
                 result.is_sft = True  # seed is TrainingArguments' too: no sign of an SFT run
     return result
-
-
-def read_script_sft_args(argv: list[str]) -> dict:
-    """The SFT fields among a script's arguments (HfArgumentParser style), each as its text (a bare bool flag as
-    'true'), for [`_checked`] to convert."""
-    parser = _ScriptParser(add_help=False, allow_abbrev=False)
-    for field in (*FIELDS, *EVAL_ONLY):
-        names = [f"--{field}", f"--{field.replace('_', '-')}"]
-        if field in BOOLEAN_FIELDS or field in EVAL_ONLY:
-            parser.add_argument(*names, dest=field, nargs="?", const="true")
-        else:
-            parser.add_argument(*names, dest=field)
-    known, _ = parser.parse_known_args(argv)
-    return {field: text for field, text in vars(known).items() if text is not None}
 
 
 def unknown_options(argv: list[str]) -> list[str]:
@@ -173,11 +155,6 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-class _ScriptParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ValueError(f"The script arguments after -- are not valid: {message}.")
 
 
 def _checked(field: str, value, where: str):

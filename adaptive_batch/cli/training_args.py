@@ -1,5 +1,6 @@
 """The run's settings that `adaptive-batch plan` reads from the run's own TrainingArguments: a JSON of them, a
-checkpoint's `training_args.bin`, or the script's command line after `--`."""
+checkpoint's `training_args.bin`, or the script's command line after `--`. See docs/how-it-works.md, "The
+commands"."""
 
 from __future__ import annotations
 
@@ -9,39 +10,34 @@ import json
 import math
 from pathlib import Path
 
-# the plan's flags, the TrainingArguments field each reads from --args, its default without either, and an example
+# the plan's flags, the TrainingArguments field each reads from --args, its default without either, an example and
+# the rule its value follows
 FIELDS = (
-    ("per_device", "per_device_train_batch_size", 8, 8),
-    ("accumulation", "gradient_accumulation_steps", 1, 4),
-    ("epochs", "num_train_epochs", None, 3),
-    ("max_steps", "max_steps", -1, 500),
-    ("drop_last", "dataloader_drop_last", False, "false"),
+    ("per_device", "per_device_train_batch_size", 8, 8, "a positive int"),
+    ("accumulation", "gradient_accumulation_steps", 1, 4, "a positive int"),
+    ("epochs", "num_train_epochs", None, 3, "a number >= 0 (0 only with max_steps)"),
+    ("max_steps", "max_steps", -1, 500, "an int (-1: not set)"),
+    ("drop_last", "dataloader_drop_last", False, "false", "true or false"),
 )
-RULES = {
-    "per_device_train_batch_size": "a positive int",
-    "gradient_accumulation_steps": "a positive int",
-    "num_train_epochs": "a number >= 0 (0 only with max_steps)",
-    "max_steps": "an int (-1: not set)",
-    "dataloader_drop_last": "true or false",
-}
+# a bool's texts as HfArgumentParser's string_to_bool takes them
+BOOLEANS = {"true": True, "t": True, "yes": True, "y": True, "1": True}
+BOOLEANS.update({"false": False, "f": False, "no": False, "n": False, "0": False})
 
 
 def apply_training_args(options: argparse.Namespace) -> None:
-    """Fill the plan's settings left unset on the command line from the script's arguments (after --), then from
-    --args, then from the defaults; each value is checked, and a bad one refused naming where it came from, before any
-    compute. `options.saved_args` keeps the fields of --args (or `None`). `options.given` maps each flag
-    (`per_device`, `epochs`, ...) set by one of those, not defaulted, to where its value came from: "flag", "script"
-    or "args"."""
+    """Fill the plan's settings left unset by its flags from the script's arguments (after --), then from --args,
+    then from the defaults, each checked before any compute. Sets `options.saved_args` (the fields of --args, or
+    `None`) and `options.given` (each flag not defaulted: where its value came from, "flag", "script" or "args")."""
     sources = []
     script_args = getattr(options, "script_args", None) or []
     if script_args:
         sources.append(("script", "the script arguments after -- give", read_script_args(script_args)))
-    options.saved_args = None  # the fields of --args, for the SFT fields [`sft_args.read_sft_args`] reads
+    options.saved_args = None
     if options.args is not None:
         options.saved_args = read_training_args(options.args)
         sources.append(("args", f"--args {options.args} gives", options.saved_args))
     options.given = {}
-    for flag, field, default, example in FIELDS:
+    for flag, field, default, example, rule in FIELDS:
         given = getattr(options, flag)
         if given is not None and not (flag == "drop_last" and not given):
             options.given[flag] = "flag"
@@ -49,20 +45,20 @@ def apply_training_args(options: argparse.Namespace) -> None:
         value = default
         for source, where, fields in sources:
             if field in fields:
-                value = _checked(field, fields[field], where, flag, example)
+                value = _checked(field, fields[field], where, flag, example, rule)
                 options.given[flag] = source
                 break
         setattr(options, flag, value)
 
 
-def _checked(field: str, value, where: str, flag: str, example):
+def _checked(field: str, value, where: str, flag: str, example, rule: str):
     """`value` of `field` as the plan takes it, or a `ValueError` naming the field, where it came from, the rule and
     a fix."""
     checked = _valid(field, value)
     if checked is None:
         fix = f'"{field}": {example}' if where.startswith("--args") else f"--{field} {example}"
         raise ValueError(
-            f"{where} {field}={value!r}, which is not {RULES[field]}; use e.g. {fix}, or override it with "
+            f"{where} {field}={value!r}, which is not {rule}; use e.g. {fix}, or override it with "
             f"--{flag.replace('_', '-')} {example if flag != 'drop_last' else ''}".rstrip()
             + "."
         )
@@ -113,19 +109,25 @@ def read_training_args(path: Path) -> dict:
 
 
 def read_script_args(argv: list[str]) -> dict:
-    """The TrainingArguments fields the plan reads, from a script's command line as HfArgumentParser takes it
-    (`--per_device_train_batch_size 4` or `--per-device-train-batch-size=4`, a bool as a bare flag or with a
-    value); every other argument is ignored. A value that is not a number (or a bool) is kept as given, for
-    [`apply_training_args`] to refuse naming its field."""
+    """The TrainingArguments fields the plan reads from a script's command line, as HfArgumentParser takes them
+    (`--per_device_train_batch_size 4`, `--per-device-train-batch-size=4`, a bool bare or with a value); a value
+    that is not a number (or a bool) is kept as given, for [`apply_training_args`] to refuse naming its field."""
+    texts = script_fields(argv, [field for _, field, *_ in FIELDS], switches={"dataloader_drop_last"})
+    return {field: _script_value(field, text) for field, text in texts.items()}
+
+
+def script_fields(argv: list[str], fields, switches) -> dict[str, str]:
+    """The text of each of `fields` among a script's arguments (HfArgumentParser style: `--a_b` or `--a-b`); one of
+    `switches` given bare reads 'true'. Every other argument is ignored."""
     parser = _ScriptParser(add_help=False, allow_abbrev=False)
-    for _, field, _, _ in FIELDS:
+    for field in fields:
         names = [f"--{field}", f"--{field.replace('_', '-')}"]
-        if field == "dataloader_drop_last":
+        if field in switches:
             parser.add_argument(*names, dest=field, nargs="?", const="true")
         else:
             parser.add_argument(*names, dest=field)
     known, _ = parser.parse_known_args(argv)
-    return {field: _script_value(field, text) for field, text in vars(known).items() if text is not None}
+    return {field: text for field, text in vars(known).items() if text is not None}
 
 
 class _ScriptParser(argparse.ArgumentParser):
@@ -136,9 +138,7 @@ class _ScriptParser(argparse.ArgumentParser):
 def _script_value(field: str, text: str):
     """A script argument's text as the value HfArgumentParser would give it (the text itself where it gives none)."""
     if field == "dataloader_drop_last":
-        booleans = {"true": True, "t": True, "yes": True, "y": True, "1": True}
-        booleans.update({"false": False, "f": False, "no": False, "n": False, "0": False})
-        return booleans.get(text.lower(), text)
+        return BOOLEANS.get(text.lower(), text)
     for kind in (int, float):
         with contextlib.suppress(ValueError):
             return kind(text)

@@ -1,25 +1,8 @@
-"""What AdaptiveBatch keeps in a checkpoint, and the rules for resuming from one. Pure Python.
-
-A checkpoint holds AdaptiveBatch's state as plain JSON, in the Trainer's own `TrainerState.stateful_callbacks`:
-
-- `schema`: the layout's version ([`SCHEMA_VERSION`]); a checkpoint of another layout is refused by name;
-- `plan`: what decides which sample goes where, and the learning rate of each step ([`PlanIdentity`]);
-- `settings`: the micro-batch settings the run was started with (`AdaptiveBatchConfig.micro_batch_settings`);
-- `micro_batch`: what the run learned (the controller's state);
-- counters: tokens seen, the last step, the last step's micro-batches; the noise scale's averages and a growing
-  schedule's changes.
-
-Rules on resume:
-
-1. The plan identity must be the same, or the resume is refused with every field that changed named, with its value
-   in the checkpoint and now: another seed or shuffle setting would draw samples already trained in the epoch again,
-   and another schedule or LR rule (`lr_scaling`) would give the steps left other sizes or learning rates than the
-   uninterrupted run. A growing schedule is compared by its settings: the changes it made are the checkpoint's,
-   restored with it.
-2. Micro-batch settings stated now win. What the checkpoint learned (sizes timed under `"auto"`, a size or token
-   budget an out-of-memory error shrank) is used only where the settings are the ones the run was started with.
-3. A checkpoint without AdaptiveBatch's state was written by the plain Trainer: its steps count as done
-   ([`Adoption`]) and the plan starts where they ended in the sample stream.
+"""What AdaptiveBatch keeps in a checkpoint (plain JSON in `TrainerState.stateful_callbacks`: `schema`, `plan`,
+`settings`, `micro_batch`, counters, the noise scale's averages, a growing schedule's changes), and the rules for
+resuming from one: the same [`PlanIdentity`] or refused, micro-batch settings stated now win, a plain Trainer's
+checkpoint adopted ([`Adoption`]). See docs/how-it-works.md, "Data, cuts and measurements" (5. Epochs, evaluation,
+checkpoints). Pure Python.
 """
 
 from __future__ import annotations
@@ -41,16 +24,10 @@ def check_schema(state: dict, path: str) -> None:
 
 @dataclass(frozen=True)
 class PlanIdentity:
-    """Everything that decides which sample goes into which step, and at which learning rate: the same on resume, or
-    the steps left change.
-
-    Attributes:
-        schedule: the schedule as the plan table describes it (`core.schedule.describe`); a `NoiseScaleSchedule` by
-            its settings, not by the changes it made (those are restored from the checkpoint).
-        lr_scaling: the LR rule's name (`"sqrt"`, ...), or a callable rule's description.
-        fingerprint: the cut of the sample stream into steps, named only for a change no other field explains (a
-            callable schedule that gives other sizes under the same description).
-    """
+    """What decides which sample goes into which step, and at which learning rate: the same on resume, or the steps
+    left change. `schedule` as the plan table describes it (a `NoiseScaleSchedule` by its settings: its changes are
+    restored); `lr_scaling` the rule's name or description; `fingerprint` the cut of the stream into steps, named only
+    for a change no other field explains."""
 
     dataset_size: int
     budget_samples: int
@@ -63,8 +40,7 @@ class PlanIdentity:
     fingerprint: str
 
     def differences(self, stored: dict) -> list[str]:
-        """What differs from a stored identity, one phrase per field ("seed: 0 in the checkpoint, 1 now"); the cut
-        is named only when nothing else explains a change of it."""
+        """What differs from a stored identity, one phrase per field ("seed: 0 in the checkpoint, 1 now")."""
         now = asdict(self)
         changed = [
             f"{_LABELS[name]}: {stored[name]!r} in the checkpoint, {now[name]!r} now"
@@ -100,7 +76,7 @@ def identity_error(differences: list[str]) -> str:
 
 
 def describe_settings(settings: dict) -> str:
-    """Micro-batch settings as `name=value` (the ones left at `None` or `False` are not named)."""
+    """Micro-batch settings as `name=value` (those at `None` or `False` left out)."""
     parts = [f"micro_batch_size={settings['micro_batch_size']!r}"]
     parts += [
         f"{name}={value}"
@@ -111,14 +87,9 @@ def describe_settings(settings: dict) -> str:
 
 
 def learned_state_applies(stored: dict, now: dict) -> tuple[bool, str]:
-    """Whether what a checkpoint's run learned about micro-batches applies under the settings stated now, and the
-    one line that says which applies.
-
-    It applies when the settings are the ones the run was started with, or when both runs leave the size to
-    `"auto"` in the same mode (rows, or a token budget and overhead stated the same): then a new
-    `max_micro_batch_size` caps the learned size. Otherwise the settings stated now win and the run starts afresh
-    with them.
-    """
+    """Whether what a checkpoint's run learned about micro-batches applies under the settings stated now, and the line
+    that says which: it does under the same settings, or where both leave the size to `"auto"` in the same mode (a new
+    `max_micro_batch_size` then caps it)."""
     if stored == now:
         return (
             True,
@@ -158,8 +129,8 @@ class Adoption:
 
 @dataclass(frozen=True)
 class StoredCheckpoint:
-    """What a checkpoint holds for AdaptiveBatch: its global step and AdaptiveBatch's own state (`None` when the
-    plain Trainer wrote it), and the per-device batch size the Trainer recorded."""
+    """A checkpoint's global step, AdaptiveBatch's state (`None`: the plain Trainer wrote it) and the per-device batch
+    the Trainer recorded."""
 
     path: str
     global_step: int

@@ -1,20 +1,8 @@
-"""Which controller cuts a run's steps, and in which unit: the one place that chooses.
-
-- A stated `max_tokens_per_micro_batch`: by padded tokens, with that budget ([`tokens.TokenController`]).
-- `"auto"` on rows known to vary in length, padded by the collator: by padded tokens too, with a budget that starts
-  at the starting size x the longest row and grows (a micro-batch counted in rows would be padded to its longest
-  row and sized by the longest rows' memory).
-- Otherwise by rows ([`rows.RowController`]): rows of one length, lengths that cannot be read before training, and
-  padding-free sequences (with sdpa a larger packed micro-batch can be slower, its mask being quadratic in all its
-  tokens, so their sizes are chosen by measured speed). Rows are the dataset's: where TRL's packing puts several
-  sequences in each row and the collator flattens a step into one row of them, a micro-batch of `n` rows is a run
-  of whole sequences of at most `n x max_length` tokens, so that `per_device_train_batch_size`, `micro_batch_size`
-  and `max_micro_batch_size` all count packed rows, and a step the plain Trainer runs as one forward starts as one.
-
-The layout of a padding collator's steps is chosen here too ([`choose_layout`]): flattened into one row of sequences
-where the attention reads packed sequences at no cost beyond their tokens, padded otherwise.
-
-Pure Python: no torch, no transformers.
+"""Which controller cuts a run's steps, and in which unit: the one place that chooses. A stated
+`max_tokens_per_micro_batch`, or `"auto"` on padded rows known to vary in length: by padded tokens
+([`tokens.TokenController`]); otherwise by rows ([`rows.RowController`]), packed rows counted as the dataset's rows.
+Also the layout of a padding collator's steps ([`choose_layout`]). See docs/how-it-works.md, "Variable-length data"
+and "Padding-free and packed data". Pure Python.
 """
 
 from __future__ import annotations
@@ -29,20 +17,16 @@ from .tokens import TokenController
 
 
 class RunFacts(Protocol):
-    """What the choice reads of the run. The Trainer wiring computes each on first use (reading the probe's cache,
-    or a dataset's lengths, costs time and may log a line)."""
+    """What the choice reads of the run, each computed on first use (reading the probe's cache or a dataset's lengths
+    costs time)."""
 
     lengths_vary: bool | None  # the dataset's rows differ in length; None: not known before training
-    padding_free: (
-        bool  # the steps are padding-free: the collator flattens each batch, or the layout flattens them
-    )
+    padding_free: bool  # the collator flattens each batch, or the layout flattens them
     start: int  # where "auto" starts: a probed size for this setup, else the per-device batch
     longest_row: int  # tokens of the dataset's longest row (at most max_length)
     memory_limit: float | None  # bytes a micro-batch's peak may reach (None: unknown, as on the CPU)
     oom_is_fatal: bool  # an out-of-memory error cannot be retried (several processes under ZeRO or FSDP2)
-    packed_row_tokens: (
-        int | None
-    )  # tokens of a packed row (TRL's packing: its max_length); None: rows are not packed
+    packed_row_tokens: int | None  # tokens of a packed row (TRL's packing: its max_length); None: not packed
 
 
 def controller_for(config: AdaptiveBatchConfig, facts: RunFacts, row_limit: int) -> CutController:
@@ -74,9 +58,8 @@ def controller_for(config: AdaptiveBatchConfig, facts: RunFacts, row_limit: int)
 
 
 def waits_for_lengths(config: AdaptiveBatchConfig, facts: RunFacts) -> bool:
-    """Whether the choice waits for the first step: "auto" over a dataset that cannot tell its rows' lengths
-    before training (a torch `Dataset`, a transform, a stream), padded by the collator. Until then steps are cut by
-    rows; the first step's lengths decide, as the dataset's would have."""
+    """Whether the choice waits for the first step's lengths: `"auto"`, padded, over a dataset that cannot tell its
+    rows' lengths before training (a torch `Dataset`, a transform, a stream); until then steps are cut by rows."""
     return (
         config.auto
         and config.max_tokens_per_micro_batch is None
@@ -86,8 +69,8 @@ def waits_for_lengths(config: AdaptiveBatchConfig, facts: RunFacts) -> bool:
 
 
 def stated_max_rows(config: AdaptiveBatchConfig) -> int | None:
-    """The most rows a micro-batch cut by tokens may hold, as stated: `max_micro_batch_size`, and an `int`
-    `micro_batch_size` (which caps the rows there)."""
+    """The most rows a micro-batch cut by tokens may hold as stated: `max_micro_batch_size`, an `int`
+    `micro_batch_size`."""
     caps = [config.max_micro_batch_size, None if config.auto else config.micro_batch_size]
     caps = [cap for cap in caps if cap is not None]
     return min(caps) if caps else None
@@ -101,8 +84,7 @@ PACKED_ATTENTION = ("flex", "flash")
 
 @dataclass(frozen=True)
 class Layout:
-    """How a padding collator's step batches run: `flatten`ed into one row of sequences or padded; `text` says which
-    and why (the plan table's words)."""
+    """How a padding collator's steps run: `flatten`ed into one row of sequences, or padded; `text` says why."""
 
     flatten: bool
     text: str
@@ -111,8 +93,8 @@ class Layout:
 def choose_layout(
     padding_free: bool | None, collator_packs: bool, attention: str | None, lengths_vary: bool | None
 ) -> Layout:
-    """The layout for a run: the setting `padding_free` (`None`: chosen), whether the collator flattens each batch
-    itself, the model's attention implementation (`None`: unknown), whether the rows vary in length."""
+    """The layout for a run from the setting `padding_free` (`None`: chosen), whether the collator flattens batches
+    itself, the model's attention implementation (`None`: unknown) and whether rows vary in length."""
     if collator_packs:
         return Layout(False, "padding-free: the collator flattens each batch into one row of sequences")
     if padding_free is not None:

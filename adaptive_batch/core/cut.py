@@ -1,31 +1,15 @@
-"""Where to cut one step's rows into micro-batches by tokens: the fewest micro-batches, or the least compute.
-
-A step's rows are taken longest first, so a run of consecutive rows is a micro-batch of similar lengths, padded to
-its longest. Two objectives, both under a budget of tokens per micro-batch (a row longer than the budget alone) and
-at most `row_cap` rows:
-
-- `fewest_chunks`: as few micro-batches as possible, then the lowest peak (a stated budget with nothing measured).
-- `cheapest_chunks` (padded rows): the least modelled time, `overhead` x micro-batches + padded tokens, where `overhead` is the
-  fixed cost of one micro-batch (kernel launches, the optimizer-free part of a forward/backward that does not grow
-  with tokens) in tokens' worth of time. A large overhead gives the fewest micro-batches; a small one cuts wherever
-  a shorter run of rows saves more padding than a micro-batch costs. Computed exactly by dynamic programming.
-
-Cutting only into runs of the longest-first order loses nothing: swapping a longer row of a micro-batch whose
-longest row is shorter with a shorter row of one whose longest row is longer changes no micro-batch's row count and
-lowers no padded length, so some best cut is made of runs.
-
-A micro-batch's tokens are its rows x its longest row (rows padded to it), or with `packed` the sum of its lengths
-(padding-free sequences, kept in their order: every cut runs the same tokens, so the fewest is also the cheapest).
-
-Pure Python: no torch, no transformers.
+"""Where to cut one step's rows, longest first, into micro-batches by tokens: runs of consecutive rows (a micro-batch
+of similar lengths, padded to its longest; swapping rows between runs never lowers a cost, so some best cut is made of
+runs), under a token budget (a longer row alone) and `row_cap` rows. A micro-batch's tokens are rows x its longest
+row, or with `packed` the sum of its lengths. See docs/how-it-works.md, "Variable-length data". Pure Python.
 """
 
 from __future__ import annotations
 
 
 def fewest_chunks(lengths: list[int], budget: int, row_cap: int | None, packed: bool = False) -> list[int]:
-    """Cut `lengths` in order into as few chunks of at most `budget` tokens as they allow (a longer row alone), at
-    most `row_cap` rows each, then with the least budget that keeps that count (a lower peak, no more chunks)."""
+    """As few chunks as the budget allows, then the least budget that keeps that count (a lower peak); for a stated
+    budget with nothing measured, and padding-free sequences (every cut runs the same tokens)."""
     count = len(_greedy_chunks(lengths, budget, row_cap, packed))
     # the least budget that still gives `count` micro-batches (a smaller budget never gives fewer)
     low, high = 1, budget
@@ -39,12 +23,11 @@ def fewest_chunks(lengths: list[int], budget: int, row_cap: int | None, packed: 
 
 
 def cheapest_chunks(lengths: list[int], budget: int, row_cap: int | None, overhead: int) -> list[int]:
-    """Cut `lengths` in order into chunks of at most `budget` tokens (a longer row alone) and `row_cap` rows that
-    minimise `overhead` x chunks + tokens; among equal costs, the fewest chunks, then the lowest peak.
+    """The chunks that minimise `overhead` x chunks + padded tokens (`overhead`: a micro-batch's fixed cost in tokens'
+    worth), by dynamic programming; among equal costs, the fewest chunks, then the lowest peak.
 
-    Example: lengths 100, 100, 10, 10 with a budget of 400 and an overhead of 50 give 2, 2 (200 + 20 tokens and
-    2 x 50: 320), not 4 (400 + 50: 450); with an overhead of 200, 4 (600 against 620).
-    """
+    Example: lengths 100, 100, 10, 10 with a budget of 400 and an overhead of 50 give 2, 2 (320), not 4 (450); with an
+    overhead of 200, 4 (600 against 620)."""
     count = len(lengths)
     # best[end]: (cost, chunks, peak) of the best cut of the first `end` rows; last[end]: where its last chunk starts
     best: list[tuple[int, int, int] | None] = [(0, 0, 0)] + [None] * count
@@ -71,7 +54,7 @@ def cheapest_chunks(lengths: list[int], budget: int, row_cap: int | None, overhe
 
 
 def _greedy_chunks(lengths: list[int], budget: int, row_cap: int | None, packed: bool = False) -> list[int]:
-    """Cut `lengths` in order: each chunk takes rows while its tokens stay within `budget`."""
+    """Each chunk takes rows while its tokens stay within `budget`."""
     sizes, start = [], 0
     while start < len(lengths):
         size, longest, total = 1, lengths[start], lengths[start]

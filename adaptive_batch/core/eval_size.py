@@ -1,17 +1,8 @@
-"""The eval batch under `adapt_evaluation="grow"`: from `per_device_eval_batch_size`, doubled from one evaluation
-to the next while the eval set's rows per second rise by at least `growth_margin` and the doubled batch's
-predicted memory fits; then kept.
-
-Each evaluation runs at one size on every rank (the data loader's batch size, so that the Trainer's loss weighting,
-accelerate's even batches and its removal of repeated rows stay as the Trainer has them). After it, the sizer is
-told what it measured: its seconds, the rows it ran, and on a GPU the peak bytes above what was allocated when it
-began. Memory is modelled as linear in the batch's rows at the eval set's widest batch: the next size's peak is
-`base + (peak - base) x next / size`, and it must stay under `(1 - headroom) x limit`. Without a measure of memory
-(the CPU) the batch grows while it pays; an out-of-memory error runs the batch in pieces
-([`runtime.evaluation`]) and keeps the largest piece that ran as the eval batch from then on.
-
-Every decision depends only on what it is told, so ranks that are told the same (the slowest rank's seconds, the
-largest peak) choose the same sizes. Pure Python: no torch, no transformers.
+"""The eval batch under `adapt_evaluation="grow"`: from `per_device_eval_batch_size`, doubled from one evaluation to
+the next while rows per second rise by `growth_margin` and the doubled batch's predicted peak, `base + (peak - base) x
+next / size`, stays under `(1 - headroom) x limit`; then kept. An out-of-memory error keeps the largest piece that ran
+([`runtime.evaluation`]). Decisions read only what they are told, so ranks told the same choose alike. See
+docs/how-it-works.md, "Evaluation". Pure Python.
 """
 
 from __future__ import annotations
@@ -21,9 +12,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class EvalMeasure:
-    """What one evaluation measured, over all ranks: `rows` per rank, `seconds` of the slowest rank, `peak_bytes`
-    and `base_bytes` (`None` without a measure of memory) and `limit_bytes` the device's memory; `largest` the
-    largest piece that ran (below `size` after an out-of-memory error)."""
+    """One evaluation over all ranks: `rows` per rank, `seconds` of the slowest, `peak_bytes` above `base_bytes`
+    (`None` without a measure of memory), `limit_bytes`, and `largest` the largest piece that ran (below `size` after
+    an out-of-memory error)."""
 
     size: int
     rows: int
@@ -36,13 +27,8 @@ class EvalMeasure:
 
 @dataclass
 class EvalSizer:
-    """Chooses each evaluation's per-device eval batch.
-
-    Args:
-        start: `per_device_eval_batch_size`.
-        growth_margin: the rows/s gain a doubled batch must bring to be kept.
-        memory_headroom: the share of the device's memory a predicted peak leaves free.
-    """
+    """Chooses each evaluation's per-device eval batch from `start`; a doubling must gain `growth_margin` rows/s, and
+    a predicted peak leave `memory_headroom` of the device's memory free."""
 
     start: int
     growth_margin: float = 0.01
@@ -56,7 +42,7 @@ class EvalSizer:
         self.size = self.start
 
     def batch_size(self, rows_per_rank: int | None) -> int:
-        """The eval batch for an evaluation of `rows_per_rank` rows (`None`: unknown): never more than it holds."""
+        """The eval batch for `rows_per_rank` rows (`None`: unknown): never more than it holds."""
         if rows_per_rank is None or rows_per_rank <= 0:
             return self.size
         return max(1, min(self.size, rows_per_rank))

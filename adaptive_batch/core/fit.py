@@ -1,52 +1,33 @@
-"""The lines the package fits: peak memory or step time against the size of a micro-batch.
-
-Peak memory and step time are both close to affine in the batch (a fixed part plus a part per sample or token),
-and the memory policy ([`predict_peak`]), the boundary search ([`boundary.predict_boundary`]) and the
-throughput trial ([`boundary.next_throughput_size`]) each read a prediction off such a line ([`affine`]).
-
-The time of single micro-batches is another matter: a compile, a new shape or a busy host now and then makes one
-several times slower, never faster. [`robust_affine`] fits those: one such point in four leaves its line unmoved,
-where it can tip a least-squares line to a falling one.
-
-Pure Python: no torch, no transformers.
+"""The lines the package fits, on `statistics`: peak memory and step time against the size of a micro-batch, both
+close to affine (a fixed part plus a part per sample or token). The time of single micro-batches is now and then
+several times slower (a compile, a busy host), never faster: [`robust_affine`] fits those. Pure Python.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from statistics import linear_regression, median
 
 
 def affine(points: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
-    """The least-squares line `y = intercept + slope x` through `points`, as `(intercept, slope)`.
+    """The least-squares line through `points`, as `(intercept, slope)`; `None` with fewer than two distinct `x`.
 
-    `None` with fewer than two distinct `x`: a line through one abscissa has no slope.
-
-    Example:
-        ```python
-        affine([(1, 3), (2, 5), (4, 9)])  # (1.0, 2.0): y = 1 + 2x
-        ```
+    Example: `affine([(1, 3), (2, 5), (4, 9)])` is `(1.0, 2.0)`: y = 1 + 2x.
     """
     points = list(points)
     if len({x for x, _ in points}) < 2:
         return None
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
-    return mean_y - slope * mean_x, slope
+    line = linear_regression([x for x, _ in points], [y for _, y in points])
+    return line.intercept, line.slope
 
 
 def robust_affine(points: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
-    """The Theil-Sen line through `points`, as `(intercept, slope)`: the slope is the median of the slopes between
-    every two points of distinct `x`, the intercept the median of `y - slope x`. Points far off the line move it
-    little while fewer than about 29% of them are off.
+    """The Theil-Sen line through `points`, as `(intercept, slope)`: the median of the slopes between every two
+    points of distinct `x`, and the median of `y - slope x`. Fewer than about 29% of the points far off move it
+    little, where one in four can tip a least-squares line to a falling one. `None` with fewer than two distinct `x`.
 
-    `None` with fewer than two distinct `x`.
-
-    Example:
-        ```python
-        robust_affine([(1, 3), (2, 5), (3, 40), (4, 9), (5, 11)])  # (1.0, 2.0): the point at 3 is ignored
-        ```
+    Example: `robust_affine([(1, 3), (2, 5), (3, 40), (4, 9), (5, 11)])` is `(1.0, 2.0)`: the point at 3 is ignored.
     """
     points = list(points)
     slopes = [
@@ -54,24 +35,42 @@ def robust_affine(points: Iterable[tuple[float, float]]) -> tuple[float, float] 
     ]
     if not slopes:
         return None
-    slope = _median(slopes)
-    return _median([y - slope * x for x, y in points]), slope
+    slope = median(slopes)
+    return median([y - slope * x for x, y in points]), slope
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+def plane(
+    points: list[tuple[int, int, float]], through_origin: bool = False
+) -> tuple[float, float, float] | None:
+    """The least-squares `z = c + a x + b y` through `points` `(x, y, z)`, as `(c, a, b)` (`c` = 0 `through_origin`);
+    `None` where the points' `(x, y)` lie on one line (through the origin, `through_origin`), which leaves it
+    undetermined (checked exactly: `x` and `y` are whole numbers).
+
+    By Frisch-Waugh-Lovell: `b` is the slope of what the line on `x` leaves of `z` against what it leaves of `y`;
+    `c` and `a` are the line of `z - b y` on `x`.
+    """
+    x0, y0 = (0, 0) if through_origin or not points else points[0][:2]
+    vectors = [(x - x0, y - y0) for x, y, _ in points]
+    if not any(u[0] * v[1] != u[1] * v[0] for u in vectors for v in vectors):
+        return None
+    xs, ys, zs = ([point[i] for point in points] for i in range(3))
+
+    def left(values: list[float]) -> list[float]:  # what the line on x leaves of `values`
+        line = linear_regression(xs, values, proportional=through_origin)
+        return [value - line.intercept - line.slope * x for x, value in zip(xs, values)]
+
+    b = linear_regression(left(ys), left(zs), proportional=True).slope
+    line = linear_regression(xs, [z - b * y for y, z in zip(ys, zs)], proportional=through_origin)
+    return line.intercept, line.slope, b
 
 
 def predict_peak(points: list[tuple[float, float]], tokens: float, cautious: bool = False) -> float:
-    """Least-squares affine fit of peak bytes against tokens per micro-batch, evaluated at `tokens`.
+    """Peak bytes at `tokens` per micro-batch, from the least-squares line of peak bytes against tokens.
 
-    With fewer than two distinct token counts no line can be fitted. Then 0 is returned (assume it fits: an
-    out-of-memory error only costs a retry), or with `cautious` (where it cannot be retried) an upper bound: a peak
-    affine in tokens with a non-negative intercept (the weights, the optimizer state) grows at most in proportion,
-    so `tokens` needs at most the largest measured peak scaled by `tokens` over its tokens; with no point at all,
-    infinity (nothing known, nothing fits).
+    With fewer than two distinct token counts: 0 (assume it fits: an out-of-memory error costs only a retry), or
+    with `cautious` (where it cannot be retried) an upper bound: a peak affine in tokens with a non-negative
+    intercept (weights, optimizer state) grows at most in proportion, so the largest measured peak scaled by
+    `tokens` over its tokens; with no point at all, infinity (nothing known, nothing fits).
     """
     line = affine(points)
     if line is not None:

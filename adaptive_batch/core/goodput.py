@@ -1,37 +1,19 @@
-"""Choosing the effective batch by goodput: measured speed times the statistical efficiency the noise scale predicts.
+"""Choosing the effective batch by goodput: samples per second times the statistical efficiency the noise scale
+predicts (McCandlish et al. 2018; Pollux, Qiao et al. 2021), goodput(B) = B / T(B) x (B_noise + B0) / (B_noise + B).
 
-A step of B samples makes about as much progress as (B_noise + B0) / (B_noise + B) steps' worth of samples at a
-small batch B0 would, per sample (McCandlish et al. 2018: the samples to a given loss grow as 1 + B / B_noise;
-Pollux, Qiao et al. 2021, calls the ratio statistical efficiency). Goodput is samples per second times that
-efficiency; a larger batch pays only where it buys more speed than it loses in efficiency:
-
-    goodput(B) = B / T(B) x (B_noise + B0) / (B_noise + B)
-
-[`NoiseScaleSchedule`] grows the effective batch to the next allowed size when the goodput there, with a lower
-confidence bound of the noise scale (a batch is not grown on a noise scale that is merely noisy), beats the current
-one by a stated margin. It only grows: the noise scale rises as the loss falls, and a batch that shrank again would
-flap with the estimate's noise.
-
-T(B), the seconds of one optimizer step, comes from [`StepTimeModel`]: steps are timed as they run and fitted by
-
-    T = f + a x n + b x r
-
-where r are a rank's rows in the step and n its micro-batches: f the per-step part (optimizer, logging), a the
-fixed part of one micro-batch (launches, the optimizer-free cost that does not grow with rows), b the part per
-row. Where the runs so far do not tell f apart, f = 0, which predicts the least gain from a larger batch.
-
-Pure Python: no torch, no transformers.
-"""
+[`NoiseScaleSchedule`] grows the batch where that beats the current one by a margin; [`StepTimeModel`] gives T(B).
+See docs/how-it-works.md, "An effective batch chosen by goodput". Pure Python."""
 
 from __future__ import annotations
 
 import math
 import numbers
-import statistics
 from collections import deque
 from dataclasses import dataclass
+from statistics import linear_regression, median
 
-from .schedule import Progress, check_effective_batch_size
+from .fit import plane
+from .schedule import Progress, check_effective_batch_size, finite_number
 
 RECENT = 16  # step times kept per (rows, micro-batches): the median discards steps that also logged or saved
 
@@ -39,8 +21,7 @@ RECENT = 16  # step times kept per (rows, micro-batches): the median discards st
 def goodput_gain(
     batch: int, seconds: float, candidate: int, candidate_seconds: float, noise_scale: float
 ) -> float:
-    """goodput(candidate) / goodput(batch), each samples/s x statistical efficiency (the B0 of the module docstring
-    cancels in the ratio)."""
+    """goodput(candidate) / goodput(batch) (B0 cancels in the ratio)."""
     speed = (candidate / candidate_seconds) / (batch / seconds)
     if math.isinf(noise_scale):
         return speed
@@ -56,11 +37,9 @@ def statistical_efficiency(batch: int, start: int, noise_scale: float) -> float:
 
 
 class StepTimeModel:
-    """Seconds per optimizer step as a function of a rank's rows and micro-batches (see the module docstring).
-
-    `record(rows, micro_batches, seconds)` after every timed step; `predict(rows, micro_batches)` gives the fitted
-    time, or `None` until two different (rows, micro-batches) have been timed `min_steps` times each.
-    """
+    """Seconds per optimizer step, T = f + a n + b r over a rank's rows r and micro-batches n: f the per-step part,
+    a the fixed part of a micro-batch, b the part per row; f = 0 until the runs tell it apart (which predicts the least
+    gain from a larger batch). `predict` is `None` until two (rows, micro-batches) are timed `min_steps` times each."""
 
     def __init__(self, min_steps: int = 3):
         self.min_steps = min_steps
@@ -72,24 +51,25 @@ class StepTimeModel:
 
     def medians(self) -> dict[tuple[int, int], float]:
         """The median time of each (rows, micro-batches) timed at least `min_steps` times."""
-        return {key: statistics.median(t) for key, t in self.times.items() if len(t) >= self.min_steps}
+        return {key: median(t) for key, t in self.times.items() if len(t) >= self.min_steps}
 
     def coefficients(self) -> tuple[float, float, float] | None:
-        """(f, a, b) of T = f + a n + b r, least squares over the medians (f = 0 where three configurations do not
-        determine it, or it comes out negative); `None` when they determine neither."""
+        """(f, a, b) of T = f + a n + b r, least squares over the medians (f = 0 where they do not determine it, or
+        any comes out negative); `None` when they determine neither a nor b."""
         points = [(n, r, t) for (r, n), t in self.medians().items()]
-        if len(points) >= 3:
-            solved = _least_squares([(1.0, n, r) for n, r, _ in points], [t for _, _, t in points])
-            if solved is not None and solved[0] >= 0 and solved[1] >= 0 and solved[2] >= 0:
-                return solved
-        if len(points) >= 2:
-            solved = _least_squares([(n, r) for n, r, _ in points], [t for _, _, t in points])
-            if solved is not None:
-                a, b = solved
-                if a < 0 or b < 0:  # one of them explains nothing: the other alone, through the origin
-                    a, b = (0.0, _through_origin(points, 1)) if a < 0 else (_through_origin(points, 0), 0.0)
-                return 0.0, a, b
-        return None
+        solved = plane(points)
+        if solved is not None and min(solved) >= 0:
+            return solved
+        solved = plane(points, through_origin=True)
+        if solved is None:
+            return None
+        _, a, b = solved
+        if a < 0 or b < 0:  # one of them explains nothing: the other alone, through the origin
+            index = 1 if a < 0 else 0
+            times = [point[2] for point in points]
+            slope = linear_regression([point[index] for point in points], times, proportional=True).slope
+            a, b = (0.0, slope) if a < 0 else (slope, 0.0)
+        return 0.0, a, b
 
     def measured(self, rows: int, micro_batches: int) -> bool:
         """Whether steps of `rows` rows in `micro_batches` micro-batches have been timed `min_steps` times."""
@@ -114,16 +94,9 @@ class StepTimeModel:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """What prices an optimizer step at another effective batch.
-
-    Attributes:
-        step_time: the step times measured so far.
-        world_size: data-parallel processes (a step's rows on a rank are its samples / this).
-        micro_batches: the micro-batches a step at the current size runs on a rank.
-        micro_batch_cap: the most rows a micro-batch may hold (a fixed `micro_batch_size`, a size that ran out of
-            memory less one, `max_micro_batch_size`); `None`: a larger step runs as few micro-batches as the
-            current one (the micro-batch controller grows with the rows, if memory allows).
-    """
+    """What prices an optimizer step at another effective batch: the step times so far, the data-parallel processes,
+    the micro-batches of a step at the current size on a rank, and the most rows a micro-batch may hold
+    (`micro_batch_cap`; `None`: a larger step runs as few micro-batches, the controller growing with the rows)."""
 
     step_time: StepTimeModel
     world_size: int = 1
@@ -144,45 +117,28 @@ class Change:
 
 
 class NoiseScaleSchedule:
-    """An effective batch that grows when the measured goodput says it pays (see the module docstring).
+    """An effective batch that grows when the measured goodput says it pays; see docs/how-it-works.md, "An effective
+    batch chosen by goodput".
 
     Args:
         start: the first effective batch, in samples.
-        max_size: never larger than this (required: `None` is refused naming it).
-        factor: each change multiplies the batch by this (2: doubling), then rounds down to a multiple of the world
-            size (so every rank takes the same share); at most `max_size`.
-        margin: the modelled goodput must improve by more than this share (0.05: 5%) to change.
-        confidence_z: the noise scale used is its lower confidence bound at this many standard errors (1.645: 95%
-            one-sided); 0 uses the estimate itself.
-        min_samples_between_changes: at least this many samples between two changes, and before the first, so that
-            the noise scale has been measured at the current batch. A change also waits until steps at the current
-            batch have been timed (`StepTimeModel.min_steps` of them, outside the micro-batch search): a size
-            predicted from smaller ones only, where a small model's step time hardly grows with its rows, made a
-            larger size look free.
-        measure_every: on a step that would be one micro-batch per rank on one process (where nothing measures the
-            noise scale), every this-many-th step is cut into two, so that the noise scale is measured; the step
-            time model learns the cost of the extra micro-batch from those same steps. 0 never cuts. No step is
-            cut once no noise scale could make a change pay (`cut_every`): at `max_size`, or where the next size is
-            not faster per sample by the margin even at an infinite noise scale.
-        min_efficiency: for a finite budget (a dataset's epochs: "the same final quality, sooner"), grow only while
-            the run's modelled sample-weighted statistical efficiency, with the rest of the budget at the larger
-            size, stays at least this (0.9, the default: the run's samples teach at least 90% of what they would
-            at `start`); `None`: goodput alone, for an open-ended budget (`max_steps` over a stream), where the
-            bound has no budget to apply to anyway. The default is measured (`benchmarks/time_to_quality.py`,
-            LoRA and full fine-tuning and from scratch): goodput alone ended 5.8-7.1% above the best fixed batch's
-            final eval loss in each setup, 0.9 within 0.5%. The efficiency so far is logged as
-            `adaptive_batch/statistical_efficiency`.
+        max_size: never larger than this (required).
+        factor: each change multiplies the batch by this, rounded down to a multiple of the world size.
+        margin: the modelled goodput must improve by more than this share (0.05: 5%).
+        confidence_z: decide on the noise scale's lower confidence bound at this many standard errors (0: the
+            estimate).
+        min_samples_between_changes: samples between two changes, and before the first (default 20 steps of `start`).
+            A change also waits until steps at the current batch are timed, not extrapolated from smaller ones (where
+            a small model's step time hardly grows with its rows, that made a larger size look free).
+        measure_every: on one process, cut every this-many-th step of one micro-batch in two, so that the noise scale
+            is measured (0: never); none once no noise scale could make a change pay ([`cut_every`]).
+        min_efficiency: with a finite budget, grow only while the run's modelled sample-weighted statistical
+            efficiency stays at least this (`None`: goodput alone, which ended 5.8-7.1% above the best fixed batch's
+            final eval loss where 0.9 ended within 0.5%: `benchmarks/time_to_quality.py`).
 
-    Example:
-        ```python
-        # start at 32 samples a step and double while it pays, up to 512
-        AdaptiveBatch(schedule=NoiseScaleSchedule(32, max_size=512), lr_scaling="sqrt")
-        ```
-
-    The schedule holds the changes made in a run (`changes`); AdaptiveBatch saves them in its checkpoints and plans a
-    resumed run with them. Like any schedule it answers `schedule(progress)`: the size of the last change made at or
-    before `progress.step`.
-    """
+    Example: `AdaptiveBatch(schedule=NoiseScaleSchedule(32, max_size=512), lr_scaling="sqrt")` starts at 32 samples a
+    step and doubles while it pays, up to 512. The changes made (`changes`) are saved in checkpoints; like any
+    schedule it answers `schedule(progress)`: the size of the last change at or before `progress.step`."""
 
     def __init__(
         self,
@@ -228,23 +184,16 @@ class NoiseScaleSchedule:
             lambda x: x >= 0,
             f"a number of samples >= 0, e.g. {20 * self.start} (20 steps of the start)",
         )
-        if (
-            isinstance(measure_every, bool)
-            or not isinstance(measure_every, numbers.Integral)
-            or measure_every < 0
-        ):
-            raise ValueError(
-                f"NoiseScaleSchedule measure_every={measure_every!r} must be an integer >= 0 (0: never cut a step "
-                "in two to measure), e.g. 4."
-            )
+        whole = "an integer >= 0 (0: never cut a step in two to measure), e.g. 4"
+        _check_real(
+            measure_every, "measure_every", lambda x: isinstance(x, numbers.Integral) and x >= 0, whole
+        )
         if min_efficiency is not None:
             _check_real(
                 min_efficiency, "min_efficiency", lambda x: 0 < x <= 1, "in (0, 1], e.g. 0.9, or None"
             )
         self.min_efficiency = None if min_efficiency is None else float(min_efficiency)
-        self.factor = float(factor)
-        self.margin = float(margin)
-        self.confidence_z = float(confidence_z)
+        self.factor, self.margin, self.confidence_z = float(factor), float(margin), float(confidence_z)
         self.min_samples_between_changes = min_samples_between_changes
         self.measure_every = int(measure_every)
         self.changes: list[Change] = []
@@ -252,16 +201,14 @@ class NoiseScaleSchedule:
     # -- a schedule ----------------------------------------------------------------------------------------------
 
     def __call__(self, progress: Progress) -> int:
-        size = self.start
-        for change in self.changes:
-            if change.step <= progress.step:
-                size = change.size
-        return size
+        last = self._last_change(progress.step)
+        return self.start if last is None else last.size
+
+    def _last_change(self, step: int) -> Change | None:
+        return next((change for change in reversed(self.changes) if change.step <= step), None)
 
     def describe(self) -> str:
-        bound = (
-            "" if self.min_efficiency is None else f", the run's efficiency at least {self.min_efficiency:g}"
-        )
+        bound = f", the run's efficiency at least {self.min_efficiency:g}" if self.min_efficiency else ""
         return (
             f"{self.start} growing by goodput up to {self.max_size} (x{self.factor:g}, margin {self.margin:.0%}, "
             f"noise scale's lower bound at z={self.confidence_z:g}{bound})"
@@ -289,13 +236,8 @@ class NoiseScaleSchedule:
         costs: StepCosts,
         budget: int | None = None,
     ) -> tuple[int, str] | None:
-        """The size to change to from `current`, after `samples_seen` samples, and why; `None` to stay.
-
-        Args:
-            noise_scale: the noise scale's lower confidence bound, in samples (`None`: not measured yet).
-            costs: what prices a step at the next size.
-            budget: the run's samples in all, for `min_efficiency` (`None`: not bounded).
-        """
+        """The size to change to from `current`, after `samples_seen` samples, and why; `None` to stay. `noise_scale`:
+        its lower confidence bound (`None`: not measured yet); `budget`: the run's samples, for `min_efficiency`."""
         since = samples_seen - (self.changes[-1].samples_seen if self.changes else 0)
         if since < self.min_samples_between_changes or noise_scale is None:
             return None
@@ -323,12 +265,12 @@ class NoiseScaleSchedule:
     def run_efficiency(
         self, samples: float, then: tuple[int, float] | None = None, budget: float | None = None
     ) -> float:
-        """The modelled sample-weighted statistical efficiency of the run's first `samples` samples: each stretch
-        between changes at its size, with the noise scale its change was decided on (the start counts fully); with
-        `then=(size, noise_scale)`, the samples from `samples` to `budget` at that size too.
+        """The modelled sample-weighted statistical efficiency of the run's first `samples` samples, each stretch
+        between changes at its size and the noise scale its change was decided on; with `then=(size, noise_scale)`,
+        the samples up to `budget` at that size too.
 
-        Example: 1,000 samples at the start 32, then 1,000 at 64 decided on a noise scale of 32, whose samples
-        count (32 + 32) / (32 + 64) = 2/3: 0.833."""
+        Example: 1,000 samples at the start 32, then 1,000 at 64 decided on a noise scale of 32 (worth 64 / 96):
+        0.833."""
         total, since, size, noise = 0.0, 0.0, self.start, math.inf
         for change in self.changes:
             if change.samples_seen >= samples:
@@ -342,11 +284,10 @@ class NoiseScaleSchedule:
         return total / samples if samples > 0 else 1.0
 
     def cut_every(self, current: int, costs: StepCosts) -> int:
-        """Every how many steps one process cuts a step of one micro-batch in two to measure the noise scale at
-        `current`: `measure_every`, or 0 (none) where no noise scale could
-        make a change pay: at `max_size`, or where the next size's modelled speed alone (as with an infinite noise
-        scale) does not beat the current one's by the margin. (Spacing the cuts by their measured cost loses
-        more than it saves: benchmarks/README.md.)"""
+        """Every how many steps one process cuts a step of one micro-batch in two to measure the noise scale:
+        `measure_every`, or 0 where no noise scale could make a change pay (at `max_size`, or where the next size's
+        speed alone does not beat the margin). Spacing cuts by their measured cost loses more than it saves
+        (benchmarks/README.md)."""
         if not self.measure_every or self.next_size(current, costs.world_size) is None:
             return 0
         modelled = self._modelled(current, costs)
@@ -357,8 +298,8 @@ class NoiseScaleSchedule:
         return self.measure_every
 
     def _modelled(self, current: int, costs: StepCosts) -> tuple[int, float, float] | None:
-        """(the next size, the modelled seconds of a step at `current` and at it), or `None` (at the maximum, or
-        not yet modelled)."""
+        """(the next size, the modelled seconds of a step at `current` and at it); `None` at the maximum or
+        unmodelled."""
         candidate = self.next_size(current, costs.world_size)
         if candidate is None:
             return None
@@ -374,8 +315,7 @@ class NoiseScaleSchedule:
     def change(
         self, step: int, size: int, samples_seen: int, reason: str, noise_scale: float | None = None
     ) -> Change:
-        """Record a change to `size` from `step` on (the step after the last one whose samples are already drawn),
-        with the noise scale's estimate then (`None`: not measured)."""
+        """Record a change to `size` from `step` on, with the noise scale's estimate then (`None`: not measured)."""
         if self.changes and step <= self.changes[-1].step:
             raise ValueError(
                 f"A change at step {step} comes before the last one, at {self.changes[-1].step}."
@@ -385,32 +325,19 @@ class NoiseScaleSchedule:
         return change
 
     def noise_scale_at(self, step: int) -> float:
-        """The noise scale the size of `step` was decided on: that of the last change at or before it (`inf` before
-        the first)."""
-        noise_scale = math.inf
-        for change in self.changes:
-            if change.step <= step:
-                noise_scale = change.noise_scale
-        return noise_scale
+        """The noise scale the size of `step` was decided on (`inf` before the first change)."""
+        last = self._last_change(step)
+        return math.inf if last is None else last.noise_scale
 
     # -- checkpoint ----------------------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget the changes (a new run)."""
         self.changes = []
 
     def state_dict(self) -> dict:
+        noise = [None if math.isinf(c.noise_scale) else c.noise_scale for c in self.changes]
         return {
-            "changes": [
-                [
-                    c.step,
-                    c.size,
-                    c.samples_seen,
-                    c.reason,
-                    None if math.isinf(c.noise_scale) else c.noise_scale,
-                ]
-                for c in self.changes
-            ]
+            "changes": [[c.step, c.size, c.samples_seen, c.reason, n] for c, n in zip(self.changes, noise)]
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -424,43 +351,11 @@ class NoiseScaleSchedule:
 
 
 def _check_real(value, name: str, ok, rule: str) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or not ok(value)
-    ):
+    if not (finite_number(value) and ok(value)):
         raise ValueError(f"NoiseScaleSchedule {name}={value!r} must be {rule}.")
 
 
-def _least_squares(rows: list[tuple[float, ...]], targets: list[float]) -> tuple[float, ...] | None:
-    """Solve the normal equations by Gaussian elimination; `None` when the columns are (nearly) dependent."""
-    k = len(rows[0])
-    matrix = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
-    vector = [sum(r[i] * t for r, t in zip(rows, targets)) for i in range(k)]
-    scale = max(abs(matrix[i][i]) for i in range(k)) or 1.0
-    for column in range(k):
-        pivot = max(range(column, k), key=lambda i: abs(matrix[i][column]))
-        if abs(matrix[pivot][column]) <= 1e-12 * scale:
-            return None
-        matrix[column], matrix[pivot] = matrix[pivot], matrix[column]
-        vector[column], vector[pivot] = vector[pivot], vector[column]
-        for i in range(k):
-            if i != column:
-                ratio = matrix[i][column] / matrix[column][column]
-                matrix[i] = [x - ratio * y for x, y in zip(matrix[i], matrix[column])]
-                vector[i] -= ratio * vector[column]
-    return tuple(vector[i] / matrix[i][i] for i in range(k))
-
-
-def _through_origin(points: list[tuple[int, int, float]], index: int) -> float:
-    """The least-squares slope through the origin of time against n (`index` 0) or r (1)."""
-    xs = [p[index] for p in points]
-    return sum(x * p[2] for x, p in zip(xs, points)) / sum(x * x for x in xs)
-
-
 def _positive_int(value) -> bool:
-    """A positive whole number of samples (an integral float too, as any schedule's size)."""
     try:
         check_effective_batch_size(value, where="")
     except ValueError:

@@ -1,14 +1,7 @@
-"""What every way of cutting a step into micro-batches shares: the micro-batch, the controller's interface, the error.
-
-A controller decides how each optimizer step is cut, by one unit: [`rows.RowController`] by rows (samples, or the
-sequences of a padding-free row), [`tokens.TokenController`] by padded tokens. The step runner asks it for a
-[`Cut`] of each step, runs the micro-batches the cut yields, tells the cut what each timed one measured, and tells
-the controller when one ran out of memory. [`controllers.controller_for`] picks the controller for a run.
-
-All decisions depend only on the measurements fed in and the rows of the step, so ranks that are fed the same
-(all-reduced) measurements make the same decisions and run the same number of micro-batches.
-
-Pure Python: no torch, no transformers.
+"""What every way of cutting a step into micro-batches shares: the micro-batch, the controller's interface, the
+search's memory bookkeeping ([`MicroBatchSearch`]), the error. A controller cuts each step in one unit
+([`rows.RowController`]: rows; [`tokens.TokenController`]: padded tokens); its decisions read only the (all-reduced)
+measurements and the step's rows, so every rank decides alike. Pure Python.
 """
 
 from __future__ import annotations
@@ -17,9 +10,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from .fit import predict_peak
+
+REGROW_AFTER_STEPS = 1  # steps run at the smaller size before the size that failed is tried again
+# steps failed at a size (out of memory, or allocator thrash) after which it is not tried again
+MAX_FAILURES = 2
+Agree = Callable[[list[float]], list[float]]  # combines values of all ranks by their maximum
+
 
 class MicroBatchTooLargeError(RuntimeError):
-    """One sample per micro-batch still runs out of memory. `tried` holds the sizes that ran out, in order."""
+    """One sample per micro-batch still runs out of memory; `tried`: the sizes that ran out, in order."""
 
     def __init__(self, message: str, tried: list[int]):
         super().__init__(message)
@@ -28,9 +28,9 @@ class MicroBatchTooLargeError(RuntimeError):
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch of a step on this rank: `rows` rows from `start` of the step batch's order (0 rows: a row that
-    adds nothing, for a rank with fewer), `size` the size it stands for in the controller's decisions, `timed`
-    whether its time and memory are measured, `last` whether it ends the step's attempt (on every rank alike)."""
+    """One micro-batch of a step on this rank: `rows` rows from `start` of the step batch's order (0: a row that adds
+    nothing, for a rank with fewer), `size` what it stands for in the controller's decisions, `timed` whether it is
+    measured, `last` whether it ends the step's attempt (on every rank alike)."""
 
     start: int
     rows: int
@@ -41,10 +41,9 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class StepMemory:
-    """What a step's end tells the controller about memory: the largest micro-batch it ran (`largest` in the
-    controller's unit, `tokens` as run), the step's peak bytes (`None` where not measured: the CPU), and whether the
-    caching allocator had to free its cache to retry an allocation during the step (`thrashed`: memory is nearly
-    full, and the next allocation may fail)."""
+    """What a step's end tells the controller: its largest micro-batch (`largest` in the controller's unit, `tokens`
+    as run), its peak bytes (`None` where not measured), and whether the allocator freed its cache to retry an
+    allocation (`thrashed`: memory is nearly full)."""
 
     largest: int = 0
     tokens: int = 0
@@ -68,15 +67,8 @@ class Cut(Protocol):
 
 
 class CutController(Protocol):
-    """Decides how every step is cut into micro-batches, in one unit (`unit`).
-
-    Attributes:
-        kind: `"rows"` or `"tokens"`, as stored in a checkpoint.
-        unit: what its sizes count, for messages ("rows", "padded tokens").
-        max_tokens: the padded tokens a micro-batch may hold; `None` where the cut counts rows.
-        exploring: still measuring (a trial size, the overhead of a micro-batch, a growing budget).
-        settled_because: why it stopped measuring, for the log; `None` while it measures.
-    """
+    """Decides how every step is cut, in one unit (`unit`, for messages); `kind` (`"rows"`, `"tokens"`) is stored in a
+    checkpoint; `max_tokens` is `None` where the cut counts rows; `settled_because` says why it stopped measuring."""
 
     kind: str
     unit: str
@@ -88,30 +80,24 @@ class CutController(Protocol):
 
     @property
     def first_micro_batch_size(self) -> int | None:
-        """Rows the first micro-batch of the next step holds, where that is known before it is cut."""
+        """Rows of the next step's first micro-batch, where known before it is cut."""
 
-    def cut(
-        self, batch, max_rows: int, agree: Callable[[list[float]], list[float]], row_cap: int | None = None
-    ) -> Cut:
-        """The micro-batches of a step whose batch holds `batch.rows` rows on this rank and `max_rows` on the rank
-        with most; `agree` combines values of all ranks by their maximum; at most `row_cap` rows each (this step)."""
+    def cut(self, batch, max_rows: int, agree: Agree, row_cap: int | None = None) -> Cut:
+        """The micro-batches of a step of `batch.rows` rows here and `max_rows` on the rank with most; `agree`
+        combines values of all ranks by their maximum; at most `row_cap` rows each (this step)."""
 
     def set_row_limit(self, rows: int) -> None:
-        """A step holds up to `rows` rows on a rank now (a new plan): the most a micro-batch may hold."""
+        """A step holds up to `rows` rows on a rank now (a new plan)."""
 
     def limit_to(self, max_rows: int | None) -> None:
         """Apply a `max_micro_batch_size` stated after the size was learned (a resumed run)."""
 
     def larger_step_cap(self, last_micro_batch_size: int, usual_micro_batches: int) -> int | None:
-        """The most rows a micro-batch of a larger step than today's may hold, as far as known (`None`: as many as
-        memory allows), for a schedule that models the time of larger steps."""
+        """The most rows a micro-batch of a larger step may hold, where known (`None`: as memory allows)."""
 
     def on_out_of_memory(self, rows: int, padded_tokens: int | None) -> None:
-        """A micro-batch of `rows` rows and `padded_tokens` ran out of memory; the step will run again.
-
-        Raises:
-            MicroBatchTooLargeError: if it was one row.
-        """
+        """A micro-batch of `rows` rows and `padded_tokens` ran out of memory; the step runs again. Raises
+        [`MicroBatchTooLargeError`] if it was one row."""
 
     def retry_message(self, rows: int, padded_tokens: int | None) -> str: ...
 
@@ -127,3 +113,131 @@ class CutController(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+class MicroBatchSearch:
+    """What the row and the token controller share: the peaks measured, the micro-batches that ran out of memory, and
+    a size (rows, or a token budget) that failed, tried again later.
+
+    After an out-of-memory error or allocator thrash the size shrinks; `REGROW_AFTER_STEPS` steps later it is tried
+    again where the peaks since predict it fits, until it has failed `MAX_FAILURES` times. A size no step had run to
+    its end (stated too large from the start) is not tried again. A subclass holds the size and says how it shrinks
+    for thrash (`_thrashed`) and grows back (`_grow_back`)."""
+
+    kind: str  # the checkpoint's name of the cut
+    largest_key: str  # the checkpoint's name of `largest_run`
+
+    def __init__(self, memory_limit: float | None, oom_is_fatal: bool):
+        self.memory_limit = memory_limit  # bytes a micro-batch's peak may reach (None: unknown)
+        self.oom_is_fatal = oom_is_fatal  # an error cannot be retried: grow only where a bound says it fits
+        self.memory_points: list[tuple[float, float]] = []  # (tokens of a micro-batch, peak bytes)
+        self.oom_sizes: list[int] = []  # rows of the micro-batches that failed
+        self.shrunk_from: int | None = None  # the size to try again
+        self.steps_since_shrink = 0
+        self.largest_run = 0  # the largest micro-batch of a step that ran to its end, in the unit's size
+        self.tried_again: list[int] = []  # sizes tried again, once each time
+        self.failed_this_step = False
+        self.settled_because: str | None = None
+
+    @property
+    def exploring(self) -> bool:
+        raise NotImplementedError
+
+    def fits(self, tokens: float, cautious: bool = False) -> bool:
+        """Whether a micro-batch of `tokens` is predicted to stay under the memory limit ([`predict_peak`])."""
+        if self.memory_limit is None:
+            return True
+        return predict_peak(self.memory_points, tokens, cautious or self.oom_is_fatal) <= self.memory_limit
+
+    def _measured(self, tokens: float, peak_bytes: float | None) -> None:
+        if peak_bytes is not None:
+            self.memory_points.append((float(tokens), float(peak_bytes)))
+
+    def _out_of_memory(self, rows: int) -> None:
+        self.oom_sizes.append(rows)
+        if rows == 1:
+            raise MicroBatchTooLargeError(
+                "one sample per micro-batch runs out of memory", list(self.oom_sizes)
+            )
+
+    def _failed(self, size: int, had_run: bool) -> None:
+        """A micro-batch under `size` failed: try `size` again later where it had run and failed too few times (a
+        later failure in the same step keeps the size it first failed at)."""
+        if self.failed_this_step:
+            return
+        self.failed_this_step = True
+        again = had_run and self.tried_again.count(size) < MAX_FAILURES - 1
+        self.shrunk_from = size if again else None
+        self.steps_since_shrink = 0
+
+    def _after_step(self, memory: StepMemory, largest: int, tokens_per_unit: float) -> str | None:
+        """The memory side of a step that ran to its end (`largest` in the unit's size): a step down for allocator
+        thrash, or the size that failed tried again; returns the line to log."""
+        self._measured(memory.tokens, memory.peak_bytes if memory.tokens > 0 else None)
+        self.largest_run = max(self.largest_run, largest)
+        self.failed_this_step = False
+        if memory.thrashed and memory.largest > 1 and not self.exploring:
+            return self._thrashed(memory)
+        if self.shrunk_from is None:
+            return None
+        self.steps_since_shrink += 1
+        size = self.shrunk_from
+        if self.steps_since_shrink < REGROW_AFTER_STEPS or not self.fits(
+            size * tokens_per_unit, cautious=True
+        ):
+            return None
+        self.shrunk_from = None
+        self.tried_again.append(size)
+        return tried_again_text(self._grow_back(size), self.tried_again.count(size))
+
+    def _thrashed(self, memory: StepMemory) -> str:
+        """Step down after allocator thrash; returns the line to log."""
+        raise NotImplementedError
+
+    def _grow_back(self, size: int) -> str:
+        """Run at `size` again; returns what is tried again, for the log."""
+        raise NotImplementedError
+
+    def _search_state(self) -> dict:
+        return {
+            "kind": self.kind,
+            "settled_because": self.settled_because,
+            "shrunk_from": self.shrunk_from,
+            "steps_since_shrink": self.steps_since_shrink,
+            self.largest_key: self.largest_run,
+            "tried_again": list(self.tried_again),
+            "memory_points": [list(point) for point in self.memory_points],
+            "oom_sizes": list(self.oom_sizes),
+        }
+
+    def _load_search_state(self, state: dict) -> None:
+        self.settled_because = state["settled_because"]
+        self.shrunk_from = state["shrunk_from"]
+        self.steps_since_shrink = int(state["steps_since_shrink"])
+        self.largest_run = int(state[self.largest_key])
+        self.tried_again = [int(size) for size in state["tried_again"]]
+        self.memory_points = [(float(t), float(p)) for t, p in state["memory_points"]]
+        self.oom_sizes = [int(size) for size in state["oom_sizes"]]
+
+
+def out_of_memory_text(fatal: bool, retry: str) -> str:
+    if fatal:
+        return (
+            "an out-of-memory error cannot be retried under this engine and world size, so sizes grow only where "
+            "measured peaks bound them below the limit"
+        )
+    return f"{retry} on out-of-memory"
+
+
+def tried_again_text(what: str, times: int) -> str:
+    """The line logged where a size that failed is tried again for the `times`-th time."""
+    left = MAX_FAILURES - 1 - times
+    return (
+        f"Trying {what} again: its out-of-memory error (or allocator thrash) may have been one long step or a "
+        "fragmented moment; "
+        + (
+            f"it may fail {left} more time(s) before it stays below."
+            if left
+            else "if it fails again, it stays below."
+        )
+    )

@@ -1,16 +1,7 @@
-"""What the plain Trainer does with the user's batch settings: its optimizer steps and the samples each one takes.
-
-Used to show what AdaptiveBatch changes (the plan table's "the plain Trainer: N steps") and to take over from a
-checkpoint the plain Trainer wrote: its steps count as done, and AdaptiveBatch's plan starts where they ended in
-the sample stream.
-
-The plain Trainer cuts each epoch into per-device batches of `per_device_train_batch_size` (the last one short, or
-dropped with `dataloader_drop_last`), deals them out to the ranks, and makes one optimizer step of every
-`gradient_accumulation_steps` batches, the epoch's last step taking whatever batches are left. Under several ranks
-accelerate pads the last round of batches with samples from the epoch's start; those repeats are not counted here
-(a step covers at most the dataset positions that are left in its epoch).
-
-Pure Python: no torch, no transformers.
+"""What the plain Trainer does with the user's batch settings: its optimizer steps and the samples each takes, for the
+plan table and to take over from (or hand back to) its checkpoints. Each epoch is cut into per-device batches (the
+last short, or dropped), dealt to the ranks, `gradient_accumulation_steps` to a step, the epoch's last step taking
+what is left; accelerate's padding repeats are not counted. Pure Python.
 """
 
 from __future__ import annotations
@@ -37,20 +28,20 @@ class PlainBatching:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Optimizer steps in one epoch (the Trainer's `num_update_steps_per_epoch`)."""
+        """The Trainer's `num_update_steps_per_epoch`."""
         size, per_device = self.dataset_size, self.per_device_train_batch_size
         batches = size // per_device if self.drop_last else math.ceil(size / per_device)
         per_rank = batches // self.world_size if self.drop_last else math.ceil(batches / self.world_size)
         return max(1, math.ceil(per_rank / self.gradient_accumulation_steps))
 
     def total_steps(self, num_train_epochs: float, max_steps: int = -1) -> int:
-        """Optimizer steps of the whole run: `max_steps` when set, else `num_train_epochs` epochs of steps."""
+        """`max_steps` when set, else `num_train_epochs` epochs of steps."""
         if max_steps > 0:
             return max_steps
         return math.ceil(num_train_epochs * self.steps_per_epoch)
 
     def step_sizes(self, num_steps: int) -> list[int]:
-        """Samples (dataset positions, all ranks) of the first `num_steps` optimizer steps, epoch after epoch."""
+        """Samples (all ranks) of the first `num_steps` optimizer steps, epoch after epoch."""
         effective, per_epoch = self.effective_batch_size, self.steps_per_epoch
         sizes = []
         for step in range(num_steps):
@@ -60,7 +51,7 @@ class PlainBatching:
         return sizes
 
     def position_after(self, num_steps: int) -> int:
-        """Dataset positions consumed by the first `num_steps` steps, an epoch's dropped tail included."""
+        """Dataset positions the first `num_steps` steps consume, an epoch's dropped tail included."""
         epochs, within = divmod(num_steps, self.steps_per_epoch)
         return epochs * self.dataset_size + min(within * self.effective_batch_size, self.dataset_size)
 
@@ -74,14 +65,10 @@ class PlainBatching:
 def plain_resume_mismatch(
     plain: PlainBatching, position: int, steps: int, lr_steps: int, plain_lr_steps: int
 ) -> str | None:
-    """Why the plain Trainer, resuming a checkpoint that AdaptiveBatch wrote after `steps` optimizer steps, would not
-    go on from where that run was; `None` where it would.
-
-    The plain Trainer resumes by counting: it skips the samples its own `steps` steps take (`position_after`) and
-    builds its LR schedule for `plain_lr_steps` steps, then loads the scheduler's step count. That is where the run
-    was only if its steps took the same samples (`position`: the sample stream's position after them) and its LR
-    schedule was built for the same length (`lr_steps`).
-    """
+    """Why the plain Trainer, resuming a checkpoint AdaptiveBatch wrote after `steps` steps, would not go on from
+    where the run was (`None`: it would). It skips the samples its own `steps` steps take and builds its LR schedule
+    for `plain_lr_steps`: right only where the run's steps took as many (`position`) and its schedule is as long
+    (`lr_steps`)."""
     expected = plain.position_after(steps)
     if position != expected:
         return (

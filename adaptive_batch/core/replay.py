@@ -1,23 +1,8 @@
-"""Reproducible reruns: what a run measured, recorded, and replayed by a later run. Pure Python.
-
-The decisions that follow time (the micro-batch search under `"auto"`, the token cut's overhead and budget, a
-`NoiseScaleSchedule`'s step-time model, the eval batch under `adapt_evaluation="grow"`) and, on a GPU, peak memory
-are pure functions of what the run measured and of its data. So every run records each measurement a decision reads
-([`Tape`]), keyed by the optimizer step it was taken at and its stream (`"train"`: timed micro-batches and a step's
-peak memory; `"growth"`: step times; `"eval"`: timed forwards and evaluations), with the out-of-memory errors it
-survived. A run given that record (`AdaptiveBatch(replay=PATH)`) reads each measurement from it in place of the clock
-and makes the same decisions: the same cuts, batch changes and eval batch sizes, so on the same machine the run is
-bit for bit the recorded one. A recorded out-of-memory error is replayed: that micro-batch (or eval piece) is not
-run, and the step runs again as it did.
-
-Keys are steps, not positions in one sequence, so a replay may be killed and resumed: the resumed part reads the
-measurements of its own steps (`"growth"` gives the first step after the resume the time the recorded run measured,
-which a resumed run cannot measure itself).
-
-The record carries the run's description (`run`): plan identity, world size, settings, the cut's starting point. A
-replay whose description differs is refused before any compute ([`differences`], [`replay_error`]). Where a replay
-departs from its record all the same (an out-of-memory error the record does not hold, a measurement it lacks), the
-replay ends there with one warning and the rest of the run measures for itself.
+"""Reproducible reruns: every run records each measurement a decision reads ([`Tape`]), keyed by optimizer step and
+stream (`"train"`, `"growth"`, `"eval"`), with the out-of-memory errors it survived; a run given that record
+(`AdaptiveBatch(replay=PATH)`) reads them in place of the clock and makes the same decisions. A record of another run
+is refused ([`differences`]); where a replay departs from its record all the same, it ends there with one warning. See
+docs/how-it-works.md, "Reproducible reruns". Pure Python.
 """
 
 from __future__ import annotations
@@ -34,19 +19,14 @@ FILE = "adaptive_batch_measurements.json"
 
 
 def file_name(rank: int, world_size: int) -> str:
-    """The record's file name for one process: one file per rank under several processes (each measures its own)."""
+    """The record's file for one process (one per rank under several processes: each measures its own)."""
     return FILE if world_size == 1 else FILE.replace(".json", f".rank{rank}.json")
 
 
 class Tape:
-    """The measurements of one run, recorded, and read back from an earlier run's record when replaying.
-
-    Attributes:
-        run: the run's description, compared with a record's before a replay.
-        streams: what this run measured (or replayed): `{stream: {step: [[tag, *values], ...]}}`, JSON as written.
-        source: the replayed record's `streams` (`None`: measuring); `path`: its file.
-        ended: why the replay ended early (`None` while it follows its record, or when not replaying).
-    """
+    """The measurements of one run, recorded, and read back from an earlier run's record while replaying: `run` the
+    run's description, `streams` what this run measured (`{stream: {step: [[tag, *values], ...]}}`), `source` the
+    replayed record's streams (`None`: measuring), `ended` why the replay ended early."""
 
     def __init__(self, run: dict | None = None):
         self.run = run
@@ -61,7 +41,7 @@ class Tape:
         return self.source is not None and self.ended is None
 
     def replay(self, record: dict, path: str) -> None:
-        """Read measurements from `record` (checked against this run's description first: [`differences`])."""
+        """Read measurements from `record` (checked against this run's description first)."""
         self.source, self.path, self.ended, self._read = record["streams"], path, None, {}
 
     def continue_from(self, record: dict | None) -> None:
@@ -72,8 +52,8 @@ class Tape:
     # -- measurements ------------------------------------------------------------------------------------------
 
     def measure(self, stream: str, step: int, tag: str, live: list) -> list:
-        """`live` was measured now (`tag` names what: the same tag at the same point of the recorded run); returns
-        what the decisions read: the recorded values while replaying, else `live`. Recorded either way."""
+        """`live` was measured now (`tag` names what); returns what decisions read: the recorded values while
+        replaying, else `live`. Recorded either way."""
         values = live
         if self.replaying:
             recorded = self._next(stream, step)
@@ -87,8 +67,7 @@ class Tape:
         return values
 
     def recorded_failure(self, stream: str, step: int, tag: str) -> bool:
-        """Whether the recorded run ran out of memory here (`tag` next in the record): the replay then fails this
-        micro-batch (or piece) without running it, as the recorded run's failed."""
+        """Whether the recorded run ran out of memory here: the replay then fails this micro-batch (or piece) unrun."""
         if not self.replaying:
             return False
         recorded = self._next(stream, step)
@@ -99,15 +78,14 @@ class Tape:
         return True
 
     def failure(self, stream: str, step: int, tag: str) -> None:
-        """An out-of-memory error this run met (one the record holds was replayed by [`recorded_failure`])."""
+        """An out-of-memory error this run met that the record does not hold."""
         if self.replaying:
             self._end(f"at step {step} this run ran out of memory ({tag!r}) where the recorded run did not")
         self._append(stream, step, [tag])
 
     def keyed(self, stream: str, step: int, live: list | None) -> list | None:
         """A measurement some runs cannot take (the time of the step before a resumed run's first): while replaying
-        the record's at `step`, whether or not this run measured one (its first value must agree where both did),
-        else `live`; `None`: none. Recorded either way."""
+        the record's at `step` (its first values must agree where both measured), else `live`. Recorded either way."""
         values = live
         if self.replaying:
             entries = self.source.get(stream, {}).get(str(step), [])
@@ -165,11 +143,7 @@ class Tape:
 
 
 def read_record(path: str, rank: int, world_size: int) -> tuple[dict, str]:
-    """The record at `path` (a file, or a folder holding this rank's file) and the file read.
-
-    Raises:
-        ValueError: no such file, or not a record of this layout.
-    """
+    """The record at `path` (a file, or a folder holding this rank's file) and the file read; `ValueError` if none."""
     name = file_name(rank, world_size)
     file = os.path.join(path, name) if os.path.isdir(path) else path
     if world_size > 1 and not os.path.isdir(path):
@@ -198,8 +172,7 @@ def read_record(path: str, rank: int, world_size: int) -> tuple[dict, str]:
 
 def differences(recorded: dict | None, now: dict) -> list[str]:
     """What differs between a record's run description and this run's, one phrase per value ("world_size: 1 in the
-    record, 2 now"), nested values named by their path ("settings.micro_batch_size"); the plan's fingerprint (its cut
-    into steps) only where nothing else explains its change."""
+    record, 2 now"); the plan's fingerprint only where nothing else explains its change."""
     recorded, now = _flat(recorded or {}), _flat(json.loads(json.dumps(now, default=repr)))
     changed = [name for name in sorted(set(recorded) | set(now)) if recorded.get(name) != now.get(name)]
     if (

@@ -1,11 +1,6 @@
-"""Effective-batch schedules: how many samples one optimizer step holds at a point of training.
-
-A schedule is any callable taking a [`Progress`] and returning a positive integer: the effective batch (samples per
-optimizer step, all devices together). Two are provided: a constant (a plain `int` is accepted wherever a schedule
-is) and [`PhaseSchedule`], piecewise constant with boundaries in samples, optimizer steps or fractions of the
-training budget.
-
-Pure Python: no torch, no transformers.
+"""Effective-batch schedules: any callable from a [`Progress`] to a positive integer, the samples per optimizer step
+(all devices). Provided: a constant (a plain `int` is accepted wherever a schedule is) and [`PhaseSchedule`]. Pure
+Python.
 """
 
 from __future__ import annotations
@@ -20,14 +15,8 @@ UNITS = ("samples", "steps", "fraction")
 
 
 class Progress(NamedTuple):
-    """Where training stands just before an optimizer step.
-
-    Attributes:
-        step: optimizer steps already taken (0 for the first step).
-        samples_seen: samples already trained on, all devices together.
-        fraction: position in the training budget, in `[0, 1)`: data positions consumed (trained or dropped by
-            `dataloader_drop_last`) divided by the budget in samples.
-    """
+    """Where training stands just before an optimizer step: `step` optimizer steps taken (0 for the first),
+    `samples_seen` samples trained (all devices), `fraction` of the budget's data positions consumed, in `[0, 1)`."""
 
     step: int
     samples_seen: int
@@ -55,22 +44,11 @@ class ConstantSchedule:
 
 @dataclass(frozen=True)
 class PhaseSchedule:
-    """Piecewise-constant effective batch: `sizes[i]` from `boundaries[i - 1]` (inclusive) to `boundaries[i]`.
+    """Piecewise-constant effective batch: `sizes[i]` from `boundaries[i - 1]` (inclusive) to `boundaries[i]`, in
+    `unit`: `"fraction"` of the training budget (in `(0, 1)`), `"samples"` seen or `"steps"` taken.
 
-    Args:
-        sizes: effective batch of each phase, in samples; one more entry than `boundaries`.
-        boundaries: where each phase after the first begins, increasing, in `unit`.
-        unit: `"fraction"` of the training budget (boundaries in `(0, 1)`), `"samples"` seen or optimizer
-            `"steps"` taken.
-
-    Example:
-        ```python
-        # the common batch-size warmup: 8 for the first 10% of the data, 16 up to 30%, then 32
-        PhaseSchedule([8, 16, 32], boundaries=[0.1, 0.3])
-        # the same by samples seen
-        PhaseSchedule([8, 16, 32], boundaries=[2_000, 6_000], unit="samples")
-        ```
-    """
+    Example: `PhaseSchedule([8, 16, 32], boundaries=[0.1, 0.3])`: 8 for the first 10% of the data, 16 up to 30%, then
+    32 (`boundaries=[2_000, 6_000], unit="samples"`: the same by samples seen)."""
 
     sizes: Sequence[int]
     # a default, so that PhaseSchedule([8, 16]) is refused naming the boundaries it lacks
@@ -78,14 +56,9 @@ class PhaseSchedule:
     unit: str = "fraction"
 
     def __post_init__(self):
-        object.__setattr__(
-            self, "sizes", _as_list(self.sizes, "sizes", "PhaseSchedule([8, 16], boundaries=[0.5])")
-        )
-        object.__setattr__(
-            self,
-            "boundaries",
-            _as_list(self.boundaries, "boundaries", "PhaseSchedule([8, 16], boundaries=[0.5])"),
-        )
+        example = "PhaseSchedule([8, 16], boundaries=[0.5])"
+        object.__setattr__(self, "sizes", _as_list(self.sizes, "sizes", example))
+        object.__setattr__(self, "boundaries", _as_list(self.boundaries, "boundaries", example))
         if self.unit not in UNITS:
             raise ValueError(
                 f"PhaseSchedule unit={self.unit!r} is not one of {UNITS}; use e.g. unit='fraction'."
@@ -104,11 +77,7 @@ class PhaseSchedule:
                 "equal shares of the budget."
             )
         for boundary in self.boundaries:
-            if (
-                isinstance(boundary, bool)
-                or not isinstance(boundary, numbers.Real)
-                or not math.isfinite(boundary)
-            ):
+            if not finite_number(boundary):
                 raise ValueError(
                     f"PhaseSchedule boundary {boundary!r} is not a finite number; each boundary is where a phase "
                     "starts, e.g. boundaries=[0.1, 0.3] (fractions of the budget)."
@@ -138,11 +107,9 @@ class PhaseSchedule:
         return self.sizes[self.phase(progress)]
 
     def phase(self, progress: Progress) -> int:
-        """The index of the phase at `progress` (0: the first, before any boundary)."""
-        position = {"samples": progress.samples_seen, "steps": progress.step, "fraction": progress.fraction}[
-            self.unit
-        ]
-        return sum(1 for boundary in self.boundaries if position >= boundary)
+        """The index of the phase at `progress` (0: before any boundary)."""
+        positions = {"samples": progress.samples_seen, "steps": progress.step, "fraction": progress.fraction}
+        return sum(1 for boundary in self.boundaries if positions[self.unit] >= boundary)
 
     def describe(self) -> str:
         sizes = " -> ".join(str(s) for s in self.sizes)
@@ -151,7 +118,7 @@ class PhaseSchedule:
 
 
 def as_schedule(schedule: int | Schedule) -> Schedule:
-    """Turn an `int` into a [`ConstantSchedule`]; pass any other callable through."""
+    """An `int` as a [`ConstantSchedule`]; any other callable as it is."""
     if isinstance(schedule, bool):
         raise ValueError(
             f"schedule={schedule!r} is a bool; pass an int effective batch or a schedule callable."
@@ -181,11 +148,9 @@ def _even_fractions(phases: int) -> list[float]:
 def _as_list(values, name: str, example: str) -> tuple:
     """`values` as a tuple, where it is a list of values (not one number, nor a string)."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        what = (
-            "the effective batch of each phase"
-            if name == "sizes"
-            else "where each phase after the first starts"
-        )
+        what = "where each phase after the first starts"
+        if name == "sizes":
+            what = "the effective batch of each phase"
         fix = f"{name}=[{values!r}] or " if isinstance(values, numbers.Real) else ""
         raise ValueError(
             f"PhaseSchedule {name}={values!r} is not a list; it takes {what}, e.g. {fix}{example}."
@@ -193,8 +158,13 @@ def _as_list(values, name: str, example: str) -> tuple:
     return tuple(values)
 
 
+def finite_number(value) -> bool:
+    """A finite real number (not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_effective_batch_size(value, where: str) -> int:
-    """Return `value` as an int if it is a valid effective batch (a positive integer), else raise `ValueError`."""
+    """`value` as an int if it is a positive integer (an integral float too), else `ValueError`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(
             f"{where} gave effective batch {value!r}; it must be a positive integer number of samples."

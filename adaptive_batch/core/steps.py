@@ -1,19 +1,9 @@
-"""The step plan: how many samples each optimizer step takes, and from where in the sample stream.
-
-The sample stream is the dataset's epochs laid end to end (one seeded permutation each). A *position* counts data
-positions in that stream from the start of training: epoch `position // dataset_size`, offset
-`position % dataset_size`. The plan walks the stream from position 0 to the budget, asking the schedule for each
-step's effective batch, so any step's samples are a pure function of (seed, plan, step).
-
-Rules, as in the plain Trainer:
-- a step never straddles two epochs: an epoch's last step holds the remainder and may be short;
-- with `drop_last`, that short last step is dropped instead (its positions still count towards the budget);
-- a remainder smaller than the world size cannot give every rank a sample, so it joins the step before it.
-
-A plan may start with steps already trained ([`DoneSteps`]: those of a checkpoint the plain Trainer wrote); the
-schedule takes over where they ended.
-
-Pure Python: no torch, no transformers.
+"""The step plan: how many samples each optimizer step takes, and from where in the sample stream (the dataset's
+epochs end to end, one seeded permutation each; a position counts data positions from the start of training). As in
+the plain Trainer, a step never straddles two epochs (an epoch's last step holds the remainder, or is dropped with
+`drop_last`), and a remainder smaller than the world size joins the step before it. A plan may start after steps a
+plain Trainer's checkpoint trained ([`DoneSteps`]). See docs/how-it-works.md, "Data, cuts and measurements" (1. Plan).
+Pure Python.
 """
 
 from __future__ import annotations
@@ -55,8 +45,8 @@ class Budget:
 
 
 class DoneSteps(NamedTuple):
-    """Steps trained before the plan takes over: where each started and how many samples it took, where the last
-    one left the sample stream, and the effective batch they were run at."""
+    """Steps trained before the plan takes over: where each started, its samples, where the last left the stream, and
+    the effective batch they ran at."""
 
     starts: list[int]
     sizes: list[int]
@@ -66,10 +56,7 @@ class DoneSteps(NamedTuple):
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Global samples per optimizer step and where each step starts in the sample stream.
-
-    Use [`build_plan`] to make one.
-    """
+    """Global samples per optimizer step and where each starts in the sample stream; made by [`build_plan`]."""
 
     dataset_size: int
     budget: int
@@ -87,12 +74,12 @@ class StepPlan:
 
     @property
     def num_samples(self) -> int:
-        """Samples trained on over the whole plan (excludes positions dropped by `drop_last`)."""
+        """Samples trained over the whole plan (positions dropped by `drop_last` left out)."""
         return self.samples_before_step[-1]
 
     @property
     def num_epochs(self) -> int:
-        """Data epochs touched by the plan (a partial last epoch counts)."""
+        """Data epochs the plan touches (a partial last one counts)."""
         return math.ceil(self.budget / self.dataset_size)
 
     @property
@@ -106,18 +93,15 @@ class StepPlan:
         return self.starts[step] % self.dataset_size
 
     def end_position(self, step: int) -> int:
-        """Stream position after `step`, including a tail dropped by `drop_last` right after it."""
+        """Stream position after `step`, a tail dropped by `drop_last` right after it included."""
         return self.starts[step + 1] if step + 1 < self.num_steps else self.budget
 
     def ends_epoch(self, step: int) -> bool:
         return self.end_position(step) % self.dataset_size == 0
 
     def epoch_after(self, step: int) -> float:
-        """Data epochs completed after `step`, as `TrainerState.epoch` reads it: 1.0, 2.0, ... at epoch ends.
-
-        Whole epochs plus the fraction of the current one, added as the plain Trainer adds them, so that the same
-        position gives the same float.
-        """
+        """Data epochs completed after `step` as `TrainerState.epoch` reads them (1.0, 2.0, ... at epoch ends), added
+        as the plain Trainer adds them so that the same position gives the same float."""
         epochs, offset = divmod(self.end_position(step), self.dataset_size)
         return epochs + offset / self.dataset_size
 
@@ -125,7 +109,7 @@ class StepPlan:
         return math.ceil(self.sizes[step] / self.world_size)
 
     def fingerprint(self) -> str:
-        """Identifies the sample stream's cut into steps; a checkpoint must resume into the same one."""
+        """Identifies the stream's cut into steps; a checkpoint must resume into the same one."""
         digest = hashlib.sha256()
         digest.update(f"{self.dataset_size}:{self.budget}:".encode())
         digest.update(self.sizes.tobytes())
@@ -133,8 +117,8 @@ class StepPlan:
         return digest.hexdigest()[:16]
 
     def phases(self) -> list[tuple[int, int, int]]:
-        """Runs of steps with the same scheduled effective batch, as `(first_step, last_step, effective)`, from the
-        first step the plan runs (steps done before it took over are left out)."""
+        """Runs of steps of one scheduled effective batch, `(first_step, last_step, effective)`, from the first step
+        the plan runs."""
         runs: list[tuple[int, int, int]] = []
         for step in range(self.done_steps, self.num_steps):
             effective = self.scheduled[step]
@@ -145,8 +129,8 @@ class StepPlan:
         return runs
 
     def uneven_steps(self) -> list[tuple[int, int, int]]:
-        """Steps that hold other than their scheduled effective batch, as `(step, samples, scheduled)`: an epoch's
-        short last step, or a step that took in a remainder too small for every rank."""
+        """Steps that hold other than their scheduled batch, `(step, samples, scheduled)`: an epoch's short last step,
+        or one that took in a remainder too small for every rank."""
         return [
             (step, self.sizes[step], self.scheduled[step])
             for step in range(self.done_steps, self.num_steps)
@@ -163,16 +147,12 @@ def build_plan(
     done: DoneSteps | None = None,
     unit: str = "samples",
 ) -> StepPlan:
-    """Walk the sample stream from position 0 (or from where `done` steps ended) to the budget and cut it into
-    optimizer steps.
-
-    Args:
-        unit: what one dataset row is, for error messages (e.g. "packed rows" when each holds several examples).
+    """Walk the sample stream from position 0 (or where `done` steps ended) to the budget, cutting it into optimizer
+    steps; `unit` names a dataset row in messages (e.g. "packed rows").
 
     Raises:
-        ValueError: before any compute, if the schedule gives an effective batch that is not a positive integer,
-            not divisible by `world_size`, or larger than the dataset; or if the dataset is smaller than the world.
-    """
+        ValueError: before any compute, for an effective batch that is not a positive integer, not divisible by
+            `world_size` or larger than the dataset, or a dataset smaller than the world."""
     budget_samples = budget.samples if isinstance(budget, Budget) else int(budget)
     if dataset_size < 1:
         raise ValueError(f"The training dataset has {dataset_size} {unit}; it needs at least one.")
@@ -242,17 +222,8 @@ def build_plan(
             f"The budget of {budget_samples} samples leaves no optimizer step (drop_last={drop_last}, dataset "
             f"{dataset_size} samples); raise num_train_epochs / max_steps or set dataloader_drop_last=False."
         )
-    return StepPlan(
-        dataset_size,
-        budget_samples,
-        world_size,
-        sizes,
-        scheduled,
-        starts,
-        samples_before,
-        tuple(notes),
-        done_steps=done_count,
-    )
+    arrays = (sizes, scheduled, starts, samples_before)
+    return StepPlan(dataset_size, budget_samples, world_size, *arrays, tuple(notes), done_steps=done_count)
 
 
 def nearest_multiples(value: int, divisor: int) -> str:

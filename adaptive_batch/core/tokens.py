@@ -1,40 +1,18 @@
-"""The micro-batch policy for rows of varying length: each step cut by padded tokens, at the least measured time.
-
-Each step's rows are cut by their lengths ([`cut.py`]) into micro-batches of at most `max_tokens` padded tokens
-(a longer row alone) and at most `rows_cap` rows, at the least modelled time: `overhead` x micro-batches + padded
-tokens. The overhead (the fixed time of one micro-batch, in tokens' worth) is stated, or measured: the micro-batches
-of `CALIBRATION_STEPS` steps after a warm-up step are timed and a line of seconds against padded tokens is fitted
-(its intercept over its slope), robustly ([`fit.robust_affine`]): a micro-batch slowed by a compile or a busy host
-does not tip it. Where the times give no rising line, the cut keeps the rule it used while measuring (an overhead of
-one longest row), never the fewest micro-batches, which pad the whole step to its longest row.
-
-With `tune` ("auto" on rows of varying length) the budget also grows: it doubles after each step whose cut a
-doubled budget would change, while peak memory, measured against padded tokens, predicts that the doubled budget
-fits. The micro-batches stay timed while it grows, and the line is fitted again after each step, but only where it
-held: micro-batches larger than any it was fitted on must run within `LINE_MARGIN` of what it predicts. If they run
-slower in two steps running (once may be a slow moment of the host: that step's times are dropped and the budget
-held), the budget falls back to the largest micro-batch the line was fitted on and stops growing. Flex attention,
-for one, costs about the same per call from a few to several thousand tokens and then grows: a line fitted on the
-small micro-batches would pad the whole step into one. An out-of-memory error halves the budget; the budget before
-is tried again after a step, twice at most (see [`rows.RowController`]). Once
-measuring is over the cut depends on the rows' lengths alone, so a resumed run cuts its steps as the uninterrupted
-one did.
-
-Under DDP each rank cuts its own rows; the ranks agree on the number of micro-batches (a rank with fewer runs rows
-that add nothing) and on whether the budget bound the cut, and are fed the same combined measurements, so they
-make the same decisions.
-
-Pure Python: no torch, no transformers.
+"""The micro-batch policy for rows of varying length: each step cut by padded tokens ([`cut.py`]) at the least
+modelled time, `overhead` x micro-batches + padded tokens, under a budget of `max_tokens` padded tokens and `rows_cap`
+rows. The overhead is stated or measured (`CALIBRATION_STEPS` steps after a warm-up one); with `tune` the budget
+doubles while the cut would change and memory allows, until micro-batches beyond the fitted line run more than
+`LINE_MARGIN` slower than it predicts, twice. Out-of-memory errors: [`MicroBatchSearch`]. Under DDP each rank cuts its
+own rows; the ranks agree on the number of micro-batches and on whether the budget bound the cut. See
+docs/how-it-works.md, "Variable-length data". Pure Python.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
-from .fit import predict_peak, robust_affine
-from .microbatch import MicroBatch, MicroBatchTooLargeError, StepMemory
-from .rows import MAX_FAILURES, REGROW_AFTER_STEPS, out_of_memory_text, tried_again_text
+from .fit import robust_affine
+from .microbatch import Agree, MicroBatch, MicroBatchSearch, StepMemory, out_of_memory_text
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -42,9 +20,8 @@ CALIBRATION_STEPS = 3  # steps timed to measure the overhead of a micro-batch, a
 LINE_MARGIN = 0.15  # how much slower than the fitted line micro-batches beyond its range may run
 
 
-class TokenController:
-    """Cuts every step by padded tokens (a [`microbatch.CutController`] whose unit is padded tokens). See the module
-    docstring.
+class TokenController(MicroBatchSearch):
+    """Cuts every step by padded tokens (a [`microbatch.CutController`] whose unit is padded tokens).
 
     Args:
         max_tokens: the budget of padded tokens per micro-batch (the first one, with `tune`).
@@ -53,10 +30,13 @@ class TokenController:
         row_limit: the most rows a step holds on a rank (from the plan).
         tune: grow the budget while the cut needs more and memory allows.
         overhead: the fixed time of one micro-batch in padded tokens' worth; `None`: measured.
-        memory_limit: bytes a micro-batch's peak may reach (`None`: not known, as on the CPU).
+        memory_limit: bytes a micro-batch's peak may reach (`None`: not known).
         oom_is_fatal: an out-of-memory error cannot be retried: the budget doubles only where [`predict_peak`]'s
-            `cautious` bound fits.
-    """
+            `cautious` bound fits."""
+
+    kind = "tokens"
+    unit = "padded tokens"
+    largest_key = "tokens_run"
 
     def __init__(
         self,
@@ -68,6 +48,7 @@ class TokenController:
         memory_limit: float | None = None,
         oom_is_fatal: bool = False,
     ):
+        super().__init__(memory_limit, oom_is_fatal)
         self.max_tokens = max_tokens
         self.max_rows = max_rows
         self.row_limit = row_limit
@@ -77,36 +58,23 @@ class TokenController:
         self.measures_overhead = overhead is None  # a stated one is kept as stated
         self.no_line = False  # measured, but the times gave no rising line: one longest row's worth
         self.line_missed: float | None = None  # how much slower than the line a grown budget's last step ran
-        self.memory_limit = memory_limit
-        self.oom_is_fatal = oom_is_fatal
         self.steps_measured = 0
         self.time_points: list[tuple[float, float]] = []  # (padded tokens of a micro-batch, seconds)
         self.step_start = 0  # where this step's time points begin
-        self.memory_points: list[tuple[float, float]] = []  # (padded tokens of a micro-batch, peak bytes)
-        self.oom_sizes: list[int] = []
-        self.failed_tokens: list[
-            int
-        ] = []  # padded tokens of micro-batches that ran out of memory (or thrashed)
-        self.shrunk_from: int | None = None  # a budget that ran, then halved: tried again later
-        self.steps_since_shrink = 0
-        self.tokens_run = 0  # the padded tokens of the largest micro-batch of a step that ran to its end
-        self.tried_again: list[int] = []  # budgets tried again after a micro-batch under them failed
-        self.failed_this_step = False
+        # padded tokens of the micro-batches that ran out of memory (or thrashed)
+        self.failed_tokens: list[int] = []
         self.budget_because = None if tune else "stated"
         self.settled_because = None if self.exploring else "cut by max_tokens_per_micro_batch"
         self.warned_long_row = False
 
-    kind = "tokens"
-    unit = "padded tokens"
-
     @property
     def exploring(self) -> bool:
-        """Still measuring: the overhead of a micro-batch, or the budget."""
+        """Still measuring the overhead of a micro-batch, or the budget."""
         return self.calibrating or self.tuning
 
     @property
     def rows_cap(self) -> int | None:
-        """The most rows a micro-batch holds: a step's rows on a rank, capped by the stated `max_rows`."""
+        """The most rows a micro-batch holds: a step's rows on a rank, capped by `max_rows`."""
         caps = [cap for cap in (self.max_rows, self.row_limit) if cap is not None]
         return min(caps) if caps else None
 
@@ -118,83 +86,59 @@ class TokenController:
         self.row_limit = rows
 
     def larger_step_cap(self, last_micro_batch_size: int, usual_micro_batches: int) -> int | None:
-        """The largest micro-batch of the last step where steps are cut in several (the budget binds there), else
-        `None` (a larger step may still run whole)."""
+        """The largest micro-batch of the last step where steps are cut in several (the budget binds), else `None`."""
         return max(1, last_micro_batch_size) if usual_micro_batches > 1 else None
 
     def check_longest_row(self, tokens: int | None) -> None:
         if tokens is not None and tokens > self.max_tokens:
             self.warn_long_row(tokens)
 
-    def cut(
-        self, batch, max_rows: int, agree: Callable[[list[float]], list[float]], row_cap: int | None = None
-    ) -> TokenCut:
-        """The micro-batches of a step (`batch`: a `StepBatch` or `PackedStepBatch`); `agree` combines values of
-        all ranks by their maximum (the identity on one); at most `row_cap` rows each (for this step only)."""
+    def cut(self, batch, max_rows: int, agree: Agree, row_cap: int | None = None) -> TokenCut:
+        """See [`microbatch.CutController.cut`] (`batch`: a `StepBatch` or `PackedStepBatch`)."""
         return TokenCut(self, batch, agree, row_cap)
 
     def token_overhead(self, longest: int) -> int:
-        """The overhead a cut uses now: stated or measured; while measuring, or where the measurements gave no
-        rising line, one longest row's worth (`longest` padded tokens)."""
+        """The overhead a cut uses: stated or measured; while measuring, or where no rising line was measured, one
+        longest row's worth (`longest` padded tokens)."""
         return self.overhead if self.overhead is not None else longest
 
     # -- what happened -----------------------------------------------------------------------------------------
 
     def record(self, seconds: float, padded_tokens: float, peak_bytes: float | None = None) -> None:
         """Feed the time, padded tokens and peak memory of a micro-batch timed while measuring."""
-        if peak_bytes is not None:
-            self.memory_points.append((float(padded_tokens), float(peak_bytes)))
+        self._measured(padded_tokens, peak_bytes)
         if self.measures_overhead and self.exploring and self.steps_measured > 0 and seconds > 0:
             # the first step warms up
             self.time_points.append((float(padded_tokens), seconds))
 
     def end_step(self, bound: bool, memory: StepMemory | None = None) -> str | None:
-        """A step is done; `bound`: a doubled budget would have cut it otherwise (on some rank); `memory`: what it
-        measured. Returns a line to log where the budget changed for memory (see [`rows.RowController`]: a step
-        down for allocator thrash, or a halved budget tried again)."""
-        notice = self._after_memory(memory) if memory is not None else None
+        """A step is done; `bound`: a doubled budget would have cut it otherwise (on some rank). Returns a line to log
+        where the budget changed for memory."""
+        notice = self._after_step(memory, memory.tokens, 1.0) if memory is not None else None
         if self.exploring:
             self._measure_step(bound)
         return notice
 
-    def _after_memory(self, memory: StepMemory) -> str | None:
-        if memory.peak_bytes is not None and memory.tokens > 0:
-            self.memory_points.append((float(memory.tokens), float(memory.peak_bytes)))
-        self.tokens_run = max(self.tokens_run, memory.tokens)
-        self.failed_this_step = False
-        if memory.thrashed and memory.largest > 1 and not self.exploring:
-            self.failed_tokens.append(memory.tokens)
-            self._shrink(min(self.max_tokens, memory.tokens // 2))
-            return f"Allocator thrash at {memory.tokens:,} padded tokens: the next steps cut at {self.max_tokens:,}."
-        if self.shrunk_from is None:
-            return None
-        self.steps_since_shrink += 1
-        budget = self.shrunk_from
-        if self.steps_since_shrink < REGROW_AFTER_STEPS or not self._fits(budget, cautious=True):
-            return None
-        self.max_tokens, self.shrunk_from = budget, None
-        self.tried_again.append(budget)
-        return tried_again_text(f"the token budget of {budget:,}", self.tried_again.count(budget))
+    def _thrashed(self, memory: StepMemory) -> str:
+        self._shrink(memory.tokens)
+        return (
+            f"Allocator thrash at {memory.tokens:,} padded tokens: the next steps cut at {self.max_tokens:,}."
+        )
 
-    def _shrink(self, budget: int) -> None:
-        """Cut at `budget` from now on, and never above half the smallest micro-batch that failed; the budget before
-        is tried again later where a micro-batch of the tokens that failed had run in a step before (else the failure
-        marks the memory's limit, not a moment) unless it failed too often; where the retried step fails again, the
-        budget tried again is the one the step first failed under."""
-        previous, self.max_tokens = self.max_tokens, max(1, min(budget, min(self.failed_tokens) // 2))
-        if self.failed_this_step:
-            return
-        self.failed_this_step = True
-        had_run = self.failed_tokens[-1] <= self.tokens_run
-        again = had_run and previous > self.max_tokens and self.tried_again.count(previous) < MAX_FAILURES - 1
-        self.shrunk_from = previous if again else None
-        self.steps_since_shrink = 0
+    def _grow_back(self, budget: int) -> str:
+        self.max_tokens = budget
+        return f"the token budget of {budget:,}"
 
-    def _fits(self, tokens: int, cautious: bool = False) -> bool:
-        if self.memory_limit is None:
-            return True
-        cautious = cautious or self.oom_is_fatal
-        return predict_peak(self.memory_points, tokens, cautious=cautious) <= self.memory_limit
+    def _shrink(self, failed: int) -> None:
+        """A micro-batch of `failed` padded tokens failed: cut at most at half the smallest that failed from now on;
+        the budget before is tried again where a micro-batch of `failed` tokens had run."""
+        self.failed_tokens.append(failed)
+        previous, self.max_tokens = (
+            self.max_tokens,
+            max(1, min(self.max_tokens, min(self.failed_tokens) // 2)),
+        )
+        had_run = failed <= self.largest_run and previous > self.max_tokens
+        self._failed(previous, had_run)
 
     def _measure_step(self, bound: bool) -> None:
         self.steps_measured += 1
@@ -226,7 +170,7 @@ class TokenController:
             if not bound:
                 if cut_with_measured_overhead:  # else the measured overhead may still ask for more
                     self._stop_tuning("a larger one would not change the cut")
-            elif not self._fits(bigger):
+            elif not self.fits(bigger):
                 self._stop_tuning(f"{bigger:,} is predicted to exceed the memory limit")
             else:
                 self.max_tokens = bigger
@@ -243,19 +187,11 @@ class TokenController:
             self.settled_because = f"token budget {self.max_tokens:,} ({self.budget_because}), {overhead}"
 
     def on_out_of_memory(self, rows: int, padded_tokens: int) -> None:
-        """A micro-batch of `rows` rows and `padded_tokens` ran out of memory: the budget becomes at most half of
-        that and stops growing; the budget before is tried again later (see `end_step`).
-
-        Raises:
-            MicroBatchTooLargeError: if it was one row.
-        """
-        self.oom_sizes.append(rows)
-        if rows == 1:
-            raise MicroBatchTooLargeError(
-                "one sample per micro-batch runs out of memory", list(self.oom_sizes)
-            )
-        self.failed_tokens.append(padded_tokens)
-        self._shrink(min(self.max_tokens, padded_tokens // 2))
+        """A micro-batch of `rows` rows and `padded_tokens` ran out of memory: the budget becomes at most half of that
+        and stops growing (the budget before is tried again later). Raises [`MicroBatchTooLargeError`] if it was one
+        row."""
+        self._out_of_memory(rows)
+        self._shrink(padded_tokens)
         if self.tuning:
             self._stop_tuning(f"{padded_tokens:,} padded tokens ran out of memory")
 
@@ -266,7 +202,7 @@ class TokenController:
         )
 
     def warn_long_row(self, length: int) -> None:
-        """Say, once per run, that a row longer than the budget runs alone (a row cannot be split)."""
+        """Say once per run that a row longer than the budget runs alone (a row cannot be split)."""
         if self.warned_long_row:
             return
         self.warned_long_row = True
@@ -311,9 +247,8 @@ class TokenController:
     # -- checkpoint --------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Plain JSON: what a resumed run needs to cut steps exactly as the uninterrupted run would."""
+        """Plain JSON: what a resumed run needs to cut steps as the uninterrupted run would."""
         return {
-            "kind": self.kind,
             "max_tokens": self.max_tokens,
             "tuning": self.tuning,
             "budget_because": self.budget_because,
@@ -323,14 +258,8 @@ class TokenController:
             "line_missed": self.line_missed,
             "steps_measured": self.steps_measured,
             "time_points": [list(point) for point in self.time_points],
-            "memory_points": [list(point) for point in self.memory_points],
-            "oom_sizes": list(self.oom_sizes),
             "failed_tokens": list(self.failed_tokens),
-            "shrunk_from": self.shrunk_from,
-            "steps_since_shrink": self.steps_since_shrink,
-            "tokens_run": self.tokens_run,
-            "tried_again": list(self.tried_again),
-            "settled_because": self.settled_because,
+            **self._search_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -344,27 +273,15 @@ class TokenController:
         self.steps_measured = int(state["steps_measured"])
         self.time_points = [(float(t), float(s)) for t, s in state["time_points"]]
         self.step_start = len(self.time_points)  # written at a step's end
-        self.memory_points = [(float(t), float(p)) for t, p in state["memory_points"]]
-        self.oom_sizes = [int(size) for size in state["oom_sizes"]]
         self.failed_tokens = [int(tokens) for tokens in state["failed_tokens"]]
-        self.shrunk_from = state["shrunk_from"]
-        self.steps_since_shrink = int(state["steps_since_shrink"])
-        self.tokens_run = int(state["tokens_run"])
-        self.tried_again = [int(budget) for budget in state["tried_again"]]
-        self.settled_because = state["settled_because"]
+        self._load_search_state(state)
 
 
 class TokenCut:
-    """The micro-batches of one step cut by tokens, decided before it runs from this rank's row lengths; all ranks
-    run as many (a rank with fewer runs rows that add nothing)."""
+    """The micro-batches of a step cut by tokens, decided before it runs from this rank's row lengths; all ranks run
+    as many (a rank with fewer runs rows that add nothing)."""
 
-    def __init__(
-        self,
-        controller: TokenController,
-        batch,
-        agree: Callable[[list[float]], list[float]],
-        row_cap: int | None = None,
-    ):
+    def __init__(self, controller: TokenController, batch, agree: Agree, row_cap: int | None = None):
         self.controller = controller
         # a row cap counts the dataset's rows, which a padding-free step no longer shows (its sequences are the
         # rows it is cut between): there the token budget alone bounds a micro-batch
@@ -389,7 +306,6 @@ class TokenCut:
             start += own
 
     def record(self, micro: MicroBatch, report) -> None:
-        """What a micro-batch measured (`report`: seconds, padded tokens, peak bytes, all ranks combined)."""
         if micro.timed:
             self.controller.record(report.seconds, report.padded_tokens, report.measured_peak)
 
@@ -401,11 +317,10 @@ class TokenCut:
 
 
 def fitted_overhead(points: list[tuple[float, float]]) -> int | None:
-    """The fixed time of a micro-batch in tokens' worth: the intercept over the slope of the robust line of seconds
-    against padded tokens ([`fit.robust_affine`]; at least 0); `None` when the points give no rising line.
+    """The fixed time of a micro-batch in tokens' worth: intercept over slope of the robust line of seconds against
+    padded tokens (at least 0); `None` where the points give no rising line.
 
-    Example: micro-batches of 1,000 and 3,000 tokens taking 0.2 s and 0.4 s: 0.1 s + 0.0001 s per token, so 1,000.
-    """
+    Example: 1,000 and 3,000 tokens in 0.2 s and 0.4 s: 0.1 s + 0.0001 s per token, so 1,000."""
     line = robust_affine(points)
     if line is None or line[1] <= 0:
         return None
@@ -417,11 +332,9 @@ def slower_than_the_line(
     fitted_on: list[tuple[float, float]], new: list[tuple[float, float]]
 ) -> float | None:
     """How much slower than the line of `fitted_on` the `new` micro-batches larger than all of those ran, together,
-    where that is more than `LINE_MARGIN`; else `None` (also when none is larger, or there is no rising line).
+    where that is more than `LINE_MARGIN`; else `None` (also where none is larger, or there is no rising line).
 
-    Example: a line of 0.1 s + 0.0001 s per token fitted up to 2,000 tokens predicts 0.9 s at 8,000; 1.8 s is 100%
-    slower.
-    """
+    Example: 0.1 s + 0.0001 s per token fitted up to 2,000 tokens predicts 0.9 s at 8,000; 1.8 s is 100% slower."""
     line = robust_affine(fitted_on) if fitted_on else None
     if line is None or line[1] <= 0:
         return None

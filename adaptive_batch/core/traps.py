@@ -1,17 +1,8 @@
-"""The classic traps of a run's settings: what the plan does that the user may not expect, as warnings that name the
-fix. `adaptive-batch plan` prints them and the Trainer wiring logs them when `train()` starts, from the same
-[`~core.planning.RunPlan`], so both warn alike.
-
-- `max_steps` and `num_train_epochs` both given: `max_steps` wins;
-- `max_steps` with a batch that changes: AdaptiveBatch counts it in samples of the starting batch;
-- a schedule boundary never reached within the budget, or a schedule that never leaves its first phase;
-- a budget in epochs that ends mid-epoch;
-- a schedule's effective batch above the dataset size (refused once reached);
-- an explicit schedule whose first size is not `per_device x accumulation x world size`;
-- a stated micro-batch, or an eval batch, above the largest `adaptive-batch probe` found to fit for this setup
-  (`probed_traps`: the Trainer only, where the model tells the probe's cache key).
-
-Pure Python: no torch, no transformers.
+"""The classic traps of a run's settings, as warnings that name the fix: `max_steps` with `num_train_epochs` or with a
+changing batch, a schedule boundary never reached, a budget ending mid-epoch, a size above the dataset, an explicit
+schedule starting elsewhere than the batch settings, a size above what `adaptive-batch probe` found to fit.
+`adaptive-batch plan` prints them and the Trainer wiring logs them, from the same [`~core.planning.RunPlan`]. Pure
+Python.
 """
 
 from __future__ import annotations
@@ -26,8 +17,8 @@ TRAINER_DEFAULT_EPOCHS = 3.0  # TrainingArguments.num_train_epochs
 
 
 def explicit_epochs(num_train_epochs: float | None) -> float | None:
-    """`num_train_epochs` where it was given on purpose, as far as one can tell: a saved TrainingArguments holds the
-    Trainer's default 3 whether or not it was set, so 3 counts as not given."""
+    """`num_train_epochs` where given on purpose, as far as one can tell: a saved TrainingArguments holds the default
+    3 either way, so 3 counts as not given."""
     if num_train_epochs is None or num_train_epochs == TRAINER_DEFAULT_EPOCHS:
         return None
     return num_train_epochs
@@ -36,14 +27,8 @@ def explicit_epochs(num_train_epochs: float | None) -> float | None:
 def run_traps(
     run: RunPlan, schedule: Schedule, epochs_given: float | None = None, schedule_given: bool = False
 ) -> list[str]:
-    """The warnings for `run`, planned under `schedule`.
-
-    Args:
-        epochs_given: `num_train_epochs` where the user set it (`None` where it is the default), for the warning that
-            `max_steps` overrides it.
-        schedule_given: the schedule was set explicitly (else it is `per_device x accumulation x world size`, which
-            cannot disagree with the batch settings) and so were the batch settings.
-    """
+    """The warnings for `run` under `schedule`; `epochs_given`: `num_train_epochs` where set (for "max_steps overrides
+    it"); `schedule_given`: the schedule and the batch settings were both set explicitly."""
     return [
         *_max_steps_traps(run, schedule, epochs_given),
         *_phase_traps(run, schedule),
@@ -60,9 +45,8 @@ def probed_traps(
     boundary: int | None,
     eval_boundary: int | None,
 ) -> list[str]:
-    """A start above what `adaptive-batch probe` found to fit at `seq_len` tokens (`boundary`, `eval_boundary`:
-    the largest sizes that fit where a larger one failed, else `None`): the first such step or eval batch runs out of
-    memory and runs again smaller, which costs its time."""
+    """A start above what `adaptive-batch probe` found to fit at `seq_len` tokens (`boundary`, `eval_boundary`;
+    `None`: not found): the first such step or eval batch runs out of memory and runs again smaller."""
     warnings = []
     if isinstance(micro_batch_size, int) and boundary is not None and micro_batch_size > boundary:
         warnings.append(
@@ -81,8 +65,7 @@ def probed_traps(
 
 
 def _max_steps_traps(run: RunPlan, schedule: Schedule, epochs_given: float | None) -> list[str]:
-    """`max_steps` overrides the epochs, and AdaptiveBatch counts it in samples of the starting batch, not in steps
-    of the growing ones."""
+    """`max_steps` overrides the epochs, and counts samples of the starting batch, not steps of later ones."""
     max_steps = run.settings.max_steps
     if max_steps <= 0:
         return []
@@ -161,7 +144,7 @@ def _phase_traps(run: RunPlan, schedule: Schedule) -> list[str]:
 
 
 def _mid_epoch_trap(run: RunPlan) -> list[str]:
-    """A budget in epochs whose last epoch is partial: part of the data is seen once fewer than the rest."""
+    """A budget in epochs whose last epoch is partial: part of the data is seen once fewer."""
     settings, dataset_size = run.settings, run.settings.dataset_size
     if settings.max_steps > 0 or dataset_size is None:
         return []
@@ -179,8 +162,7 @@ def _mid_epoch_trap(run: RunPlan) -> list[str]:
 
 
 def _above_dataset_traps(run: RunPlan, schedule: Schedule) -> list[str]:
-    """A schedule's size above the dataset: one step cannot hold more than an epoch, so the run is refused when the
-    schedule reaches it (the plan refuses the sizes it reaches; this catches the ones it does not, yet)."""
+    """A schedule's size above the dataset, refused once reached (the plan refuses only those it reaches)."""
     if not isinstance(schedule, PhaseSchedule) or run.settings.dataset_size is None:
         return []
     dataset_size, world = run.dataset_size, run.settings.world_size
@@ -196,7 +178,7 @@ def _above_dataset_traps(run: RunPlan, schedule: Schedule) -> list[str]:
 
 
 def _start_traps(run: RunPlan, schedule_given: bool) -> list[str]:
-    """An explicit schedule that starts elsewhere than `per_device x accumulation x world size`."""
+    """An explicit schedule starting elsewhere than `per_device x accumulation x world size`."""
     settings = run.settings
     per_device, accumulation = settings.per_device_train_batch_size, settings.gradient_accumulation_steps
     if not schedule_given or per_device is None:
@@ -215,13 +197,11 @@ def _start_traps(run: RunPlan, schedule_given: bool) -> list[str]:
 
 
 def _listed(noun: str, values, unit: str = "") -> str:
-    """'size 8 is' or 'sizes 8, 16 are': the values with their noun and verb."""
     plural = {"boundary": "boundaries", "batch": "batches"}.get(noun, noun + "s")
     text = ", ".join(f"{value:g}" for value in values) + unit
     return f"{plural} {text} are" if len(values) > 1 else f"{noun} {text} is"
 
 
 def _progress(run: RunPlan, step: int) -> Progress:
-    """The progress the schedule was asked at for `step` of the plan."""
     plan = run.plan
     return Progress(step, plan.samples_before_step[step], plan.starts[step] / plan.budget)

@@ -1,19 +1,19 @@
-"""What a session runs with, built from the Trainer and the settings: the engine, the controller that cuts the steps
-(chosen from the facts it reads of the run), the step runner and the noise scale's averages."""
+"""What runs a session's plan, and owns it: the controller that cuts the steps (chosen from what the Trainer tells,
+[`facts.TrainerFacts`]), the step runner, the record of measurements and the evaluation's pieces."""
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 
+from ..core.checkpoint import PlanIdentity, StoredCheckpoint, learned_state_applies
 from ..core.config import AdaptiveBatchConfig
 from ..core.controllers import Layout, controller_for, waits_for_lengths
-from ..core.microbatch import CutController
-from ..core.noise import NoiseScale
-from ..core.plain_trainer import PlainBatching
 from ..core.replay import Tape, differences, file_name, read_record, replay_error
-from ..runtime import compat, lengths
+from ..core.steps import StepPlan
+from ..runtime import lengths
+from ..runtime.compat.trainer import padding_free
 from ..runtime.engines import Engine, engine_for
 from ..runtime.evaluation import EvalGrowth, EvalPieces
 from ..runtime.noise_hooks import GradientNoiseMeter
@@ -23,156 +23,185 @@ from .facts import TrainerFacts
 logger = logging.getLogger("adaptive_batch")
 
 
-def engine(trainer, world_size: int) -> Engine:
-    return engine_for(trainer, world_size)
+class Assembly:
+    """One Trainer's step machinery, built again for each plan ([`build`]), and its evaluation, built once."""
 
+    def __init__(self, trainer, config: AdaptiveBatchConfig, world_size: int, rank: int):
+        self.trainer, self.config, self.world_size, self.rank = trainer, config, world_size, rank
+        self.controller = None  # (a second train() without a checkpoint keeps what the first learned)
+        self.runner: MicroBatchRunner | None = None
+        self.row_limit = 0  # the most rows a step of the plan holds on a rank
+        # the dataset could not tell its rows' lengths: the first step tells them ([`lengths_from_step`])
+        self.lengths_pending = False
+        # evaluation survives an out-of-memory error ([`runtime.evaluation`]), unless adapt_evaluation=False or the
+        # engine's forward gathers parameters from every rank (DeepSpeed, FSDP): there the Trainer's own (None);
+        # under adapt_evaluation="grow" the eval batch grows between evaluations (None: the user's size)
+        sharded = any(getattr(trainer, name, False) for name in ("is_deepspeed_enabled", "is_fsdp_enabled"))
+        grow = config.adapt_evaluation == "grow"
+        self.eval_pieces = self.eval_growth = None
+        if config.adapt_evaluation and not sharded:
+            self.eval_pieces = EvalPieces(trainer, world_size, cut_by_tokens=grow)
+            if grow:
+                self.eval_growth = EvalGrowth(
+                    trainer, self.eval_pieces, config.growth_margin, config.memory_headroom
+                )
 
-def controller(session, engine: Engine) -> CutController:
-    """The controller for the session's plan ([`core.controllers.controller_for`]); where the dataset cannot tell
-    its rows' lengths, by rows until the first step tells them (`session.lengths_pending`, [`lengths_from_step`])."""
-    facts = TrainerFacts(session.trainer, session.config, engine, session.per_device_train_batch_size)
-    session.lengths_pending = waits_for_lengths(session.config, facts)
-    return controller_for(session.config, facts, session.plan.max_rows_per_rank)
+    def engine(self) -> Engine:
+        return engine_for(self.trainer, self.world_size)
 
-
-def plain_batching(session) -> PlainBatching:
-    """The plain Trainer at the user's batch settings, over the plan's dataset."""
-    return PlainBatching(
-        session.plan.dataset_size,
-        session.per_device_train_batch_size,
-        session.gradient_accumulation_steps,
-        session.world_size,
-        bool(session.trainer.args.dataloader_drop_last),
-    )
-
-
-def probed_traps(session) -> list[str]:
-    """A stated micro-batch or eval batch above what `adaptive-batch probe` found to fit for this setup."""
-    facts = TrainerFacts(
-        session.trainer, session.config, session.runner.engine, session.per_device_train_batch_size
-    )
-    return facts.probed_traps()
-
-
-def lengths_from_step(session, inputs) -> None:
-    """The first step's rows tell their lengths where the dataset could not: rows that vary are run as the
-    dataset's lengths would have chosen from this step on, padding-free or cut by padded tokens (every rank alike:
-    they agree on the longest row and on whether any rank's rows vary)."""
-    row_lengths = lengths.step_row_lengths(inputs) or [0]
-    varies, longest = session.runner.agree(
-        [float(min(row_lengths) != max(row_lengths)), float(max(row_lengths))]
-    )
-    if varies:
-        flatten = choose_from_lengths(session, int(longest))
-        logger.info(
-            "AdaptiveBatch: the first step's rows vary in length (the longest %d tokens; the dataset could not tell "
-            "before training): steps are %s from here on.",
-            int(longest),
-            "flattened padding-free" if flatten else "cut by padded tokens",
+    def build(
+        self,
+        engine: Engine,
+        plan: StepPlan,
+        identity: PlanIdentity,
+        checkpoint: StoredCheckpoint | None,
+        growing: bool,
+    ) -> None:
+        """The controller ([`core.controllers.controller_for`]; kept unless there is none yet or a checkpoint is
+        resumed), the step runner and the record of measurements, for `plan`."""
+        facts = TrainerFacts(self.trainer, self.config, engine)
+        if self.controller is None or checkpoint is not None:
+            self.lengths_pending = waits_for_lengths(self.config, facts)
+            self.controller = controller_for(self.config, facts, plan.max_rows_per_rank)
+        measures = self.config.measure_noise and engine.measures_noise
+        self.runner = MicroBatchRunner(
+            self.trainer,
+            self.controller,
+            self.world_size,
+            engine,
+            packed=padding_free(self.trainer),
+            flatten=facts.layout.flatten,
+            noise=GradientNoiseMeter(self.config.noise_preconditioner, self.trainer.args.device)
+            if measures
+            else None,
         )
-    session.lengths_pending = False
+        self.runner.tape = self._tape(identity, checkpoint, growing)
+        if self.eval_pieces is not None:
+            self.eval_pieces.tape = self.runner.tape
+        self.follow(plan)
 
+    def follow(self, plan: StepPlan) -> None:
+        """The controller's row limit from `plan` (the first, or one a growing schedule made)."""
+        self.row_limit = plan.max_rows_per_rank
+        self.controller.set_row_limit(self.row_limit)
 
-def choose_from_lengths(session, longest_row: int) -> bool:
-    """Rows of varying length from now on: padding-free where the layout says so, else cut by padded tokens with a
-    budget starting at the starting size x `longest_row`. Returns whether steps are flattened."""
-    engine = session.runner.engine
-    facts = TrainerFacts(session.trainer, session.config, engine, session.per_device_train_batch_size)
-    facts.observe(True, longest_row)
-    session.runner.flatten = facts.layout.flatten
-    session.controller = session.runner.controller = controller_for(
-        session.config, facts, session.plan.max_rows_per_rank
-    )
-    return facts.layout.flatten
+    def _tape(self, identity: PlanIdentity, checkpoint: StoredCheckpoint | None, growing: bool) -> Tape:
+        """What the decisions read of time and memory ([`core.replay`]): a resumed run's continues its checkpoint's;
+        with `replay=PATH` the measurements come from that record, refused where another run made it."""
+        trainer, config = self.trainer, self.config
+        plan = asdict(identity)
+        if growing:  # (its changes are restored from a checkpoint: compared by its settings)
+            del plan["fingerprint"]
+        run = {
+            "world_size": self.world_size,
+            "device": trainer.args.device.type,
+            "plan": plan,
+            "settings": {
+                f.name: getattr(config, f.name)
+                for f in fields(config)
+                if f.name not in ("schedule", "lr_scaling", "replay")
+            },
+            "cut": self.controller.describe(),
+            "padding_free_steps": bool(self.runner.flatten),
+            "per_device_eval_batch_size": trainer.args.per_device_eval_batch_size,
+        }
+        recorded = Tape(run)
+        name = file_name(self.rank, self.world_size)
+        if checkpoint is not None and os.path.isfile(os.path.join(checkpoint.path, name)):
+            recorded.continue_from(read_record(os.path.join(checkpoint.path, name), 0, 1)[0])
+        if config.replay is not None:
+            record, path = read_record(config.replay, self.rank, self.world_size)
+            changed = differences(record.get("run"), run)
+            if changed:
+                raise ValueError(replay_error(config.replay, changed))
+            recorded.replay(record, path)
+            recorded.run = record["run"]
+        return recorded
 
+    def write_tape(self, folder: str) -> None:
+        """This process's record of measurements into `folder` (a checkpoint's, or the output_dir at the end)."""
+        self.runner.tape.write(os.path.join(folder, file_name(self.rank, self.world_size)))
 
-def layout(session, engine: Engine | None = None) -> Layout:
-    """How the session's padding collator's steps run ([`core.controllers.choose_layout`])."""
-    engine = engine or session.runner.engine
-    return TrainerFacts(session.trainer, session.config, engine, session.per_device_train_batch_size).layout
+    # -- what the Trainer tells ------------------------------------------------------------------------------------
 
+    def layout(self) -> Layout:
+        """How a padding collator's steps run, as the Trainer tells before training (the plan table's)."""
+        return TrainerFacts(self.trainer, self.config, self.runner.engine).layout
 
-def runner(session, engine: Engine) -> MicroBatchRunner:
-    trainer, config = session.trainer, session.config
-    measures = config.measure_noise and engine.measures_noise
-    return MicroBatchRunner(
-        trainer,
-        session.controller,
-        session.world_size,
-        engine,
-        packed=compat.padding_free(trainer),
-        flatten=layout(session, engine).flatten,
-        noise=GradientNoiseMeter(config.noise_preconditioner, trainer.args.device) if measures else None,
-    )
+    def probed_traps(self) -> list[str]:
+        """A stated micro-batch or eval batch above what `adaptive-batch probe` found to fit for this setup."""
+        return TrainerFacts(self.trainer, self.config, self.runner.engine).probed_traps()
 
+    def check_longest_row(self) -> None:
+        """Warn before any compute where a row is longer than the token budget (it will run alone); a packed row is
+        cut between its sequences."""
+        if self.controller.max_tokens is None or getattr(self.trainer.args, "packing", False):
+            return
+        self.controller.check_longest_row(lengths.longest(self.trainer.train_dataset))
 
-def noise_averages(config: AdaptiveBatchConfig) -> NoiseScale | None:
-    return NoiseScale(config.noise_time_constant_samples) if config.measure_noise else None
+    def lengths_from_step(self, inputs) -> None:
+        """Where the dataset could not tell, the first step's rows do: rows that vary run from this step on as the
+        dataset's lengths would have chosen (every rank alike: they agree on the longest row, and whether any varies)."""
+        row_lengths = lengths.step_row_lengths(inputs) or [0]
+        varies, longest = self.runner.agree(
+            [float(min(row_lengths) != max(row_lengths)), float(max(row_lengths))]
+        )
+        if varies:
+            flatten = self._choose_from_lengths(int(longest))
+            logger.info(
+                "AdaptiveBatch: the first step's rows vary in length (the longest %d tokens; the dataset could not tell "
+                "before training): steps are %s from here on.",
+                int(longest),
+                "flattened padding-free" if flatten else "cut by padded tokens",
+            )
+        self.lengths_pending = False
 
+    def _choose_from_lengths(self, longest_row: int) -> bool:
+        """Rows of varying length from now on: padding-free where the layout says so, else cut by padded tokens with a
+        budget starting at the starting size x `longest_row`. Returns whether steps are flattened."""
+        facts = TrainerFacts(self.trainer, self.config, self.runner.engine)
+        facts.observe(True, longest_row)
+        self.runner.flatten = facts.layout.flatten
+        self.controller = self.runner.controller = controller_for(self.config, facts, self.row_limit)
+        return facts.layout.flatten
 
-def check_longest_row(session) -> None:
-    """Warn before any compute when the dataset holds a row longer than a token budget (it will run alone); a packed
-    row is cut between its sequences."""
-    if session.controller.max_tokens is None or getattr(session.trainer.args, "packing", False):
-        return
-    session.controller.check_longest_row(lengths.longest(session.trainer.train_dataset))
+    # -- checkpoint ------------------------------------------------------------------------------------------------
 
+    def state_dict(self) -> dict:
+        runner = self.runner
+        return {
+            "micro_batch": self.controller.state_dict() if self.controller else None,
+            "last_micro_batch_size": runner.last.micro_batch_size if runner else 0,
+            "last_accumulation_steps": runner.last.accumulation_steps if runner else 0,
+            "flattened": bool(runner.flatten) if runner else False,
+        }
 
-def eval_pieces(trainer, config: AdaptiveBatchConfig, world_size: int) -> EvalPieces | None:
-    """Evaluation that survives an out-of-memory error ([`runtime.evaluation`]), unless `adapt_evaluation=False`
-    or the engine's forward gathers parameters from every rank (DeepSpeed, FSDP): there the Trainer's own."""
-    sharded = getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)
-    if not config.adapt_evaluation or sharded:
-        return None
-    return EvalPieces(trainer, world_size, cut_by_tokens=config.adapt_evaluation == "grow")
-
-
-def eval_growth(trainer, config: AdaptiveBatchConfig, pieces: EvalPieces | None) -> EvalGrowth | None:
-    """The eval batch grown between evaluations, under `adapt_evaluation="grow"` (where evaluation runs in pieces
-    after an out-of-memory error: a batch grown too far must survive)."""
-    if config.adapt_evaluation != "grow" or pieces is None:
-        return None
-    return EvalGrowth(trainer, pieces, config.growth_margin, config.memory_headroom)
-
-
-def tape(session, checkpoint) -> Tape:
-    """The session's record of what its decisions read of time and memory ([`core.replay`]), handed to the step
-    runner and the evaluation: a resumed run's continues its checkpoint's; with `replay=PATH` the measurements come
-    from that record, refused before any compute where it was made by another run."""
-    trainer, config = session.trainer, session.config
-    identity = asdict(session.identity)
-    if session.growth is not None:  # (its changes are restored from a checkpoint: compared by its settings)
-        del identity["fingerprint"]
-    run = {
-        "world_size": session.world_size,
-        "device": trainer.args.device.type,
-        "plan": identity,
-        "settings": {
-            f.name: getattr(config, f.name)
-            for f in fields(config)
-            if f.name not in ("schedule", "lr_scaling", "replay")
-        },
-        "cut": session.controller.describe(),
-        "padding_free_steps": bool(session.runner.flatten),
-        "per_device_eval_batch_size": trainer.args.per_device_eval_batch_size,
-    }
-    recorded = Tape(run)
-    name = file_name(session.rank, session.world_size)
-    if checkpoint is not None and os.path.isfile(os.path.join(checkpoint.path, name)):
-        recorded.continue_from(read_record(os.path.join(checkpoint.path, name), 0, 1)[0])
-    if config.replay is not None:
-        record, path = read_record(config.replay, session.rank, session.world_size)
-        changed = differences(record.get("run"), run)
-        if changed:
-            raise ValueError(replay_error(config.replay, changed))
-        recorded.replay(record, path)
-        recorded.run = record["run"]
-    session.runner.tape = recorded
-    if session.eval_pieces is not None:
-        session.eval_pieces.tape = recorded
-    return recorded
-
-
-def write_tape(session, folder: str) -> None:
-    """This process's record of measurements into `folder` (a checkpoint's, or the output_dir at the end)."""
-    session.runner.tape.write(os.path.join(folder, file_name(session.rank, session.world_size)))
+    def load_state_dict(self, state: dict) -> None:
+        """The checkpoint's last step sizes, and what its run learned of the cut where the settings still apply."""
+        self.runner.last = replace(
+            self.runner.last,
+            micro_batch_size=int(state["last_micro_batch_size"]),
+            accumulation_steps=int(state["last_accumulation_steps"]),
+        )
+        learned = state["micro_batch"]
+        if (
+            self.lengths_pending
+            and learned is not None
+            and (learned["kind"] == "tokens" or state.get("flattened"))
+        ):
+            # the run's first step told that its rows vary: padding-free or cut by tokens as then (the budget learned)
+            self._choose_from_lengths(longest_row=1)
+        self.lengths_pending = False  # (rows: the first step's rows were of one length)
+        controller, config = self.controller, self.config
+        applies, message = learned_state_applies(state["settings"], config.micro_batch_settings())
+        if applies and learned is not None and learned["kind"] != controller.kind:
+            # the same settings, another dataset: "auto" cut the checkpoint's run by the other unit
+            applies = False
+            message = (
+                f"Micro-batches: cut by {controller.kind} now; the checkpoint's run cut by {learned['kind']}, and what "
+                "it learned is not used."
+            )
+        if applies and learned is not None:
+            controller.load_state_dict(learned)
+            controller.limit_to(config.max_micro_batch_size)
+        logger.info("%s", message)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -12,9 +13,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy
 
 from ..core.config import AdaptiveBatchConfig, settings_doc, settings_signature
 from ..core.steps import StepPlan
-from ..runtime import compat
-from . import assemble, resume, status
+from ..runtime.compat.trainer import trainer_being_built
 from .install import install
+from .resume import guard_plain_resume
 from .session import Session
 
 logger = logging.getLogger("adaptive_batch")
@@ -34,53 +35,16 @@ class _attach_method:
 class AdaptiveBatch(TrainerCallback, ExportableState):
     """Keeps the effective batch exact while choosing how each optimizer step is cut into micro-batches.
 
-    Add it to a Trainer (`transformers.Trainer`, TRL's `SFTTrainer`, or a subclass):
-
-    ```python
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, callbacks=[AdaptiveBatch()])
-    ```
-
-    With no arguments the effective batch is the user's (`per_device_train_batch_size x
-    gradient_accumulation_steps x world size`) and only the micro-batching changes. The train dataloader then
-    yields one batch per optimizer step per rank (in the last of the loop's `gradient_accumulation_steps` batches,
-    the others empty: the arguments stay the user's); the Trainer runs as many steps as the plan holds; each step is
-    cut into micro-batches that go through the Trainer's own `training_step`.
+    `callbacks=[AdaptiveBatch()]` on a Trainer (`transformers.Trainer`, TRL's `SFTTrainer`, a subclass), or
+    `AdaptiveBatch.attach(trainer)`. With no arguments the effective batch is the user's (`per_device_train_batch_size
+    x gradient_accumulation_steps x world size`) and only the micro-batching changes. One instance may serve several
+    Trainers in turn, each with its own plan and state.
 
     Args:
     {settings}
 
-    One instance may serve several Trainers in turn (a sweep, a notebook cell run twice): each Trainer gets its
-    own plan and state, and the callback follows the Trainer that is training.
-
-    The training budget is counted in samples: those the plain Trainer takes in its `max_steps` (or
-    `num_train_epochs`) steps at the starting effective batch, so at a constant batch the steps, epochs and learning
-    rate are the plain Trainer's; a growing batch shortens the run in steps. `state.epoch` follows data epochs (1.0, 2.0, ...
-    at their ends) and epoch-strategy evaluation and saving happen once at each data epoch's end.
-
-    Logged with every training log (so TensorBoard, W&B and `state.log_history` get them), the three noise keys only
-    with the logs of steps that measured the noise scale (see below):
-
-    | key | meaning |
-    | --- | --- |
-    | `adaptive_batch/effective_batch_size` | samples in the last optimizer step, all ranks together |
-    | `adaptive_batch/micro_batch_size` | largest micro-batch of the last step, samples per rank |
-    | `adaptive_batch/accumulation_steps` | micro-batches the last step was cut into, per rank |
-    | `adaptive_batch/samples_seen` | samples trained on since the start, all ranks |
-    | `adaptive_batch/tokens_seen` | non-padding tokens trained on since the start, all ranks |
-    | `adaptive_batch/lr_scale` | the LR rule's multiplier at the last step |
-    | `adaptive_batch/noise_scale` | noise scale B_simple = grad_variance / grad_norm_sq, in samples; measured steps only, never inf |
-    | `adaptive_batch/grad_norm_sq` | squared norm of the true gradient, G^2 (averaged estimate, before clipping); measured steps only |
-    | `adaptive_batch/grad_variance` | tr(Sigma), summed variance of one sample's gradient (averaged estimate); measured steps only |
-    | `adaptive_batch/statistical_efficiency` | with a `NoiseScaleSchedule`: the run's modelled sample-weighted statistical efficiency so far |
-
-    The three noise keys are averages over the steps measured so far (their time constant in samples), and a log
-    carries them only where its last step measured the noise scale: one of 2 or more micro-batches over all ranks,
-    whose estimates were finite. A step that measured nothing (one micro-batch on one process) logs none of them,
-    rather than the last values again, so a plot shows only measured points; with `logging_steps > 1` a log carries
-    them where the step it is written at measured. They never log `inf`: while the averaged |G|^2 is not positive
-    (the gradient not yet told apart from its noise) the ratio is infinite, and that log holds `grad_norm_sq` and
-    `grad_variance` without `noise_scale`. They are in the loss's own normalisation: where the loss is a mean over
-    label tokens, the estimator works per token and converts to samples by the step's samples / label tokens.
+    The budget is counted in samples: at a constant batch the steps, epochs and learning rate are the plain
+    Trainer's. What it logs (`adaptive_batch/*` keys): README, "What it logs"; how: docs/how-it-works.md.
     """
 
     def __init__(self, schedule=None, **settings):
@@ -114,30 +78,20 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
 
     @property
     def plan(self) -> StepPlan:
-        """The step plan (read it, do not change it): `plan.sizes[k]` samples in optimizer step `k` over all GPUs,
-        `plan.starts[k]` where they start in the sample stream, `plan.num_steps`, `plan.num_samples`,
-        `plan.samples_before_step[k]`. Known once the Trainer is built; a `NoiseScaleSchedule` replaces it when it
-        grows the batch."""
+        """The step plan (read it, do not change it; [`core.steps.StepPlan`]): `plan.sizes[k]` samples in step `k`
+        over all GPUs. Known once the Trainer is built; a `NoiseScaleSchedule` replaces it when it grows the batch."""
         return self._session("plan").plan
 
     def plan_table(self) -> list[tuple[str, str]]:
-        """The plan as (label, value) rows, as logged when training starts: effective batch, micro-batch, steps,
-        samples, epochs, learning rate rule, phases."""
-        return status.plan_rows(self._session("plan_table()"))
+        """The plan as (label, value) rows, as logged when training starts."""
+        return self._session("plan_table()").plan_rows()
 
     def current(self) -> dict:
-        """Where the run stands after its last optimizer step (before training: what step 0 will run): `step`,
-        `effective_batch_size`, `micro_batch_size` (the last step's largest; before training the first
-        micro-batch's rows where a cut by rows knows them, else `None`), `accumulation_steps`, `samples_seen`,
-        `tokens_seen`, `lr_scale`, `statistical_efficiency` (with a `NoiseScaleSchedule`), the noise scale's averages as they stand after the last step measured, whether
-        or not the last step itself measured (`noise_scale`, `grad_norm_sq`, `grad_variance`: `None` before any step
-        measured; `noise_scale` is `inf` while the averaged `grad_norm_sq` is not positive), `noise_steps` (steps
-        the noise scale was measured on: 0 means the three are `None`), `cut_by` (`"rows"` or `"tokens"`),
-        `max_tokens_per_micro_batch` (the token budget of a cut by tokens, else `None`),
-        `micro_batch_settled_because` (`None` while the micro-batch search goes on),
-        `micro_batch_settled_at_step` (the first step run after it, `None` before) and `batch_changes` (those a
-        `NoiseScaleSchedule` made: step, size, samples seen, reason)."""
-        return status.current(self._session("current()"))
+        """Where the run stands after its last optimizer step (before training: what step 0 will run): the logged
+        values without their prefix, the noise scale's averages as they stand, how the micro-batch is cut and when it
+        settled, and the batch changes a `NoiseScaleSchedule` made (README, "Reading the plan and the run from
+        Python", lists the keys)."""
+        return self._session("current()").current()
 
     def _session(self, what: str) -> Session:
         session = self.training_session or self.session
@@ -148,10 +102,19 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             )
         return session
 
+    @contextlib.contextmanager
+    def _follow(self, session: Session):
+        """The callback's events and checkpoint state follow `session` while its Trainer is inside `train()`."""
+        previous, self.training_session = self.training_session, session
+        try:
+            yield
+        finally:
+            self.training_session = previous
+
     # -- callback events -------------------------------------------------------------------------------------------
 
     def on_init_end(self, args, state, control, **kwargs):
-        trainer = compat.trainer_being_built(self)
+        trainer = trainer_being_built(self)
         if trainer is None:
             raise RuntimeError(
                 "AdaptiveBatch could not find the Trainer being built. Call AdaptiveBatch.attach(trainer) after "
@@ -189,20 +152,21 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             control.should_log = control.should_evaluate = control.should_save = False
 
     def on_save(self, args, state, control, **kwargs):
-        """A checkpoint that a Trainer without AdaptiveBatch would resume elsewhere says so in its state; every
-        process writes its record of measurements into it (what a replay, or this run resumed, reads)."""
-        if self.training_session is None:
+        """A checkpoint a Trainer without AdaptiveBatch would resume elsewhere says so; every process writes its
+        record of measurements into it."""
+        session = self.training_session
+        if session is None:
             return
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if args.should_save:
-            resume.guard_plain_resume(self.training_session, folder, state.global_step)
+            guard_plain_resume(folder, state.global_step, session.run, args)
         if os.path.isdir(folder):  # (saved elsewhere: a hyperparameter search's trial folder)
-            assemble.write_tape(self.training_session, folder)
+            session.assembly.write_tape(folder)
 
     def on_train_end(self, args, state, control, **kwargs):
-        """Every process writes its record of measurements into the output_dir: `replay=` makes a rerun follow it."""
+        """Every process writes its record of measurements into the output_dir (what `replay=` follows)."""
         if self.training_session is not None and args.output_dir:
-            assemble.write_tape(self.training_session, args.output_dir)
+            self.training_session.assembly.write_tape(args.output_dir)
 
     # -- checkpoint ------------------------------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from ..runtime import compat
+from ..runtime.compat.trainer import REPLACED_DATA_METHODS
 from ..runtime.stream import is_stream
 
 
@@ -18,7 +18,8 @@ def check_trainer(trainer: Trainer) -> None:
             "AdaptiveBatch finds the micro-batch inside each step and keeps the effective batch. Set "
             "auto_find_batch_size=False."
         )
-    if getattr(trainer, "is_fsdp_enabled", False) and not compat.is_fsdp2(trainer):
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)  # none stated: version 1
+    if getattr(trainer, "is_fsdp_enabled", False) and getattr(plugin, "fsdp_version", 1) != 2:
         raise ValueError(
             "FSDP version 1 is not supported: it accumulates gradients unsharded outside no_sync and cannot undo "
             "a failed micro-batch. Use FSDP2 (torch's fully_shard): fsdp_config={'version': 2} in "
@@ -48,7 +49,7 @@ def check_trainer(trainer: Trainer) -> None:
             f"train_sampling_strategy={args.train_sampling_strategy!r}: AdaptiveBatch orders samples itself and "
             "groups each step's samples by length before cutting micro-batches. Use 'random' (or 'sequential')."
         )
-    for method in compat.REPLACED_DATA_METHODS:
+    for method in REPLACED_DATA_METHODS:
         owner = next(
             c for c in type(trainer).__mro__ if method in vars(c) and not vars(c).get("_adaptive_batch_mixin")
         )

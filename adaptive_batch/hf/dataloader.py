@@ -1,10 +1,6 @@
-"""The training dataloader: one batch per optimizer step per rank, as the plan cuts the sample stream.
-
-The Trainer's loop reads `gradient_accumulation_steps` batches per optimizer step, and that argument stays the
-user's: each step is yielded as that many slots, the step batch last and `None` before it (an empty slot, which
-[`batch_samples`] gives the loop as an [`EmptySlot`], and the Trainer's `training_step` passes over). So the loop's
-counts (a resumed run skips `steps x accumulation` batches, callbacks' substeps) are the plain Trainer's.
-"""
+"""The training dataloader: one batch per optimizer step per rank, as the plan cuts the sample stream, yielded as
+`gradient_accumulation_steps` slots (the step batch last, empty slots before it) so that the loop's counts are the
+plain Trainer's. See docs/how-it-works.md, "What happens inside" (2. Data)."""
 
 from __future__ import annotations
 
@@ -15,19 +11,16 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..core.steps import StepPlan
-from ..runtime import compat
+from ..runtime.compat.trainer import train_dataset_and_collator
 from ..runtime.sampler import StepBatchSampler
 from ..runtime.stream import StepStream, is_stream
 
 
 def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: bool):
-    """The DataLoader `Trainer.get_train_dataloader` returns under AdaptiveBatch, and what draws its steps (a
-    [`StepBatchSampler`] over a map-style dataset, a [`StepStream`] over a stream), whose `plan` a growing schedule
-    replaces and whose `issued` tells the last step drawn."""
+    """The DataLoader `Trainer.get_train_dataloader` returns, and what draws its steps ([`StepBatchSampler`], or a
+    [`StepStream`] over a stream): a growing schedule replaces its `plan`; its `issued` tells the last step drawn."""
     args = trainer.args
-    dataset, collator = compat.train_dataset_and_collator(
-        trainer, trainer.train_dataset, trainer.data_collator
-    )
+    dataset, collator = train_dataset_and_collator(trainer, trainer.train_dataset, trainer.data_collator)
     slots = args.gradient_accumulation_steps
     if is_stream(dataset):  # the steps come out of the stream itself, one list of samples each
         shared = args.dataloader_num_workers == 0 and dist.is_available() and dist.is_initialized()
@@ -101,8 +94,7 @@ class _WorkerInit:
 
 
 class EmptySlot(dict):
-    """What the Trainer's loop is given for an empty slot: the step batch's tensors with no rows, so that what the
-    loop reads of every batch (its tokens, its floating-point operations) counts nothing."""
+    """An empty slot as the loop sees it: the step batch's tensors with no rows (its tokens and FLOPs count nothing)."""
 
 
 def empty_slot(batch) -> EmptySlot:
@@ -110,8 +102,8 @@ def empty_slot(batch) -> EmptySlot:
 
 
 def batch_samples(inner, epoch_iterator, slots: int, device) -> tuple[list, object]:
-    """`Trainer.get_batch_samples` over the slots of one step: the Trainer counts `num_items_in_batch` over the step
-    batch alone, and the empty slots come before it (the loop synchronises gradients at a step's last batch)."""
+    """`Trainer.get_batch_samples` over one step's slots: `num_items_in_batch` counted over the step batch alone, the
+    empty slots before it (the loop synchronises gradients at a step's last batch)."""
     drawn = list(itertools.islice(epoch_iterator, slots))
     steps = [batch for batch in drawn if batch is not None]
     batches, num_items = inner(iter(steps), len(steps), device)

@@ -1,5 +1,4 @@
-"""What the choice of a controller reads of a Trainer ([`core.controllers.RunFacts`]), each read on first use: the
-dataset's lengths, the collator, the probe's cache, the device's memory and the engine."""
+"""What the choice of a controller reads of a Trainer ([`core.controllers.RunFacts`]), each read on first use."""
 
 from __future__ import annotations
 
@@ -10,7 +9,8 @@ from ..core import traps
 from ..core.config import AdaptiveBatchConfig
 from ..core.controllers import Layout, choose_layout
 from ..probe.cache import cached_start, describe_setup
-from ..runtime import compat, lengths
+from ..runtime import lengths
+from ..runtime.compat.trainer import attention_implementation, padding_free
 from ..runtime.engines import Engine
 from ..runtime.memory import memory_limit
 
@@ -20,11 +20,8 @@ logger = logging.getLogger("adaptive_batch")
 class TrainerFacts:
     """[`core.controllers.RunFacts`] of one Trainer, for one plan."""
 
-    def __init__(
-        self, trainer, config: AdaptiveBatchConfig, engine: Engine, per_device_train_batch_size: int
-    ):
+    def __init__(self, trainer, config: AdaptiveBatchConfig, engine: Engine):
         self.trainer, self.config = trainer, config
-        self.per_device_train_batch_size = per_device_train_batch_size
         self.oom_is_fatal = not engine.retries
 
     @cached_property
@@ -41,18 +38,17 @@ class TrainerFacts:
 
     @property
     def layout(self) -> Layout:
-        """How a padding collator's steps run ([`core.controllers.choose_layout`]; it changes once the first step
-        tells lengths the dataset could not)."""
+        """How a padding collator's steps run ([`core.controllers.choose_layout`])."""
         return choose_layout(
             self.config.padding_free,
-            compat.padding_free(self.trainer),
-            compat.attention_implementation(self.trainer.model),
+            padding_free(self.trainer),
+            attention_implementation(self.trainer.model),
             self.lengths_vary,
         )
 
     @property
     def padding_free(self) -> bool:
-        return compat.padding_free(self.trainer) or self.layout.flatten
+        return padding_free(self.trainer) or self.layout.flatten
 
     @cached_property
     def longest_row(self) -> int:
@@ -73,8 +69,7 @@ class TrainerFacts:
 
     @cached_property
     def probed(self):
-        """The `adaptive-batch probe` cache's entry for this setup at the run's length ([`probe.cache.CachedStart`]),
-        or `None` where the run's length or the model's config is unknown."""
+        """The probe cache's entry for this setup at the run's length (`None`: length or model config unknown)."""
         trainer, args = self.trainer, self.trainer.args
         seq_len = getattr(args, "max_length", None) or lengths.longest(trainer.train_dataset)
         if seq_len is None or not hasattr(trainer.model, "config"):
@@ -84,14 +79,14 @@ class TrainerFacts:
 
     @cached_property
     def start(self) -> int:
-        """Where "auto" starts: a cached `adaptive-batch probe` result for this setup, else the per-device size.
-        When the cache holds another setup, one line says which field differs."""
-        probed = self.probed
+        """Where "auto" starts: a cached probe result for this setup, else the per-device size (one line says which
+        field differs where the cache holds another setup)."""
+        probed, per_device = self.probed, self.trainer.args.per_device_train_batch_size
         if probed is None:
-            return self.per_device_train_batch_size
+            return per_device
         if probed.message is not None:
             logger.info("%s", probed.message)
-        return probed.size if probed.size is not None else self.per_device_train_batch_size
+        return probed.size if probed.size is not None else per_device
 
     def probed_traps(self) -> list[str]:
         """A stated micro-batch or eval batch above what the probe found to fit ([`core.traps.probed_traps`])."""

@@ -1,10 +1,5 @@
-"""Growing the effective batch during training by goodput: the driver of a [`core.goodput.NoiseScaleSchedule`].
-
-After each step it times the step before (for [`core.goodput.StepTimeModel`]), now and then cuts a step of one
-micro-batch in two so that one process measures the noise scale, and asks the schedule whether a larger effective
-batch pays. A change takes effect from the first step the data loader has not drawn yet: the session plans the rest
-of the run again ([`session.Session.replan`]).
-"""
+"""Growing the effective batch during training by goodput: the driver of a [`core.goodput.NoiseScaleSchedule`]. See
+docs/how-it-works.md, "An effective batch chosen by goodput"."""
 
 from __future__ import annotations
 
@@ -12,6 +7,7 @@ import logging
 import time
 
 from ..core.goodput import NoiseScaleSchedule, StepCosts, StepTimeModel
+from ..core.planning import RunPlan
 from ..core.schedule import Progress
 from ..runtime.engines import Engine
 
@@ -24,23 +20,25 @@ def growth_for(schedule) -> Growth | None:
 
 
 class Growth:
-    """The growth of one run's effective batch (see the module docstring)."""
+    """Times each step, cuts one in two now and then so that one process measures the noise scale, and asks the
+    schedule whether a larger batch pays: from the first step not drawn yet ([`session.Session.replan`])."""
 
     def __init__(self, schedule: NoiseScaleSchedule):
         self.schedule = schedule
         self.step_time = StepTimeModel()
-        self._timing: tuple[float, tuple[int, int] | None] | None = (
-            None  # (start of the last step, what it ran)
-        )
-        self._usual_micro_batches = (
-            1  # a step's micro-batches on a rank, outside the steps cut in two to measure
-        )
+        # (start of the last step, what it ran: rows and micro-batches, None where it is not to be timed)
+        self._timing: tuple[float, tuple[int, int] | None] | None = None
+        # a step's micro-batches on a rank, outside the steps cut in two to measure
+        self._usual_micro_batches = 1
 
     # -- before training -------------------------------------------------------------------------------------------
 
-    def check(self, session, engine: Engine, stored: dict | None) -> None:
-        """The schedule's requirements; its changes: none for a new run, the checkpoint's (`stored`) to resume."""
-        schedule, config, world_size = self.schedule, session.config, session.world_size
+    def check(
+        self, config, engine: Engine, world_size: int, stream_workers: int, stored: dict | None
+    ) -> None:
+        """The schedule's requirements (`stream_workers`: the data loader's workers reading a training stream); its
+        changes: none, or the checkpoint's (`stored`)."""
+        schedule = self.schedule
         if not config.measure_noise:
             raise ValueError(
                 "schedule=NoiseScaleSchedule(...) decides by the gradient noise scale, but measure_noise=False turns "
@@ -57,17 +55,17 @@ class Growth:
                 f"must take the same share. Use {schedule.start // world_size * world_size or world_size} or a "
                 "multiple of the world size."
             )
-        if session.is_stream and session.trainer.args.dataloader_num_workers > 0:
+        if stream_workers > 0:
             raise ValueError(
-                f"NoiseScaleSchedule with a training stream and dataloader_num_workers="
-                f"{session.trainer.args.dataloader_num_workers}: the stream is read in a worker process, which a new "
-                "plan cannot reach after a change. Use dataloader_num_workers=0, or a map-style dataset."
+                f"NoiseScaleSchedule with a training stream and dataloader_num_workers={stream_workers}: the stream "
+                "is read in a worker process, which a new plan cannot reach after a change. Use "
+                "dataloader_num_workers=0, or a map-style dataset."
             )
         schedule.reset()
         if stored:
             schedule.load_state_dict(stored)
 
-    def check_sizes(self, run, world_size: int) -> None:
+    def check_sizes(self, run: RunPlan, world_size: int) -> None:
         """Every size the schedule may grow to fits the dataset and gives a valid learning rate, before any compute."""
         largest = self.schedule.sizes(world_size)[-1]
         if largest > run.dataset_size:
@@ -82,9 +80,8 @@ class Growth:
     # -- during training -------------------------------------------------------------------------------------------
 
     def before_step(self, step: int, last_step: int, tape) -> None:
-        """Time the last step, from its start to this one's (its optimizer step, logging and data loading included);
-        `tape` records the time, or gives the recorded run's ([`core.replay.Tape.keyed`]: also the step before a
-        resumed run's first, which that run cannot time)."""
+        """Time the last step, from its start to this one's (optimizer step, logging, data loading included); `tape`
+        records it, or gives the recorded run's ([`core.replay.Tape.keyed`])."""
         now, measured = time.perf_counter(), None
         if self._timing is not None and self._timing[1] is not None and step == last_step + 1:
             rows, micro_batches = self._timing[1]
@@ -95,8 +92,7 @@ class Growth:
         self._timing = (now, None)
 
     def split(self, session, step: int) -> bool:
-        """Whether to cut this step in two so that one process measures the noise scale
-        (`NoiseScaleSchedule.cut_every`)."""
+        """Whether to cut this step in two so that one process measures the noise scale (`cut_every`)."""
         schedule = self.schedule
         if session.world_size != 1:
             return False
@@ -118,35 +114,32 @@ class Growth:
         self._maybe_grow(session, step)
 
     def _first_undrawn(self, session, step: int) -> int:
-        """The first step whose samples the data loader has not drawn yet, and not before the last change: where a
-        change made now would take effect."""
+        """Where a change made now takes effect: the first step the loader has not drawn, not before the last change."""
         first = (session.sampler.issued if session.sampler is not None else step) + 1
         if self.schedule.changes:  # (a change may already wait in steps the loader has not drawn)
             first = max(first, self.schedule.changes[-1].step + 1)
         return first
 
     def _maybe_grow(self, session, step: int) -> None:
-        """Ask the schedule, after `step`, whether a larger effective batch pays; if so, plan again from the first
-        step the data loader has not drawn yet."""
-        schedule, plan = self.schedule, session.plan
+        """Ask the schedule whether a larger effective batch pays; if so, plan again from the first undrawn step."""
+        schedule, plan, runner = self.schedule, session.plan, session.runner
         first = self._first_undrawn(session, step)
         # the size decided last: steps drawn before it took effect still run the one before
         current, samples = schedule(Progress(first, 0, 0.0)), plan.samples_before_step[step + 1]
         noise = session.noise.lower_bound(schedule.confidence_z)
         proposal = schedule.propose(current, samples, noise, self._costs(session), budget=plan.budget)
         size, reason = proposal if proposal is not None else (0, "")
-        if session.runner.distributed:
+        if runner.distributed:
             # timings differ between ranks: the largest proposal holds for all, from the latest undrawn step
-            size, first = (int(x) for x in session.runner.agree([size, first]))
+            size, first = (int(x) for x in runner.agree([size, first]))
             if size and not reason:
                 reason = "another rank's step times"
         if not size or first >= plan.num_steps:
             return
         change = schedule.change(first, size, samples, reason, session.noise.value)
-        new = session.run.steps(schedule)
+        new = session.replan(schedule)
         if new.sizes[:first] != plan.sizes[:first] or new.starts[:first] != plan.starts[:first]:
             raise RuntimeError("A new plan changed steps already drawn; this is a bug in AdaptiveBatch.")
-        session.replan(new)
         if session.trainer.args.should_log:
             logger.info(
                 "AdaptiveBatch: effective batch %d -> %d from step %d (after %s samples): %s; %d steps in all now.",
@@ -159,8 +152,7 @@ class Growth:
             )
 
     def _costs(self, session) -> StepCosts:
-        """What prices a larger step: the step times, and the most rows a micro-batch may hold there, as far as
-        the controller knows."""
+        """What prices a larger step: the step times, and the most rows a micro-batch may hold there."""
         cap = session.controller.larger_step_cap(
             session.runner.last.micro_batch_size, self._usual_micro_batches
         )

@@ -1,28 +1,6 @@
-"""Wiring into `transformers.Trainer` (and subclasses such as TRL's SFTTrainer).
-
-The Trainer instance gets a class of its own with `AdaptiveTrainerMixin` in front of its class:
-
-- `train`: reads the checkpoint to resume (if any) and plans the steps, then runs the Trainer's own loop (reading
-  past the key that makes a Trainer without AdaptiveBatch refuse a checkpoint it would resume elsewhere, see
-  [`resume.guard_plain_resume`]);
-- `get_train_dataloader`: one batch per optimizer step per rank, from a [`StepBatchSampler`], in the last of the
-  `gradient_accumulation_steps` slots the loop reads per step ([`dataloader`]);
-- `get_batch_samples`: the loop's batches of one step, the empty slots first and `num_items_in_batch` the step's;
-- `set_initial_training_values`: the loop's step count, epochs and samples come from the plan;
-- `create_scheduler`: the user's scheduler, built for the budget in steps of the starting batch, then driven by
-  the sample clock and the LR rule;
-- `training_step`: cuts the step batch into micro-batches, each through the user's class's `training_step` (an
-  empty slot does nothing);
-- `compute_loss`: a loss that ignores `num_items_in_batch` weighted to the plain Trainer's scale ([`loss_scale`]);
-- `log`: adds the `adaptive_batch/*` metrics to every training log;
-- `prediction_step` and `evaluation_loop`: an eval batch that runs out of memory runs again in pieces
-  ([`runtime.evaluation`]), and the evaluation's metrics tell the largest piece and the batches run again;
-- `evaluate` and `predict`: under `adapt_evaluation="grow"`, each evaluation at the eval batch its sizer chose;
-- it keeps AdaptiveBatch's live callback when a checkpoint's callback states are restored (its state was read
-  when `train` started).
-
-Everything else (the evaluation loop itself, checkpoints, callbacks, mixed precision, DDP wrapping) is the Trainer's own.
-"""
+"""Wiring into `transformers.Trainer` and subclasses: [`AdaptiveTrainerMixin`], put in front of the Trainer's class,
+hands the loop's steps, data, scheduler, loss, logs and evaluation to the [`session.Session`]; the rest is the
+Trainer's own."""
 
 from __future__ import annotations
 
@@ -33,7 +11,7 @@ import sys
 import torch
 from torch.utils.data import DataLoader
 
-from ..runtime import compat
+from ..runtime.compat.trainer import KeepsLiveCallbackState, put_in_front
 from ..runtime.engines import prepare as prepare_engine
 from ..runtime.lr_scheduler import follow_sample_clock
 from . import dataloader
@@ -45,14 +23,17 @@ from .session import Session
 logger = logging.getLogger("adaptive_batch")
 
 
-class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
-    """Placed in front of the user's Trainer class; see the module docstring."""
+class AdaptiveTrainerMixin(KeepsLiveCallbackState):
+    """Placed in front of the user's Trainer class. It keeps AdaptiveBatch's live callback when a checkpoint's callback
+    states are restored (its state was read when `train` started)."""
 
     _adaptive_batch: Session
     _adaptive_batch_mixin = True  # the methods here replace the Trainer's; `check_trainer` looks past them
     callback_state_key = STATE_KEY
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """Read the checkpoint to resume (if any) and plan, then run the Trainer's own loop (reading past the key that
+        makes a Trainer without AdaptiveBatch refuse a checkpoint, [`resume.guard_plain_resume`])."""
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
             from transformers.trainer_utils import get_last_checkpoint
 
@@ -71,12 +52,14 @@ class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
         return self._adaptive_batch.train_dataloader()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The loop's batches of one step: the empty slots first, `num_items_in_batch` the step's ([`dataloader`])."""
         return dataloader.batch_samples(super().get_batch_samples, epoch_iterator, num_batches, device)
 
     def set_initial_training_values(self, args, train_dataloader):
         return self._adaptive_batch.initial_training_values()
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The user's scheduler, built for the budget in steps of the starting batch, driven by the sample clock."""
         session = self._adaptive_batch
         super().create_scheduler(num_training_steps=session.run.clock.nominal_steps, optimizer=optimizer)
         self.lr_scheduler = follow_sample_clock(
@@ -85,6 +68,7 @@ class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
         return self.lr_scheduler
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        """The step batch cut into micro-batches, each through the user's class's `training_step`."""
         if isinstance(inputs, dataloader.EmptySlot):
             return torch.zeros((), device=self.args.device)
         return self._adaptive_batch.training_step(super().training_step, model, inputs, num_items_in_batch)
@@ -95,8 +79,8 @@ class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
         )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        pieces = self._adaptive_batch.eval_pieces
-        if pieces is None:
+        pieces = self._adaptive_batch.assembly.eval_pieces
+        if pieces is None:  # (else an eval batch that runs out of memory runs again in pieces)
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         return pieces.run(super().prediction_step, model, inputs, prediction_loss_only, ignore_keys)
 
@@ -109,13 +93,15 @@ class AdaptiveTrainerMixin(compat.KeepsLiveCallbackState):
             return super().predict(test_dataset, ignore_keys, metric_key_prefix, *args, **kwargs)
 
     def _eval_sized(self, prefix: str):
-        growth = self._adaptive_batch.eval_growth
+        # adapt_evaluation="grow": the eval batch it chose
+        growth = self._adaptive_batch.assembly.eval_growth
         return growth.sized(prefix) if growth is not None else contextlib.nullcontext()
 
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
     ):
-        pieces, growth = self._adaptive_batch.eval_pieces, self._adaptive_batch.eval_growth
+        assembly = self._adaptive_batch.assembly
+        pieces, growth = assembly.eval_pieces, assembly.eval_growth
         if pieces is not None:
             pieces.begin()
         measured = contextlib.nullcontext()
@@ -146,7 +132,7 @@ def install(trainer, callback) -> Session:
     prepare_engine(trainer)
     _configure_logger(trainer.args)
     session = Session(trainer, callback, LossScale(trainer))
-    compat.put_in_front(trainer, AdaptiveTrainerMixin, prefix="AdaptiveBatch")
+    put_in_front(trainer, AdaptiveTrainerMixin, prefix="AdaptiveBatch")
     trainer._adaptive_batch = session
     if trainer.train_dataset is not None:
         session.prepare()
@@ -154,12 +140,8 @@ def install(trainer, callback) -> Session:
 
 
 def _configure_logger(args) -> None:
-    """Show the plan table by default: INFO on the main process unless `log_level` says otherwise (as the Trainer
-    sets transformers' verbosity from it).
-
-    Records propagate as a library's do; where no handler above would receive them (the script configured no
-    logging), [`_ShownWhereUnconfigured`] writes them to stderr, as Python's last-resort handler does for warnings.
-    """
+    """Show the plan table by default: INFO on the main process unless `log_level` says otherwise; where no handler
+    would receive the records (no logging configured), [`_ShownWhereUnconfigured`] writes them to stderr."""
     if args.should_log:
         level = logging.INFO if args.log_level == "passive" else args.get_process_log_level()
     else:
@@ -173,9 +155,6 @@ def _configure_logger(args) -> None:
 
 class _ShownWhereUnconfigured(logging.StreamHandler):
     """Writes a record to stderr only where no other handler on its way up would receive it."""
-
-    def __init__(self):
-        super().__init__()  # (stderr, read when a record is written)
 
     @property
     def stream(self):

@@ -1,17 +1,8 @@
-"""Custom losses at the plain Trainer's scale: a loss that does not use `num_items_in_batch`.
-
-The Trainer leaves a step's normalisation to the loss where the model takes loss kwargs or a `compute_loss_func` is
-given: it passes `num_items_in_batch` (the step's label tokens) and adds up the micro-batches' losses undivided. A
-`compute_loss` override or a `compute_loss_func` that ignores it returns each micro-batch's mean, and the plain
-Trainer's step gradient is then the sum of its `gradient_accumulation_steps` micro-batch means: that many times the
-step's mean. Cut into another number of micro-batches, the sum would change scale from step to step. So where such a
-loss does not read `num_items_in_batch`, each micro-batch's loss is weighted by its share of the step's label tokens
-(or rows) times the plain Trainer's micro-batches in the step: the plain scale, whatever the cut.
-
-Whether the loss reads `num_items_in_batch` is seen, not guessed: the first training micro-batch gets it as a tensor
-that notes any torch operation on it (`__torch_function__`), and the result holds for the run. transformers' and
-TRL's own `compute_loss` use it whenever the Trainer passes it, and are not watched.
-"""
+"""Custom losses at the plain Trainer's scale: a `compute_loss` (or `compute_loss_func`) that ignores
+`num_items_in_batch` returns each micro-batch's mean, so each is weighted by its share of the step's label tokens times
+the plain Trainer's micro-batches in the step, whatever the cut. Whether the loss reads it is seen on the first
+micro-batch (a tensor that notes any torch operation on it). See docs/how-it-works.md, "What it refuses, and why"
+(known limits)."""
 
 from __future__ import annotations
 
@@ -29,8 +20,7 @@ TRUSTED_MODULES = ("transformers.", "trl.")
 
 
 def _watched(tensor: torch.Tensor):
-    """`tensor` as a tensor that records whether any torch operation read it (`read()`); what the operations
-    return are plain tensors."""
+    """`tensor` as a tensor that notes whether any torch operation read it, and the function that tells."""
 
     class Watched(torch.Tensor):
         was_read = False
@@ -45,8 +35,8 @@ def _watched(tensor: torch.Tensor):
 
 
 class LossScale:
-    """Weights a `compute_loss` that ignores `num_items_in_batch` as the plain Trainer's steps weigh it (see the
-    module docstring). `step(...)` is entered around each optimizer step's micro-batches."""
+    """Weights a `compute_loss` that ignores `num_items_in_batch` as the plain Trainer's steps weigh it; `step(...)`
+    is entered around each optimizer step's micro-batches."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -70,7 +60,7 @@ class LossScale:
         items = kwargs.get("num_items_in_batch")
         func = getattr(self.trainer, "compute_loss_func", None)
         # where the Trainer divides the loss itself (as it does without num_items_in_batch or loss kwargs, and no
-        # compute_loss_func), the divisor is the micro-batch's share ([`compat.set_loss_divisor`])
+        # compute_loss_func), the divisor is the micro-batch's share ([`runtime.step`] sets it)
         divides = (
             items is None or not getattr(self.trainer, "model_accepts_loss_kwargs", False)
         ) and func is None

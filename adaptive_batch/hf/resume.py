@@ -1,5 +1,5 @@
-"""Resuming: reading a checkpoint before the Trainer does, taking over from a plain Trainer's checkpoint, and
-restoring what a run learned, by the rules of [`core.checkpoint`]."""
+"""Resuming: a checkpoint read before the Trainer does, a plain Trainer's taken over, what a run learned restored
+([`core.checkpoint`]'s rules). See README, "Interrupt and resume"."""
 
 from __future__ import annotations
 
@@ -11,18 +11,11 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from ..core.checkpoint import (
-    Adoption,
-    StoredCheckpoint,
-    check_schema,
-    identity_error,
-    learned_state_applies,
-)
+from ..core.checkpoint import Adoption, PlanIdentity, StoredCheckpoint, check_schema, identity_error
 from ..core.plain_trainer import PlainBatching, plain_resume_mismatch
-from ..core.steps import DoneSteps
-from ..runtime import compat
-from ..runtime.stream import is_stream
-from . import assemble
+from ..core.planning import RunPlan
+from ..core.steps import DoneSteps, StepPlan
+from ..runtime.compat.trainer import saved_callback_state
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -33,11 +26,8 @@ PLAIN_RESUME_KEY = "AdaptiveBatch:"
 
 
 def read_checkpoint(path: str) -> StoredCheckpoint:
-    """Read a checkpoint folder's `trainer_state.json` (before the Trainer does, so the plan can be built first).
-
-    Raises:
-        ValueError: if the folder has no `trainer_state.json`, or holds AdaptiveBatch state of another layout.
-    """
+    """A checkpoint folder's `trainer_state.json`, read before the Trainer does so that the plan is built first
+    (`ValueError` where there is none, or it holds AdaptiveBatch state of another layout)."""
     file = os.path.join(path, TRAINER_STATE_NAME)
     if not os.path.isdir(path):
         raise ValueError(f"resume_from_checkpoint={path!r} is not a folder; pass a checkpoint-N folder.")
@@ -48,7 +38,7 @@ def read_checkpoint(path: str) -> StoredCheckpoint:
         )
     with open(file) as handle:
         trainer_state = json.load(handle)
-    attributes = compat.saved_callback_state(trainer_state, STATE_KEY)
+    attributes = saved_callback_state(trainer_state, STATE_KEY)
     state = (attributes or {}).get("checkpoint") or None
     if state is not None:
         check_schema(state, path)
@@ -60,103 +50,81 @@ def read_checkpoint(path: str) -> StoredCheckpoint:
     )
 
 
-def adoption(session, checkpoint: StoredCheckpoint | None) -> Adoption | None:
-    """How the plan takes over from a plain Trainer's checkpoint: the one resumed now, or the one a resumed
-    AdaptiveBatch checkpoint took over from."""
-    if checkpoint is None:
-        return None
-    if checkpoint.state is not None:
-        stored = checkpoint.state["adoption"]
-        return Adoption.from_dict(stored) if stored else None
-    if checkpoint.global_step == 0:
-        return None
-    if is_stream(session.trainer.train_dataset):
-        raise ValueError(
-            f"{checkpoint.path} was written by the plain Trainer, whose reading of a training stream "
-            "AdaptiveBatch cannot replay exactly. Start a new run with AdaptiveBatch, or resume without it."
+class Resume:
+    """The checkpoint a train() resumes (`None`: a new run) and how the plan takes over a plain Trainer's: the
+    `adoption` (one a resumed AdaptiveBatch checkpoint took over from, too) and the steps it counts as done."""
+
+    def __init__(self, checkpoint: StoredCheckpoint | None, args, world_size: int, stream: bool):
+        self.checkpoint, self.args = checkpoint, args
+        self.adoption: Adoption | None = None
+        if checkpoint is not None and checkpoint.state is not None:
+            stored = checkpoint.state["adoption"]
+            self.adoption = Adoption.from_dict(stored) if stored else None
+        elif checkpoint is not None and checkpoint.global_step > 0:
+            if stream:
+                raise ValueError(
+                    f"{checkpoint.path} was written by the plain Trainer, whose reading of a training stream "
+                    "AdaptiveBatch cannot replay exactly. Start a new run with AdaptiveBatch, or resume without it."
+                )
+            self.adoption = Adoption(
+                global_step=checkpoint.global_step,
+                # what the plain Trainer recorded; the rest is taken from the arguments of this run
+                per_device_train_batch_size=checkpoint.train_batch_size or args.per_device_train_batch_size,
+                gradient_accumulation_steps=args.gradient_accumulation_steps,
+                world_size=world_size,
+                drop_last=bool(args.dataloader_drop_last),
+            )
+
+    def done_steps(self, dataset_size: int | None) -> DoneSteps | None:
+        """The plain Trainer's steps of an adopted checkpoint, as the plan's already-trained prefix."""
+        adopted = self.adoption
+        if adopted is None:
+            return None
+        plain = PlainBatching(
+            dataset_size,
+            adopted.per_device_train_batch_size,
+            adopted.gradient_accumulation_steps,
+            adopted.world_size,
+            adopted.drop_last,
         )
-    return Adoption(
-        global_step=checkpoint.global_step,
-        # what the plain Trainer recorded; the rest is taken from the arguments of this run
-        per_device_train_batch_size=checkpoint.train_batch_size or session.per_device_train_batch_size,
-        gradient_accumulation_steps=session.gradient_accumulation_steps,
-        world_size=session.world_size,
-        drop_last=bool(session.trainer.args.dataloader_drop_last),
+        return plain.done_steps(adopted.global_step)
+
+    def check(self, identity: PlanIdentity) -> None:
+        """Refuse, before any compute, a checkpoint written under another step plan (each changed field named)."""
+        if self.checkpoint is None or self.checkpoint.state is None:
+            return
+        differences = identity.differences(self.checkpoint.state["plan"])
+        if differences:
+            raise ValueError(identity_error(differences))
+
+    def restore(self, plan: StepPlan, shuffle: bool, status, assembly, growth) -> None:
+        """Counters and what the run learned, from the checkpoint, each into the part that owns it."""
+        checkpoint, state = self.checkpoint, self.checkpoint.state
+        if state is None:  # written by the plain Trainer: its steps are the plan's done steps
+            status.adopt(checkpoint.global_step)
+            same_order = not shuffle or bool(self.args.accelerator_config.use_seedable_sampler)
+            logger.warning("%s", adoption_message(plan, checkpoint, same_order))
+            return
+        status.load_state_dict(state)
+        if growth is not None and state["step_time"]:  # (the schedule's changes were read before planning)
+            growth.load_step_time(state["step_time"])
+        assembly.load_state_dict(state)
+
+
+def plain_batching(args, plan: StepPlan) -> PlainBatching:
+    """The plain Trainer at the user's batch settings, over the plan's dataset."""
+    return PlainBatching(
+        plan.dataset_size,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        plan.world_size,
+        bool(args.dataloader_drop_last),
     )
-
-
-def done_steps(adopted: Adoption | None, dataset_size: int | None) -> DoneSteps | None:
-    """The plain Trainer's steps of an adopted checkpoint, as the plan's already-trained prefix."""
-    if adopted is None:
-        return None
-    plain = PlainBatching(
-        dataset_size,
-        adopted.per_device_train_batch_size,
-        adopted.gradient_accumulation_steps,
-        adopted.world_size,
-        adopted.drop_last,
-    )
-    return plain.done_steps(adopted.global_step)
-
-
-def check_identity(session, checkpoint: StoredCheckpoint | None) -> None:
-    """Refuse, before any compute, a checkpoint written under another step plan: one that gives the steps left other
-    samples, sizes or learning rates (`PlanIdentity.differences` names each field that changed)."""
-    if checkpoint is None or checkpoint.state is None:
-        return
-    differences = session.identity.differences(checkpoint.state["plan"])
-    if differences:
-        raise ValueError(identity_error(differences))
-
-
-def restore(session, checkpoint: StoredCheckpoint) -> None:
-    """Counters and what the run learned, from the checkpoint."""
-    state = checkpoint.state
-    if state is None:  # written by the plain Trainer: its steps are the plan's done steps
-        session.tokens_seen, session.last_step = 0, checkpoint.global_step - 1
-        args = session.trainer.args
-        same_order = not session.identity.shuffle or bool(args.accelerator_config.use_seedable_sampler)
-        logger.warning("%s", adoption_message(session.plan, checkpoint, same_order))
-        return
-    session.tokens_seen = int(state["tokens_seen"])
-    session.last_step = int(state["last_step"])
-    session.settled_at_step = state["settled_at_step"]
-    session.runner.last.micro_batch_size = int(state["last_micro_batch_size"])
-    session.runner.last.accumulation_steps = int(state["last_accumulation_steps"])
-    if session.noise is not None and state["noise"]:
-        session.noise.load_state_dict(state["noise"])
-    if (
-        session.growth is not None and state["step_time"]
-    ):  # (the schedule's changes were read before planning)
-        session.growth.load_step_time(state["step_time"])
-    learned = state["micro_batch"]
-    if (
-        session.lengths_pending
-        and learned is not None
-        and (learned["kind"] == "tokens" or state.get("flattened"))
-    ):
-        # the run's first step told that its rows vary: padding-free or cut by tokens as then (the budget learned)
-        assemble.choose_from_lengths(session, longest_row=1)
-    session.lengths_pending = False  # (rows: the first step's rows were of one length)
-    controller, config = session.controller, session.config
-    applies, message = learned_state_applies(state["settings"], config.micro_batch_settings())
-    learned = state["micro_batch"]
-    if applies and learned is not None and learned["kind"] != controller.kind:
-        # the same settings, another dataset: "auto" cut the checkpoint's run by the other unit
-        applies, message = (
-            False,
-            f"Micro-batches: cut by {controller.kind} now; the checkpoint's run cut by {learned['kind']}, and what "
-            "it learned is not used.",
-        )
-    if applies and learned is not None:
-        controller.load_state_dict(learned)
-        controller.limit_to(config.max_micro_batch_size)
-    logger.info("%s", message)
 
 
 def adoption_message(plan, checkpoint: StoredCheckpoint, same_order: bool) -> str:
-    """What taking over a plain Trainer's checkpoint means for the samples (`same_order`: the plain Trainer drew
-    the epochs' permutations as AdaptiveBatch does, with accelerate's seedable sampler, its default)."""
+    """What taking over a plain Trainer's checkpoint means for the samples (`same_order`: it drew the epochs'
+    permutations as AdaptiveBatch does, with accelerate's seedable sampler)."""
     steps = checkpoint.global_step
     position = plan.starts[steps] if steps < plan.num_steps else plan.budget
     samples = plan.samples_before_step[steps]
@@ -178,23 +146,21 @@ def adoption_message(plan, checkpoint: StoredCheckpoint, same_order: bool) -> st
     )
 
 
-def guard_plain_resume(session, checkpoint_dir: str, global_step: int) -> None:
-    """Make a Trainer without AdaptiveBatch refuse the checkpoint just saved in `checkpoint_dir` where it would resume
-    at another sample or learning rate than this run's (`plain_resume_mismatch`): a top-level key of
-    `trainer_state.json` that is the refusal's text, which `TrainerState(**json)` names in its `TypeError` before
-    any training. A checkpoint of steps the plain Trainer would have run alike gets none, and resumes without
-    AdaptiveBatch as the plain run would. AdaptiveBatch's own resume reads past it ([`readable_by_the_trainer`])."""
+def guard_plain_resume(checkpoint_dir: str, global_step: int, run: RunPlan, args) -> None:
+    """Make a Trainer without AdaptiveBatch refuse the checkpoint just saved where it would resume at another sample
+    or learning rate (`plain_resume_mismatch`): a top-level key of `trainer_state.json` that is the refusal's text,
+    which `TrainerState(**json)` names in its `TypeError`. AdaptiveBatch reads past it ([`readable_by_the_trainer`])."""
     file = os.path.join(checkpoint_dir, TRAINER_STATE_NAME)
     if not os.path.isfile(file):  # (saved elsewhere: a hyperparameter search's trial folder)
         return
-    plan, args = session.plan, session.trainer.args
-    plain = assemble.plain_batching(session)
+    plan = run.plan
+    plain = plain_batching(args, plan)
     position = plan.end_position(global_step - 1) if global_step > 0 else 0
     reason = plain_resume_mismatch(
         plain,
         position,
         global_step,
-        session.run.clock.nominal_steps,
+        run.clock.nominal_steps,
         plain.total_steps(args.num_train_epochs, args.max_steps),
     )
     if reason is None:
@@ -213,10 +179,9 @@ def guard_plain_resume(session, checkpoint_dir: str, global_step: int) -> None:
 
 @contextlib.contextmanager
 def readable_by_the_trainer(path: str | None) -> Iterator[str | None]:
-    """The checkpoint folder to give this Trainer's `train`: `path` itself, or where it carries the key of
-    [`guard_plain_resume`] (which the Trainer's `TrainerState(**json)` refuses), a view of it in a temporary folder
-    of the same name: its `trainer_state.json` without the key, every other entry a link to the checkpoint's own
-    (a copy where the file system makes no links). Nothing of the checkpoint, or of transformers, is changed."""
+    """The checkpoint folder to give the Trainer's `train`: `path`, or where it carries [`guard_plain_resume`]'s key, a
+    temporary view of it: `trainer_state.json` without the key, every other entry linked (or copied). Nothing of the
+    checkpoint is changed."""
     if path is None:
         yield path
         return

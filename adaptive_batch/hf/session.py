@@ -1,81 +1,63 @@
-"""AdaptiveBatch's state for one Trainer, and the order in which things happen to it.
-
-A `Session` is made when AdaptiveBatch is attached to a Trainer and planned again when `train()` starts (the
-arguments or the dataset may have changed, and a checkpoint may be resumed). Each job is done elsewhere: the plan
-by [`core.planning`], the choice of the controller and the step runner by [`assemble`], resuming by [`resume`],
-growing the batch by [`growth`], the dataloader by [`dataloader`], the metrics and the plan table by [`status`],
-a custom loss's scale by [`loss_scale`].
-While its Trainer is inside `train()`, the session is its callback's `training_session`: the callback's events and
-checkpoint state follow that one, so one AdaptiveBatch instance can serve several Trainers in turn (a sweep, a
-notebook cell run twice).
-"""
+"""AdaptiveBatch's state for one Trainer, and the order in which things happen to it: made when AdaptiveBatch is
+attached, planned again when `train()` starts ([`core.planning`]). It holds the parts that own the rest: the
+[`assemble.Assembly`], [`status.Status`], [`resume.Resume`] and [`growth.Growth`]."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING
 
 from ..core import traps
 from ..core.checkpoint import SCHEMA_VERSION, PlanIdentity, StoredCheckpoint
-from ..core.planning import RunPlan, RunSettings, plan_run
+from ..core.planning import RunPlan, RunSettings, StepPlan, plan_run
 from ..runtime.stream import is_stream
-from . import assemble, dataloader, resume, status
+from . import dataloader
+from .assemble import Assembly
 from .checks import check_trainer
 from .growth import Growth, growth_for
-
-if TYPE_CHECKING:
-    # (through planning: the session imports at most 10 of the package's modules, tests/test_layers.py)
-    from ..core.planning import StepPlan
+from .resume import Resume
+from .status import Status, plan_table, rule_text, schedule_text
 
 logger = logging.getLogger("adaptive_batch")
 
 
 class Session:
-    """AdaptiveBatch's state for one Trainer. See the module docstring."""
-
     def __init__(self, trainer, callback, loss_scale):
         self.trainer, self.callback, self.config = trainer, callback, callback.config
-        args = trainer.args
-        self.world_size = max(1, args.world_size)
-        self.rank = args.process_index
+        self.world_size = max(1, trainer.args.world_size)
+        self.rank = trainer.args.process_index
+        self.loss_scale = loss_scale  # (the Trainer's compute_loss goes through it: [`loss_scale`])
+        self.assembly = Assembly(trainer, self.config, self.world_size, self.rank)
+        self.status = Status(trainer, self.config, self.assembly)
         self.run: RunPlan | None = None
         self.identity: PlanIdentity | None = None
-        self.adoption = None
-        self.controller = None
-        # the dataset could not tell its rows' lengths: the first step tells them
-        self.lengths_pending = False
-        self.runner = None
-        self.sampler = None  # what the data loader draws steps from (it tells the last step drawn)
+        self.resume: Resume | None = None
         self.growth: Growth | None = None
-        self.noise = assemble.noise_averages(self.config)
-        self.loss_scale = loss_scale  # (the Trainer's compute_loss goes through it: [`loss_scale`])
-        self.tokens_seen, self.last_step = 0, -1
-        self.settled_at_step: int | None = None  # the first step run after the controller stopped measuring
-        self.eval_pieces = assemble.eval_pieces(
-            trainer, self.config, self.world_size
-        )  # None: the plain evaluation
-        self.eval_growth = assemble.eval_growth(
-            trainer, self.config, self.eval_pieces
-        )  # None: the user's size
-
-    @property
-    def per_device_train_batch_size(self) -> int:
-        return self.trainer.args.per_device_train_batch_size
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.trainer.args.gradient_accumulation_steps
+        self.sampler = None  # what the data loader draws steps from (it tells the last step drawn)
 
     @property
     def plan(self) -> StepPlan | None:
         return self.run.plan if self.run is not None else None
 
     @property
+    def controller(self):
+        return self.assembly.controller
+
+    @property
+    def runner(self):
+        return self.assembly.runner
+
+    @property
+    def noise(self):
+        """The noise scale's averages (`None` with `measure_noise=False`)."""
+        return self.status.noise
+
+    @property
     def schedule(self):
         """The effective batch over training: the user's `per_device x accumulation x world size` by default."""
-        user_batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+        args = self.trainer.args
+        user_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world_size
         return self.config.resolved_schedule(user_batch)
 
     @property
@@ -85,18 +67,21 @@ class Session:
     # -- planning ------------------------------------------------------------------------------------------------
 
     def prepare(self, checkpoint: StoredCheckpoint | None = None) -> None:
-        """Plan from the current arguments and dataset (and the checkpoint to resume, if any); build the clock, the
-        controller and the step runner. Every refusal happens here, before any compute."""
+        """Plan from the current arguments, dataset and checkpoint (if any), then build what runs the plan. Every
+        refusal happens here, before any compute."""
         trainer, config, args = self.trainer, self.config, self.trainer.args
         if trainer.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         check_trainer(trainer)
         schedule, stored = self.schedule, checkpoint.state if checkpoint is not None else None
-        engine = assemble.engine(trainer, self.world_size)
+        engine = self.assembly.engine()
         self.growth = growth_for(schedule)
         if self.growth is not None:
-            self.growth.check(self, engine, stored["schedule"] if stored else None)
-        self.adoption = resume.adoption(self, checkpoint)
+            workers = args.dataloader_num_workers if self.is_stream else 0
+            self.growth.check(
+                config, engine, self.world_size, workers, stored["schedule"] if stored else None
+            )
+        self.resume = Resume(checkpoint, args, self.world_size, self.is_stream)
         dataset_size = None if self.is_stream else len(trainer.train_dataset)
         unit = "samples"
         if getattr(args, "packing", False):
@@ -108,14 +93,14 @@ class Session:
             self.world_size,
             args.dataloader_drop_last,
             unit,
-            self.per_device_train_batch_size,
-            self.gradient_accumulation_steps,
+            args.per_device_train_batch_size,
+            args.gradient_accumulation_steps,
         )
         self.run = plan_run(
             schedule,
             settings,
             config.lr_scaling,
-            done=resume.done_steps(self.adoption, dataset_size),
+            done=self.resume.done_steps(dataset_size),
             noise_scale_at=self.growth.schedule.noise_scale_at if self.growth is not None else None,
         )
         if self.growth is not None:
@@ -126,79 +111,69 @@ class Session:
             drop_last=bool(args.dataloader_drop_last),
             data_seed=args.data_seed if args.data_seed is not None else args.seed,
             shuffle=not self.is_stream and args.train_sampling_strategy != "sequential",
-            adopted_at_step=self.adoption.global_step if self.adoption else 0,
-            schedule=status.schedule_text(self),
-            lr_scaling=status.rule_text(config.lr_scaling),
+            adopted_at_step=self.resume.adoption.global_step if self.resume.adoption else 0,
+            schedule=schedule_text(schedule),
+            lr_scaling=rule_text(config.lr_scaling),
             fingerprint=self.plan.fingerprint(),
         )
-        resume.check_identity(self, checkpoint)
-        if self.controller is None or checkpoint is not None:  # a second train() keeps what the first learned
-            self.controller = assemble.controller(self, engine)
-        self.runner = assemble.runner(self, engine)
-        assemble.tape(self, checkpoint)  # (a replay of another run's record is refused here)
-        self.replan(self.plan)
+        self.resume.check(self.identity)
+        self.assembly.build(engine, self.plan, self.identity, checkpoint, growing=self.growth is not None)
+        trainer.state.max_steps = self.plan.num_steps
         if checkpoint is not None:
-            resume.restore(self, checkpoint)
+            self.resume.restore(self.plan, self.identity.shuffle, self.status, self.assembly, self.growth)
 
-    def replan(self, plan: StepPlan) -> None:
-        """Make everything that follows the plan follow `plan`: the LR clock, the data loader's steps, the
-        controller's row limit, the checkpoint's identity and the Trainer's step count. For the first plan and for
-        each one a growing schedule makes."""
-        self.run.plan = self.run.clock.plan = plan
+    def replan(self, schedule) -> StepPlan:
+        """Plan the rest of the run again under a grown `schedule`; the LR clock, the data loader, the controller's
+        row limit, the checkpoint's identity and the Trainer's step count follow the new plan, returned."""
+        plan = self.run.replan(schedule)
         if self.sampler is not None:
             self.sampler.plan = plan
         self.identity = replace(self.identity, fingerprint=plan.fingerprint())
-        self.controller.set_row_limit(plan.max_rows_per_rank)
+        self.assembly.follow(plan)
         self.trainer.state.max_steps = plan.num_steps
+        return plan
 
     # -- a run ---------------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def training(self, checkpoint: StoredCheckpoint | None):
-        """Around `Trainer.train`: plan (taking the checkpoint into account), log the plan, run the loop as the
-        callback's training session."""
+        """Around `Trainer.train`: plan, log the plan, run the loop as the callback's training session."""
         args = self.trainer.args
-        if checkpoint is None:
-            self.tokens_seen, self.last_step, self.settled_at_step = 0, -1, None
-        elif args.ignore_data_skip:
+        if checkpoint is not None and args.ignore_data_skip:
             raise ValueError(
                 "ignore_data_skip=True makes a resumed run read its batches from the first step again, while "
                 "AdaptiveBatch's step k must take the samples the plan gives step k. Resume with "
                 "ignore_data_skip=False (skipping costs no data loading: only the sampler's indices are skipped)."
             )
-        self.noise = assemble.noise_averages(self.config)  # (a checkpoint's averages are read in `prepare`)
+        self.status.start(resumed=checkpoint is not None)  # (a checkpoint's counters: restored in `prepare`)
         self.prepare(checkpoint)
         if args.should_log:
-            logger.info("%s", status.plan_table(self))
+            logger.info("%s", plan_table(self.plan_rows()))
             epochs, given = traps.explicit_epochs(args.num_train_epochs), self.config.schedule is not None
             for warning in traps.run_traps(self.run, self.schedule, epochs, schedule_given=given):
                 logger.warning("%s", warning)
-            for warning in assemble.probed_traps(self):
+            for warning in self.assembly.probed_traps():
                 logger.warning("%s", warning)
             if self.config.measure_noise and not self.runner.engine.measures_noise:
                 logger.info("The gradient noise scale is not measured under %s.", self.runner.engine.name)
-        assemble.check_longest_row(self)
-        previous, self.callback.training_session = self.callback.training_session, self
+        self.assembly.check_longest_row()
         try:
-            yield
+            with self.callback._follow(self):
+                yield
         finally:
-            self.callback.training_session = previous
             self.runner.close()
 
     def initial_training_values(self) -> tuple:
-        """What `Trainer.set_initial_training_values` returns, from the plan: the loop sees one epoch of all steps,
-        each `gradient_accumulation_steps` batches of the data loader (the step batch in the last).
-
-        Data epochs are tracked by the callback (`state.epoch`, epoch-end evaluation and saving).
-        """
-        plan = self.plan
+        """What `Trainer.set_initial_training_values` returns: the loop sees one epoch of all steps, each
+        `gradient_accumulation_steps` batches (the step batch in the last); the callback tracks data epochs."""
+        plan, accumulation = self.plan, self.trainer.args.gradient_accumulation_steps
         return (
             1,  # num_train_epochs of the loop
             plan.num_steps,  # num_update_steps_per_epoch
             plan.dataset_size,  # num_examples
             plan.num_samples,  # num_train_samples
             plan.scheduled[plan.done_steps],  # total_train_batch_size (the first scheduled effective batch)
-            plan.num_steps * self.gradient_accumulation_steps,  # steps_in_epoch: the loop's batches
+            plan.num_steps * accumulation,  # steps_in_epoch: the loop's batches
             plan.num_steps,  # max_steps
         )
 
@@ -219,65 +194,48 @@ class Session:
         )
 
     def training_step(self, inner_step, model, inputs, num_items_in_batch):
-        step, growth = self.trainer.state.global_step, self.growth
+        step, growth, runner = self.trainer.state.global_step, self.growth, self.runner
         if growth is not None:
-            growth.before_step(step, self.last_step, self.runner.tape)
+            growth.before_step(step, self.status.last_step, runner.tape)
         exploring = self.controller.exploring
         split = growth is not None and growth.split(self, step)
-        if self.lengths_pending:
-            assemble.lengths_from_step(self, inputs)
-        with self.loss_scale.step(self.plan.sizes[step], self.per_device_train_batch_size, self.world_size):
-            loss = self.runner.run(
+        if self.assembly.lengths_pending:
+            self.assembly.lengths_from_step(inputs)
+        per_device = self.trainer.args.per_device_train_batch_size
+        with self.loss_scale.step(self.plan.sizes[step], per_device, self.world_size):
+            loss = runner.run(
                 inner_step, model, inputs, num_items_in_batch, self.plan.max_rows(step), split=split
             )
-        self.tokens_seen += self.runner.last.real_tokens
-        self.last_step = step
-        if self.settled_at_step is None and not self.controller.exploring:
-            self.settled_at_step = step if not exploring else step + 1
-        self._average_noise(step)
+        self.status.after_step(step, self.plan, exploring)
         if growth is not None:
-            timed = not exploring and not self.controller.exploring and not self.runner.last.retries
+            timed = not exploring and not self.controller.exploring and not runner.last.retries
             growth.after_step(self, step, timed, split)
         return loss
 
-    def _average_noise(self, step: int) -> None:
-        """Average in what the step measured for the noise scale, its tr(Sigma) per sample of the step."""
-        measured = self.runner.last.noise
-        if self.noise is None or measured is None:
-            return
-        samples = self.plan.sizes[step]
-        estimate = measured.sums.estimate(measured.step_norm_sq, samples)
-        if not self.noise.update(estimate, samples, self.plan.samples_before_step[step + 1]):
-            self.runner.noise.warn_once(
-                "non-finite",
-                f"Step {step}'s gradient noise estimates are not finite (|G|^2={estimate.grad_norm_sq}, "
-                f"tr(Sigma)={estimate.grad_variance}; an fp16 overflow, or a NaN loss): such steps are left out of "
-                "the noise scale's averages.",
-            )
+    # -- reports and checkpoints ---------------------------------------------------------------------------------
 
     def add_metrics(self, logs: dict) -> None:
-        if self.last_step >= 0 and self.trainer.is_in_train and "loss" in logs:
-            logs.update(status.metrics(self))
+        if self.status.last_step >= 0 and self.trainer.is_in_train and "loss" in logs:
+            logs.update(self.status.metrics(self.run, self.growth))
 
-    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def plan_rows(self) -> list[tuple[str, str]]:
+        return self.status.plan_rows(self.run, self.growth, self.schedule)
+
+    def current(self) -> dict:
+        return self.status.current(self.run, self.growth)
 
     def state_dict(self) -> dict:
         """Plain JSON for the checkpoint (see `core/checkpoint.py`)."""
+        adoption = self.resume.adoption if self.resume is not None else None
         growth = (
             self.growth.state_dict() if self.growth is not None else {"schedule": None, "step_time": None}
         )
         return {
             "schema": SCHEMA_VERSION,
             "plan": asdict(self.identity) if self.identity else None,
-            "adoption": self.adoption.to_dict() if self.adoption else None,
+            "adoption": adoption.to_dict() if adoption else None,
             "settings": self.config.micro_batch_settings(),
-            "tokens_seen": self.tokens_seen,
-            "last_step": self.last_step,
-            "settled_at_step": self.settled_at_step,
-            "micro_batch": self.controller.state_dict() if self.controller else None,
-            "last_micro_batch_size": self.runner.last.micro_batch_size if self.runner else 0,
-            "last_accumulation_steps": self.runner.last.accumulation_steps if self.runner else 0,
-            "flattened": bool(self.runner.flatten) if self.runner else False,
-            "noise": self.noise.state_dict() if self.noise is not None else None,
+            **self.status.state_dict(),
+            **self.assembly.state_dict(),
             **growth,
         }

@@ -1,19 +1,8 @@
-"""Finding the largest micro-batch that fits in memory, in few trials, and choosing one by throughput.
+"""The probe's search: the largest micro-batch that fits in memory, in few trials, and a size chosen by throughput.
 
-Peak memory is close to affine in the batch size (weights and optimizer states, plus activations per sample), so
-two small trials (2 and 4 by default; 1 only when 2 does not fit) predict the boundary; one trial confirms it and one just above brackets
-it; a trial that runs out of memory or over the limit turns the search into a bisection, which also serves when
-the prediction is off. The search stops once the boundary is known to within `tolerance` (5%).
-
-Step time is close to affine in the size too, once the device is busy, so tokens/s rises towards a plateau: the
-smallest size within 2% of the best is predicted from the same trials (aiming at 1%, the middle of the band) and
-confirmed by one more
-([`next_throughput_size`]). That confirmation runs the forward pass only: its step time is the forward's scaled by
-the ratio of step to forward time of the largest full step that fits ([`with_estimated_step`]), which is close to
-constant across sizes (the backward and the recomputed forwards grow with the batch as the forward does), and it
-costs a quarter of a step with gradient checkpointing.
-
-Pure Python: the trials are run by a callable the caller provides.
+Peak memory and step time are both close to affine in the size, so a few trials predict the boundary and the
+smallest size near the best tokens/s; see docs/how-it-works.md, "The commands". Pure Python: the trials are run by a
+callable the caller provides.
 """
 
 from __future__ import annotations
@@ -76,11 +65,8 @@ def find_boundary(
     start: tuple[int, ...] = (2, 4),
     max_trials: int = 16,
 ) -> Search:
-    """Search for the largest size in `[1, max_size]` whose trial fits under `limit` bytes.
-
-    Raises:
-        ValueError: if one sample does not fit (the boundary would be 0).
-    """
+    """Search for the largest size in `[1, max_size]` whose trial fits under `limit` bytes; a `ValueError` where
+    one sample does not fit."""
     trials: list[Trial] = []
     largest_fitting, smallest_failing, predicted = 0, None, None
 
@@ -97,7 +83,6 @@ def find_boundary(
     for size in start:
         if size > max_size or not attempt(size):
             break
-    tried: set[int] = set()
     while len(trials) < max_trials and largest_fitting < max_size:
         if _bracketed(largest_fitting, smallest_failing, tolerance) or smallest_failing == 1:
             break
@@ -120,7 +105,6 @@ def find_boundary(
             candidate = min(max(candidate, low), high)
         if predicted is None:
             predicted = estimate
-        tried.add(candidate)
         attempt(candidate)
     if largest_fitting == 0:
         raise ValueError(
@@ -139,12 +123,8 @@ def _bracketed(largest_fitting: int, smallest_failing: int | None, tolerance: fl
 
 
 def predict_boundary(trials: list[Trial], limit: float | None, secant: bool = False) -> int | None:
-    """The largest size an affine fit of peak bytes against size puts under `limit`.
-
-    Every trial that ran is a point, those over the limit included; out-of-memory and stopped trials have no
-    reading. With
-    `secant`, only the two largest sizes count: near the boundary, where growth may be faster than affine.
-    """
+    """The largest size an affine fit of peak bytes against size puts under `limit`, over every trial that ran
+    (those over the limit included); with `secant`, the two largest only (near the boundary growth may be faster)."""
     points = sorted((t.size, t.peak_bytes) for t in trials if t.ran and t.peak_bytes is not None)
     if secant:
         points = points[-2:]
@@ -194,15 +174,12 @@ def recommend(trials: list[Trial], limit: float | None, within: float = 0.02, la
 def next_throughput_size(
     trials: list[Trial], limit: float | None, within: float = 0.02, granule: int = 8
 ) -> int | None:
-    """The next size to time so that [`recommend`] finds a small size within `within` of the best, or `None`.
+    """The next size to time so that [`recommend`] finds a small size within `within` of the best, or `None` once
+    one smaller than the largest timed is within (each trial near the boundary costs a large step).
 
-    An affine fit of step time against size (t = a + c x size, on the trials of 4 samples and more, where the device
-    is busy) predicts the smallest size whose tokens/s is within `within / 2` of the best measured (the middle of the
-    band, so that the fit's error rarely leaves it outside `within`); it is rounded to the
-    nearest multiple of `granule` (sizes an effective batch splits into evenly) and timed. If it falls short, the refit
-    predicts the next one; a prediction outside the gap between the largest size that fell short and the smallest
-    size within halves that gap instead. `None` once a size smaller than the largest one timed is within (the search
-    stops at the first success: each trial near the boundary costs a large step).
+    An affine fit of step time predicts the smallest size within `within / 2` (the middle of the band, so that the
+    fit's error rarely leaves it outside), rounded to a multiple of `granule` (sizes an effective batch splits
+    evenly); one outside the gap between the largest size short of the band and the smallest in it halves the gap.
     """
     fitting = _timed_and_fitting(trials, limit)
     if not fitting:
@@ -212,7 +189,6 @@ def next_throughput_size(
     if good < max(t.size for t in fitting):
         return None
     short = max((t.size for t in fitting if t.size < good), default=0)
-    # aimed at the middle of the band, so that the first confirmation lands inside it despite the fit's error
     candidate = _predicted_within(trials, best * (1 - within / 2))
     if candidate is None or not short < candidate < good:
         candidate = (short + good) // 2
@@ -241,14 +217,8 @@ def _predicted_within(trials: list[Trial], target: float) -> int | None:
 
 
 def split_effective_batch(micro_batch_size: int, effective_batch_size: int, gpus: int) -> tuple[int, int]:
-    """A `(per_device_train_batch_size, gradient_accumulation_steps)` pair for the effective batch.
-
-    The per-device size is at most `micro_batch_size` and divides the per-GPU share, so the effective batch is
-    exact: the largest such divisor.
-
-    Raises:
-        ValueError: if `effective_batch_size` is not divisible by `gpus`.
-    """
+    """`(per_device_train_batch_size, gradient_accumulation_steps)` for the effective batch: the largest per-device
+    size up to `micro_batch_size` that divides the per-GPU share, so that the effective batch is exact."""
     if effective_batch_size % gpus:
         raise ValueError(
             f"effective batch {effective_batch_size} is not divisible by {gpus} GPUs: every GPU must take the same "
@@ -260,15 +230,9 @@ def split_effective_batch(micro_batch_size: int, effective_batch_size: int, gpus
 
 
 def split_reason(micro_batch_size: int, effective_batch_size: int, gpus: int) -> str | None:
-    """Why [`split_effective_batch`] gives a per-device size below `micro_batch_size`; `None` where it does not.
-
-    Example:
-        ```python
-        split_reason(13, 16, 1)
-        # '8 x 2: 8 is the largest size up to the recommended 13 that divides the 16 samples per device evenly
-        #  (13 would leave a remainder of 3)'
-        ```
-    """
+    """Why [`split_effective_batch`] gives a per-device size below `micro_batch_size` (`None` where it does not),
+    e.g. '8 x 2: 8 is the largest size up to the recommended 13 that divides the 16 samples per device evenly (13
+    would leave a remainder of 3)'."""
     per_device, accumulation = split_effective_batch(micro_batch_size, effective_batch_size, gpus)
     if per_device >= micro_batch_size:
         return None

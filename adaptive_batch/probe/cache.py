@@ -1,12 +1,6 @@
-"""The probe's cache: what identifies a setup, where its results are stored, and the lookup a run starts from.
-
-A setup is everything that changes memory, read off a live model ([`describe_setup`]): the model's config, dtype,
-quantisation, LoRA, gradient checkpointing, optimizer, device and library versions. `adaptive-batch probe` stores
-its report under the setup's key, one entry per sequence length; `AdaptiveBatch()` looks its own setup up
-([`cached_start`]) and starts the micro-batch at the recommended size of the shortest entry that covers its
-sequences, or says why it found none.
-
-This module is on the Trainer's path: it imports neither the trial runner nor model loading.
+"""The probe's cache: a setup's key ([`describe_setup`]: everything read off a live model that changes memory), the
+report stored under it per sequence length, and the lookup a run starts from ([`cached_start`]). On the Trainer's
+path, so it imports neither the trial runner nor model loading. See docs/how-it-works.md, "The commands".
 
 Example:
     ```python
@@ -26,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..runtime import compat
+from ..runtime.compat.trainer import CONFIG_BOOKKEEPING_KEYS
 
 if TYPE_CHECKING:
     from .search import ProbeReport
@@ -38,16 +32,9 @@ MAX_NAMED_DIFFERENCES = 4
 
 @dataclass(frozen=True)
 class CachedStart:
-    """What the cache says for a setup and a sequence length.
-
-    Attributes:
-        size: the probe's recommended micro-batch, or `None` when the cache holds none for this setup and length.
-        seq_len: the sequence length that size was probed at (the shortest cached one that covers the run's).
-        message: one line for the log: where the run starts, or why the cache was not used; `None` when the cache
-            holds nothing for this model (nothing was probed for it, so there is nothing to say).
-        boundary, eval_boundary: the largest micro-batch and eval batch the probe found to fit where a larger one
-            failed (`None`: none failed, or not searched).
-    """
+    """What the cache says for a setup and a sequence length: the recommended `size` probed at `seq_len` (`None`:
+    no entry), one line for the log (`None` where nothing was probed for this model), and the largest micro-batch
+    and eval batch found to fit where a larger one failed (`None`: none failed, or not searched)."""
 
     size: int | None
     seq_len: int | None
@@ -57,18 +44,11 @@ class CachedStart:
 
 
 def cached_start(setup: dict, seq_len: int) -> CachedStart:
-    """The cached recommendation for `setup` at `seq_len` tokens, or why there is none.
-
-    The entry used is the one with the shortest probed length >= `seq_len` (a size that fits longer sequences fits
-    shorter ones). Without an entry for this setup, the message names the fields in which the nearest cached setup
-    of the same model (fewest differing top-level fields) differs from this one, and is `None` where the cache holds
-    only other models.
-    """
+    """The cached recommendation for `setup` at `seq_len` tokens, from the shortest probed length >= `seq_len` (a
+    size that fits longer sequences fits shorter ones), or why there is none."""
     path = _cache_file(setup)
-    if not path.exists():
-        return CachedStart(None, None, _no_entry_message(setup))
     try:
-        entries = json.loads(path.read_text())
+        entries = json.loads(path.read_text()) if path.exists() else {}
     except ValueError as error:
         return CachedStart(
             None,
@@ -139,7 +119,7 @@ def describe_setup(model: torch.nn.Module, optim: str, gradient_checkpointing: b
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config.to_dict()
     quantization = config.pop("quantization_config", None)
-    for key in compat.CONFIG_BOOKKEEPING_KEYS:
+    for key in CONFIG_BOOKKEEPING_KEYS:
         config.pop(key, None)
     peft_config = getattr(model, "peft_config", {}).get("default") if hasattr(model, "peft_config") else None
     lora = None
@@ -166,16 +146,13 @@ def describe_setup(model: torch.nn.Module, optim: str, gradient_checkpointing: b
     }
 
 
-# -- why a setup has no entry ------------------------------------------------------------------------------------
-
-
 def _cache_file(setup: dict) -> Path:
     return cache_dir() / f"{setup_key(setup)}.json"
 
 
 def _no_entry_message(setup: dict) -> str | None:
-    """One line naming what differs from the nearest cached setup of the same model; `None` when the cache holds no
-    setup of this model (a cache for other models is not news)."""
+    """One line naming what differs from the nearest cached setup of the same model (fewest differing top-level
+    fields); `None` when the cache holds no setup of this model (a cache for other models is not news)."""
     # the cache holds the setup as JSON: compare this one as JSON too, or a tuple would differ from its list
     now = json.loads(json.dumps({k: v for k, v in setup.items() if k != "seq_len"}, default=str))
     cached = [other for other in _cached_setups() if other.get("model") == now.get("model")]

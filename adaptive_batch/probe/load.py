@@ -1,8 +1,5 @@
-"""Loading a model for `adaptive-batch probe` the way a QLoRA run would, with one clear error per bad input.
-
-The checks run before any weight is read: the folder, its `config.json` (a GGUF file alone is pointed at the one-off
-conversion), the sequence length against the model's positions, the LoRA targets against the model's modules.
-"""
+"""Loading a model for `adaptive-batch probe` the way a QLoRA run would. The inputs are checked before any weight
+is read (the folder, its `config.json`, the sequence length, the LoRA targets), each with one clear error."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ def load_model(
     seq_len: int,
     device: torch.device,
 ):
-    """Load a causal LM the way a QLoRA run would, checking the inputs first (one clear error each)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(model_dir)
@@ -40,15 +36,12 @@ def load_model(
     if load_in_4bit:
         from transformers import BitsAndBytesConfig
 
-        if device.type == "cpu":
-            kwargs["device_map"] = {"": "cpu"}
-        else:
-            kwargs["device_map"] = {"": device.index or 0}
+        kwargs["device_map"] = {"": "cpu" if device.type == "cpu" else device.index or 0}
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.float32,
+            bnb_4bit_compute_dtype=dtype,
         )
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if not load_in_4bit:

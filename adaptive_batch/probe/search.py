@@ -1,17 +1,6 @@
-"""`probe`: the largest micro-batch that fits a model and setup, and the fastest one, before a run.
-
-Each trial of the search is a real training step on a full-length batch (forward, backward, the optimizer the run
-will use),
-timed with the device synchronised and its peak memory read: on a GPU from the caching allocator (reserved bytes
-are what the limit applies to, allocated bytes are reported too), on the CPU from a dispatch-mode meter of the
-bytes every tensor op allocates, against a stated budget. A warm-up step on one short sample pays the one-time
-costs first (kernels, allocator, the optimizer's state). Memory is released between trials, and the model's
-trainable weights and the RNG states are put back as they were afterwards: the probe leaves no trace.
-
-The search ([`boundary.find_boundary`]) needs about five trials when memory grows affinely with the batch; the
-recommendation is the smallest size within 2% of the best tokens/s, predicted by an affine fit of step time and
-confirmed by the forward pass of one more step (scaled to a whole step by the boundary trial's ratio). The trials themselves are run by
-[`trials.TrialRunner`]; the report is cached by [`probe_cache.save_report`].
+"""`probe`: the largest micro-batch that fits a model and setup, and a fast one, before a run; also the largest
+eval batch. Real training steps ([`trials.TrialRunner`]) searched by [`boundary.find_boundary`]; the probe leaves no
+trace. See docs/how-it-works.md, "The commands".
 
 Example:
     ```python
@@ -22,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -47,12 +37,8 @@ THROUGHPUT_TRIALS = 3  # trials after the search, to find the smallest size near
 class ProbeReport:
     """What a probe found. Sizes are samples per micro-batch on one device; tokens are `size x seq_len`.
 
-    Where the time went: `seconds` in all, of which `warm_up_seconds` for the warm-up step (one sample of
-    `warm_up_tokens`), `trial_seconds` for the trials (a stopped trial's until it stopped, a forward-only one's
-    forward) and
-    `overhead_seconds` for the rest: `setup_seconds` before the warm-up (the snapshot and the optimizer),
-    `cleanup_seconds` after the last trial (putting the snapshot back, releasing memory), and between trials their
-    input batches and the memory released after each.
+    `seconds` = `warm_up_seconds` + `trial_seconds` + `overhead_seconds` (of which `setup_seconds` before the warm-up,
+    `cleanup_seconds` after the last trial, and the input batches and memory released between trials).
     """
 
     setup: dict
@@ -105,23 +91,19 @@ def probe(
     on_trial: Callable[[Trial], None] | None = None,
     evaluation: bool = True,
 ) -> ProbeReport:
-    """Find the boundary and a recommended micro-batch for `model` on sequences of `seq_len` tokens.
+    """Find the boundary and a recommended micro-batch for `model` (as the run will train it) on full-length
+    sequences of `seq_len` tokens, with the optimizer `optim` (a `TrainingArguments.optim` name) built as the Trainer
+    builds it.
 
     Args:
-        model: the model as the run will train it (quantised, with adapters, checkpointing enabled).
-        seq_len: tokens per sample; every trial batch is full length (the warm-up's one sample is short).
-        optim: a `TrainingArguments.optim` name; the probe builds that optimizer as the Trainer would.
-        device: where the model is; default: the device of its first parameter.
-        headroom: on a GPU, the share of device memory to keep free (the limit is `(1 - headroom) x total`).
-        memory_budget: on the CPU, the bytes a step may use (required there).
-        max_size: the largest size to consider.
+        headroom: on a GPU, the share of device memory to keep free.
+        memory_budget: the bytes a step may use (required on the CPU, a cap on a GPU).
         largest: recommend the boundary instead of the fastest size.
         effective_batch_size, gpus: also give the `per_device x accumulation` pair for this effective batch.
         autocast_dtype: run forward and backward under `torch.autocast` with this dtype (as `bf16=True` does).
         setup: what identifies the setup (for the report and the cache).
         on_trial: called after every trial (for a progress bar).
-        evaluation: search the largest eval batch too (a forward without gradients, its logits held, beside the
-            training state: what an evaluation during training has), for `per_device_eval_batch_size`.
+        evaluation: search the largest eval batch too, for `per_device_eval_batch_size`.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     limit = trial_limit(device, headroom, memory_budget)
@@ -133,12 +115,13 @@ def probe(
     try:
         warm_up = runner.warm_up()
         trials: list[Trial] = []
+        eval_trials: list[Trial] = []
 
-        def run(size: int, forward_only: bool = False) -> Trial:
-            trial = runner.run(size, forward_only=forward_only)
+        def run(size: int, forward_only: bool = False, eval_step: bool = False) -> Trial:
+            trial = runner.run(size, forward_only=forward_only, evaluation=eval_step)
             if forward_only:
                 trial = with_estimated_step(trial, trials, limit)
-            trials.append(trial)
+            (eval_trials if eval_step else trials).append(trial)
             if on_trial is not None:
                 on_trial(trial)
             return trial
@@ -150,30 +133,17 @@ def probe(
                 if size is None:
                     break
                 run(size, forward_only=True)
-        eval_trials: list[Trial] = []
         eval_search = None
         if evaluation:
-
-            def run_eval(size: int) -> Trial:
-                trial = runner.run(size, evaluation=True)
-                eval_trials.append(trial)
-                if on_trial is not None:
-                    on_trial(trial)
-                return trial
-
-            try:
-                eval_search = find_boundary(run_eval, limit, max_size=max_size)
-            except (
-                ValueError
-            ):  # one sample does not fit an eval forward either: said by the boundary of 0 below
-                eval_search = None
+            # where one sample does not fit an eval forward either, the report's eval boundary says 0
+            with contextlib.suppress(ValueError):
+                eval_search = find_boundary(lambda size: run(size, eval_step=True), limit, max_size=max_size)
     finally:
         cleanup_started = time.perf_counter()
         del optimizer
         runner.close()
         snapshot.restore()
-        # no garbage collection: a trial that ran to the end freed its tensors, and one cut short was collected
-        # right after it; collecting a large model's objects again would only cost time
+        # no garbage collection: every trial's tensors are freed already, and collecting a large model costs time
         release_memory(device, collect=False)
     finished = time.perf_counter()
     recommended = recommend(trials, limit, largest=largest)

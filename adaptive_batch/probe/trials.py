@@ -1,12 +1,6 @@
-"""Trials for the probe: one real training step at a given size, its time and its peak memory.
-
-Each trial is a forward, a backward and the optimizer the run will use, on a full-length batch of random tokens,
-timed with the device synchronised. Its peak memory is read on a GPU from the caching allocator (reserved bytes are
-what the limit applies to, allocated bytes are reported too), on the CPU from a dispatch-mode meter of the bytes
-every tensor op allocates, against a stated budget. A trial whose memory passes the limit is stopped there.
-
-[`Snapshot`] holds what the trials change (trainable weights, gradients, RNG states) so that the probe can put it
-back: the probe leaves no trace.
+"""The probe's trials: one real training step at a given size, its time and its peak memory (on a GPU the caching
+allocator's reserved bytes, on the CPU a meter of the bytes every op allocates against a stated budget), and the
+[`Snapshot`] that puts back what the trials change. See docs/how-it-works.md, "The commands".
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..runtime.compat import TorchDispatchMode, tree_flatten
+from ..runtime.compat.torch import TorchDispatchMode, tree_flatten
 from ..runtime.memory import Stopwatch, is_out_of_memory, memory_limit, release_memory, synchronize
 from .boundary import Trial
 
@@ -30,20 +24,12 @@ WARM_UP_TOKENS = 64
 
 
 class TrialRunner:
-    """Runs one training step at a given size and reads its time and peak memory.
+    """Runs one training step of `optimizer` on `model` at a given size, on random token ids below `vocab_size`,
+    and reads its time and peak memory.
 
-    A step whose memory passes `limit` is stopped there (the rest of it would only confirm that the size does not
-    fit): on a GPU a forward pre-hook on every module reads the reserved bytes (with gradient checkpointing the
-    backward pass runs the forwards again, so it is watched too), on the CPU the byte meter checks every op.
-
-    Args:
-        model: the model to train one step at a time (its training mode is put back by `close`).
-        optimizer: the optimizer of the run, over the model's trainable parameters.
-        seq_len: tokens per sample of every trial.
-        vocab_size: token ids are drawn from `[0, vocab_size)`.
-        device: where the model is.
-        autocast_dtype: run forward and backward under `torch.autocast` with this dtype, or `None`.
-        limit: bytes a step may use (`None` or infinite: no limit).
+    A step whose memory passes `limit` bytes is stopped there (the rest would only confirm that it does not fit): on
+    a GPU a forward pre-hook on every module reads the reserved bytes (with gradient checkpointing the backward runs
+    the forwards again), on the CPU the byte meter checks every op. `close` puts the model's training mode back.
     """
 
     def __init__(self, model, optimizer, seq_len, vocab_size, device, autocast_dtype, limit):
@@ -67,41 +53,31 @@ class TrialRunner:
         self, size: int, seq_len: int | None = None, forward_only: bool = False, evaluation: bool = False
     ) -> Trial:
         """One training step on `size` samples of `seq_len` tokens (default: the runner's), or its forward pass
-        alone. The forward's time is read too (the device synchronised when the loss is computed). With
-        `evaluation`, an eval step instead: the model in eval mode, the forward without gradients, its logits held
-        as `Trainer.prediction_step` returns them (the optimizer's state stays, as in an evaluation during
-        training); its `seconds` is that forward's time."""
+        alone (its time read too); with `evaluation`, an eval step instead: the forward in eval mode without
+        gradients, its logits held as `Trainer.prediction_step` returns them, its time the trial's `seconds`."""
         model = self.model
         model.train(not evaluation)
         seq_len = seq_len or self.seq_len
         ids = torch.randint(0, self.vocab_size, (size, seq_len), generator=self.generator).to(self.device)
         cpu = self.device.type == "cpu"
         baseline = sum(self.held.values())
-        meter = (
-            PeakMeter(None if self.limit is None else self.limit - baseline, self.held.keys())
-            if cpu
-            else None
-        )
+        budget = None if self.limit is None else self.limit - baseline
+        meter = PeakMeter(budget, self.held.keys()) if cpu else None
         stopwatch = Stopwatch(self.device)
         out_of_memory = stopped = False
         forward_seconds = None
         started = time.perf_counter()
         try:
             with stopwatch, meter if cpu else self._stop_over_limit(), self._autocast():
-                if evaluation:
-                    with torch.no_grad():
-                        output = model(input_ids=ids, labels=ids)
-                        synchronize(self.device)
-                        forward_seconds = time.perf_counter() - started
-                    del output
-                else:
-                    loss = model(input_ids=ids, labels=ids).loss
+                with torch.no_grad() if evaluation else contextlib.nullcontext():
+                    output = model(input_ids=ids, labels=ids)
+                    output = output if evaluation else output.loss  # a training step holds its loss alone
                     synchronize(self.device)
                     forward_seconds = time.perf_counter() - started
-                    if not forward_only:
-                        loss.backward()
-                        self.optimizer.step()
-                    del loss
+                if not (evaluation or forward_only):
+                    output.backward()
+                    self.optimizer.step()
+                del output
         except _OverLimit:
             stopped = True
         except Exception as error:  # noqa: BLE001 - only allocation failures are a result, the rest re-raised
@@ -171,12 +147,9 @@ class _OverLimit(Exception):
 
 
 class PeakMeter(TorchDispatchMode):
-    """Peak bytes of the tensors that ops create while active (CPU has no allocator statistics); raises
-    `_OverLimit` once they pass `budget`.
-
-    Ops also return tensors that existed before (a view of a weight, an optimizer state updated in place): the
-    storages in `held` are counted by the caller already and are left out, and any other one once.
-    """
+    """Peak bytes of the tensors that ops create while active (the CPU has no allocator statistics); raises
+    `_OverLimit` once they pass `budget`. Storages in `held` (weights, optimizer state: counted by the caller) are
+    left out, any other one counted once."""
 
     def __init__(self, budget: float | None = None, held: Iterable[int] = ()):
         super().__init__()
@@ -229,12 +202,8 @@ def trial_limit(device: torch.device, headroom: float, memory_budget: float | No
 
 
 def make_optimizer(model: torch.nn.Module, optim: str, learning_rate: float):
-    """The optimizer the Trainer would build for `optim` (bitsandbytes' paged 8-bit AdamW included).
-
-    The Trainer's own lookup takes a `TrainingArguments`; building one costs well under a millisecond (measured on
-    the CPU), so the class and its keyword arguments come from the Trainer itself rather than a copy of its table.
-    The first call imports `transformers.Trainer`, which a training script has imported anyway.
-    """
+    """The optimizer the Trainer would build for `optim`, from the Trainer's own lookup rather than a copy of its
+    table (it takes a `TrainingArguments`, which costs well under a millisecond to build)."""
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(

@@ -1,19 +1,10 @@
-"""What each training engine needs around the micro-batches of a step: one object per engine.
+"""What each training engine needs around the micro-batches of a step: one [`Engine`] object per engine.
 
-The step runner ([`step.MicroBatchRunner`]) cuts a step and runs its micro-batches the same way under every engine.
-Three things differ, and an [`Engine`] holds them:
-
-- `micro_batch(model, last)`: the context each micro-batch's forward and backward run in (DDP keeps gradients
-  local; DeepSpeed is told whether it is the step's last);
-- `finish_step(model)`: what makes the step's gradient whole once every micro-batch ran (DDP averages it once);
-- `forget(model, optimizer)`: what undoes a failed attempt at a step, so that it can run again from its start;
-
-and `retries` says whether an out-of-memory error can be retried at all: where a micro-batch's forward or backward
-holds collectives (FSDP gathers parameters and reduce-scatters gradients inside them), a rank that fails in the
-middle leaves the others waiting in a collective it will never make. There the failing rank raises
-[`EngineOutOfMemoryError`] at once and the launcher ends the others, instead of a hang.
-
-The private attributes of the engines that are touched live in [`compat`].
+The step runner ([`step.MicroBatchRunner`]) runs micro-batches the same way under every engine; an engine gives the
+context each runs in (`micro_batch`), what makes the step's gradient whole (`finish_step`), what undoes a failed
+attempt (`forget`), and whether an out-of-memory error can be retried at all (`retries`: not where a forward or
+backward holds collectives, since a rank failing in the middle would leave the others waiting; it raises
+[`EngineOutOfMemoryError`] at once instead of a hang). See docs/how-it-works.md, "Several processes".
 """
 
 from __future__ import annotations
@@ -25,7 +16,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from . import compat
+from .compat.deepspeed import MANAGED_ACCUMULATION, deepspeed_backward_only, deepspeed_reset
+from .compat.torch import ddp_forget_forward
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -35,7 +27,7 @@ class EngineOutOfMemoryError(RuntimeError):
 
 
 class Engine(Protocol):
-    """What the step runner asks of an engine (see the module docstring)."""
+    """What the step runner asks of an engine."""
 
     name: str
     retries: bool  # an out-of-memory error can be retried
@@ -56,7 +48,7 @@ class SingleProcess:
     name = "one process"
     retries = True
     no_retry_because: str | None = None  # where `retries` is False for another reason than collectives
-    measures_noise = True  # each micro-batch's own gradient reaches the parameters' hooks ([`gradnoise`])
+    measures_noise = True
 
     def micro_batch(self, model: torch.nn.Module, last: bool):
         return contextlib.nullcontext()
@@ -70,15 +62,14 @@ class SingleProcess:
             optimizer.zero_grad(set_to_none=True)
 
     def out_of_memory(self, error: BaseException, world_size: int) -> EngineOutOfMemoryError:
-        """The error to raise where an out-of-memory error cannot be retried (`retries` is False)."""
+        """The error to raise where an out-of-memory error cannot be retried."""
         why = self.no_retry_because or (
             "its forward and backward passes hold collectives that the other ranks are already waiting in, so the "
             "step cannot be run again smaller on every rank"
         )
         return EngineOutOfMemoryError(
             f"Out of memory in a micro-batch under {self.name} with {world_size} "
-            f"process{'es' if world_size != 1 else ''}: {why}. Choose a "
-            "micro-batch that fits before the run: run "
+            f"process{'es' if world_size != 1 else ''}: {why}. Choose a micro-batch that fits before the run: run "
             "`adaptive-batch probe` for this model and sequence length on one GPU and pass its size as "
             f"AdaptiveBatch(micro_batch_size=N) (or max_micro_batch_size=N). The error was: {error}"
         )
@@ -88,17 +79,10 @@ class DataParallel(SingleProcess):
     """DDP (or several processes without a wrapper): gradients stay local during every micro-batch of the step
     (`no_sync`), the last one too, then are averaged once over the ranks with DDP's numbers ([`average_gradients`]).
 
-    Why the last micro-batch does not run through DDP's own reducer, whose bucket all-reduces would overlap its
-    backward: an out-of-memory error is retried on every rank, which is safe only while no rank waits in a
-    collective that the failing rank will not make (the ranks exchange an "ok so far" flag after each micro-batch
-    and before each collective of the Trainer inside one, see [`step`]). The reducer launches a bucket's all-reduce
-    from inside the backward as soon as its gradients are made. A rank that runs out of memory in that backward has
-    launched some buckets and not the rest, while the others launch all of them and wait for them; its next
-    collective, the flag, would be matched with one of their buckets: a hang, or a wrong gradient. A flag exchange
-    between buckets would have to live inside DDP's C++ reducer, which has no public place for it, and the failed
-    rank's reducer would be left in the middle of an iteration. So the step keeps one all-reduce after its last
-    micro-batch, and an out-of-memory error anywhere in a step stays retryable. What the overlap would save is not
-    measured (no machine with several GPUs was available).
+    Not DDP's reducer for the last micro-batch: it launches bucket all-reduces from inside the backward, so a rank
+    that ran out of memory there would have launched some buckets and not the rest, and its next collective (the
+    ranks' agreement, [`ranks`]) would be matched with another rank's bucket: a hang or a wrong gradient. One
+    all-reduce after the step keeps an out-of-memory error anywhere in a step retryable.
     """
 
     name = "DDP"
@@ -108,7 +92,7 @@ class DataParallel(SingleProcess):
         self.world_size = world_size
 
     def micro_batch(self, model, last):
-        return compat.no_sync(self.trainer, model)
+        return self.trainer.accelerator.no_sync(model)  # gradients local until the step's single reduction
 
     def finish_step(self, model) -> None:
         average_gradients(model, self.world_size)
@@ -116,40 +100,37 @@ class DataParallel(SingleProcess):
 
     def forget(self, model, optimizer) -> None:
         super().forget(model, optimizer)
-        compat.ddp_forget_forward(model)
+        ddp_forget_forward(model)
 
 
 class FullyShardedV2(SingleProcess):
-    """FSDP2 (`fully_shard`): every micro-batch reduce-scatters its gradient into the sharded `.grad` (the least
-    memory; FSDP averages over the ranks itself), so the step's end has nothing to do. A failed attempt is undone by
-    FSDP's `reset_iter_state` (it reshards and drops the failed pass's gradients); with several processes, or a
-    torch without it, an out-of-memory error is not retried (see the module docstring)."""
+    """FSDP2 (`fully_shard`): every micro-batch reduce-scatters its gradient into the sharded `.grad`, so the step's
+    end has nothing to do. A failed attempt is undone by FSDP's `reset_iter_state` (it reshards and drops the failed
+    pass's gradients); with several processes, or a torch without it, an out-of-memory error is not retried."""
 
     name = "FSDP2"
     measures_noise = False  # the hooks would see the sharded gradient, already averaged over the ranks
 
     def __init__(self, world_size: int):
         self.retries = world_size == 1
-        if self.retries and not compat.fsdp2_can_reset():
+        from torch.distributed.fsdp import FSDPModule
+
+        if self.retries and not hasattr(FSDPModule, "reset_iter_state"):  # torch 2.13 has it, 2.11 not
             self.retries = False
-            self.no_retry_because = (
-                f"torch {torch.__version__} has no FSDPModule.reset_iter_state to undo the failed pass (torch 2.13 "
-                "has it)"
-            )
+            why = f"torch {torch.__version__} has no FSDPModule.reset_iter_state to undo the failed pass"
+            self.no_retry_because = f"{why} (torch 2.13 has it)"
 
     def forget(self, model, optimizer) -> None:
-        compat.fsdp2_reset(model)
+        model.reset_iter_state()  # the root module's: waits on in-flight collectives, reshards, clears the pass
         super().forget(model, optimizer)
 
 
 class DeepSpeed(SingleProcess):
     """DeepSpeed ZeRO-0 to 3, with or without offload, through accelerate. Each micro-batch runs `engine.backward`
-    alone, told whether it is the step's last (`set_gradient_accumulation_boundary`), as accelerate's own
-    accumulation does: that backward does the boundary's work (ZeRO-0/1 reduce; with offload, each gradient's norm
-    and its copy to the CPU optimizer's buffer, overlapped with the backward). Then the step's end runs
-    `engine.step()` once, after every rank's micro-batches ran: clipped, the optimizer stepped. A failed attempt is
-    undone by [`compat.deepspeed_reset`]; with several processes an out-of-memory error is not retried (ZeRO-2 and 3
-    reduce or gather inside every backward)."""
+    alone, told whether it is the step's last (`set_gradient_accumulation_boundary`), so that backward does the
+    boundary's work as in accelerate's own accumulation; the step's end runs `engine.step()` once. A failed attempt is
+    undone by [`deepspeed_reset`]; with several processes an out-of-memory error is not retried (ZeRO-2 and 3 reduce
+    or gather inside every backward)."""
 
     name = "DeepSpeed"
     measures_noise = False  # ZeRO reduces and partitions the gradients the hooks would read
@@ -159,19 +140,18 @@ class DeepSpeed(SingleProcess):
         self.retries = world_size == 1
 
     def micro_batch(self, model, last):
-        return compat.deepspeed_backward_only(self.trainer, boundary=last)
+        return deepspeed_backward_only(self.trainer, boundary=last)
 
     def finish_step(self, model) -> None:
-        compat.deepspeed_engine(self.trainer).step()
+        self.trainer.accelerator.deepspeed_engine_wrapped.engine.step()
 
     def forget(self, model, optimizer) -> None:
-        compat.deepspeed_reset(compat.deepspeed_engine(self.trainer))
+        deepspeed_reset(self.trainer.accelerator.deepspeed_engine_wrapped.engine)
 
 
 def prepare(trainer) -> None:
-    """Check, before the Trainer builds the engine, that a DeepSpeed setup can follow AdaptiveBatch's steps; give
-    DeepSpeed back the accumulation boundary where the config took it away (AdaptiveBatch sets it per micro-batch).
-    Raises for one that cannot."""
+    """Before the Trainer builds the engine: refuse a DeepSpeed setup that cannot follow AdaptiveBatch's steps, and
+    give DeepSpeed back the accumulation boundary where the config took it away."""
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return
     import deepspeed
@@ -183,19 +163,20 @@ def prepare(trainer) -> None:
             "step reads ZeRO's state as DeepSpeed 0.19.5 and later keep it (tested on 0.19.8). Upgrade: "
             "pip install 'adaptive-batch[deepspeed]' (deepspeed>=0.19.5)."
         )
-    config = compat.deepspeed_config(trainer)
+    # (the dict the engine will be built from, "auto" filled from TrainingArguments)
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
     if "scheduler" in config:
         raise ValueError(
             f"The DeepSpeed config has a scheduler ({config['scheduler'].get('type')!r}), which DeepSpeed steps by "
             "optimizer steps; AdaptiveBatch drives the learning rate by samples through the Trainer's scheduler. "
             "Remove the scheduler section and set lr_scheduler_type (and warmup_steps) in TrainingArguments."
         )
-    if config.get(compat.MANAGED_ACCUMULATION) is False:
-        config[compat.MANAGED_ACCUMULATION] = True
+    if config.get(MANAGED_ACCUMULATION) is False:
+        config[MANAGED_ACCUMULATION] = True
         logger.warning(
             "DeepSpeed: %s: false in the config is set to true: AdaptiveBatch marks each step's last micro-batch "
             "as the accumulation boundary, so that its backward does the boundary's work.",
-            compat.MANAGED_ACCUMULATION,
+            MANAGED_ACCUMULATION,
         )
     logger.info(
         "DeepSpeed: AdaptiveBatch marks each step's accumulation boundary; the config's batch fields "
@@ -214,20 +195,10 @@ def engine_for(trainer, world_size: int) -> Engine:
     return SingleProcess()
 
 
-def all_reduce_values(values: list[float], device: torch.device, op) -> list[float]:
-    """`values` reduced by `op` over every rank (a float64 tensor on `device`, one collective)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=op)
-    return tensor.tolist()
-
-
 def average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20) -> None:
-    """Average the trainable parameters' gradients over the ranks, as DDP's reducer does.
-
-    A parameter that no rank made a gradient for keeps `grad=None`, so the optimizer skips it (AdamW neither
-    decays nor moves it), as under DDP with `find_unused_parameters`. One that only some ranks made a gradient
-    for is averaged with zeros from the others.
-    """
+    """Average the trainable parameters' gradients over the ranks, as DDP's reducer does. One that no rank made a
+    gradient for keeps `grad=None` (the optimizer skips it, as under DDP with `find_unused_parameters`); one that
+    only some ranks made is averaged with zeros from the others."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return
@@ -239,30 +210,24 @@ def average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    buckets: dict[tuple, list[list[torch.nn.Parameter]]] = {}
+    buckets: dict[tuple, list[list[torch.nn.Parameter]]] = {}  # by dtype and device, of about `bucket_bytes`
     filled: dict[tuple, int] = {}
     for p in params:
         key = (p.grad.dtype, p.grad.device)
-        lists = buckets.setdefault(key, [[]])
-        if filled.get(key, 0) >= bucket_bytes:
-            lists.append([])
+        if filled.get(key, bucket_bytes) >= bucket_bytes:
+            buckets.setdefault(key, []).append([])
             filled[key] = 0
-        lists[-1].append(p)
-        filled[key] = filled.get(key, 0) + p.grad.numel() * p.grad.element_size()
-    for lists in buckets.values():
-        for bucket in lists:
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            # torch 2.13's reducer (no comm hook, `batched_grad_copy=False`) multiplies each gradient by
-            # 1 / world_size as it copies it into its bucket, then sums: so here too (checked on 3 gloo ranks, one
-            # parameter: this is DDP's gradient bit for bit, the sum then a division is not; on 2 ranks both are
-            # exact). With more than 2 ranks the sum's order follows the bucket layout, and DDP's is not copied.
-            flat.mul_(1.0 / world_size)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            offset = 0
-            for p in bucket:
-                count = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + count].view_as(p.grad))
-                offset += count
+        buckets[key][-1].append(p)
+        filled[key] += p.grad.numel() * p.grad.element_size()
+    for bucket in (bucket for lists in buckets.values() for bucket in lists):
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        # torch 2.13's reducer (no comm hook, `batched_grad_copy=False`) multiplies each gradient by 1 / world_size
+        # as it copies it into its bucket, then sums: so here too (on 3 gloo ranks this is DDP's gradient bit for
+        # bit, the sum then a division is not). With more than 2 ranks the sum's order follows the bucket layout.
+        flat.mul_(1.0 / world_size)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for p, part in zip(bucket, flat.split([p.grad.numel() for p in bucket])):
+            p.grad.copy_(part.view_as(p.grad))
 
 
 def broadcast_buffers(model: torch.nn.Module) -> None:

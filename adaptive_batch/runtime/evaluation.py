@@ -1,27 +1,11 @@
 """Evaluation and prediction that survive an out-of-memory error.
 
-`Trainer.prediction_step` runs one eval batch. Through [`EvalPieces`], a batch that runs out of memory runs again
-in pieces of half as many rows (then a quarter, ...), and the pieces are put back together as the whole batch's
-output, so `evaluation_loop` goes on as if nothing happened:
-
-- the loss: each piece's loss is a mean over what its batch holds (label tokens, counted as the Trainer counts
-  them, or rows), so the whole batch's is the pieces' losses weighted by those counts (over all ranks where the
-  Trainer normalises over them: `average_tokens_across_devices`);
-- logits and labels: the pieces' concatenated in row order; a piece keeps the batch's padded width, so they are the
-  whole batch's, shape for shape.
-
-The eval loss, the `compute_metrics` inputs and `eval_accumulation_steps` are then those of the plain Trainer (the
-loss up to rounding in the weighted sum). Later batches start at the size that ran, in this evaluation and the
-next. Under DDP the ranks exchange a flag after every piece, so that all run again together and as many pieces
-(the Trainer's count of label tokens may be a collective). Not under DeepSpeed or FSDP, whose forward gathers
-parameters from every rank: there an out-of-memory error in evaluation ends the run, as it does without
-AdaptiveBatch.
-
-Under `adapt_evaluation="grow"` ([`EvalGrowth`]) the eval batch also grows between evaluations, and a loss-only
-batch (no logits kept: an evaluation without `compute_metrics`) of right-padded rows of different lengths runs in
-pieces of similar lengths, each padded only to its own longest row ([`token_pieces`]): the same loss from fewer
-padded tokens. Under DDP every rank runs as many pieces as the rank that cut its batch into most
-([`as_many_pieces`]).
+Through [`EvalPieces`], an eval batch that runs out of memory runs again in pieces of half its rows (a quarter, ...),
+put back together as the whole batch's output (the loss weighted by what each piece averages over, logits and labels
+concatenated), so `evaluation_loop` goes on as if nothing happened. Under `adapt_evaluation="grow"` ([`EvalGrowth`])
+the eval batch also grows between evaluations, and a loss-only batch of ragged rows runs in pieces of similar lengths
+([`token_pieces`]). Under DDP the ranks agree after every piece ([`ranks.Ranks`]). See docs/how-it-works.md,
+"Evaluation".
 """
 
 from __future__ import annotations
@@ -31,9 +15,9 @@ import logging
 import math
 import time
 from collections.abc import Mapping
+from functools import partial
 
 import torch
-import torch.distributed as dist
 
 from ..core.cut import cheapest_chunks
 from ..core.eval_size import EvalMeasure, EvalSizer
@@ -41,10 +25,11 @@ from ..core.microbatch import MicroBatchTooLargeError
 from ..core.replay import Tape
 from ..core.rows import even_chunk
 from ..core.tokens import fitted_overhead
-from . import compat
 from .batch import IGNORE_INDEX
-from .engines import all_reduce_values
-from .memory import Stopwatch, is_out_of_memory, memory_limit, release_memory, synchronize
+from .compat.trainer import forget_eval_dataloaders, loss_normalised_over_ranks, loss_shifts_labels
+from .compat.trl import TrlMetrics
+from .memory import Stopwatch, memory_limit, release_memory, synchronize
+from .ranks import Ranks, Report
 from .stream import is_stream
 
 logger = logging.getLogger("adaptive_batch")
@@ -54,17 +39,12 @@ MIN_POINTS, MAX_POINTS = 4, 64
 
 
 class EvalPieces:
-    """Runs eval batches through the Trainer's `prediction_step`, in pieces after an out-of-memory error.
-
-    Args:
-        trainer: the Trainer (its `label_names`, how it counts label tokens, its device).
-        world_size: the processes that evaluate together (their flags are exchanged where more than one).
-    """
+    """Runs eval batches through the Trainer's `prediction_step`, in pieces after an out-of-memory error;
+    `cut_by_tokens`: loss-only batches of ragged rows run in pieces of similar lengths."""
 
     def __init__(self, trainer, world_size: int, cut_by_tokens: bool = False):
         self.trainer = trainer
-        self.world_size = world_size
-        # loss-only batches of ragged rows run in pieces of similar lengths
+        self.ranks = Ranks(trainer, world_size)
         self.cut_by_tokens = cut_by_tokens
         # (padded tokens, seconds) of the forwards timed for that cut, and a forward's fixed time fitted from them
         self.points: list[tuple[float, float]] = []
@@ -88,11 +68,12 @@ class EvalPieces:
         rows = batch_rows(inputs)
         if rows is None:  # nothing to cut by rows: the Trainer's own step
             return prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        device = self.ranks.device
         retried = False
         if self.cut_by_tokens and prediction_loss_only and self.cap is None:
             pieces = token_pieces(inputs, rows, self.overhead) if self.overhead is not None else None
-            if self.distributed:  # every rank runs as many pieces (a collective follows each)
-                count = all_reduce_values([float(len(pieces or [0]))], self.device, dist.ReduceOp.MAX)[0]
+            if self.ranks.distributed:  # every rank runs as many pieces (a collective follows each)
+                count = self.ranks.max([float(len(pieces or [0]))])[0]
                 pieces = as_many_pieces(pieces or [(slice(0, rows), None)], int(count), rows)
             if pieces is not None and len(pieces) > 1:
                 result = self._attempt(prediction_step, model, inputs, rows, pieces, True, ignore_keys)
@@ -101,7 +82,7 @@ class EvalPieces:
                     self.rows += rows
                     self.cut_batches += 1
                     return result
-                release_memory(self.device)  # then in halves of its rows, as any batch that ran out of memory
+                release_memory(device)  # then in halves of its rows, as any batch that ran out of memory
                 self.failed.append(rows)
                 self.cap, retried = max(1, rows // 2), True
                 logger.warning(
@@ -119,11 +100,11 @@ class EvalPieces:
                 self.retried += retried
                 self.rows += rows
                 return result
-            release_memory(self.device)
+            release_memory(device)
             self.failed.append(size)
             if size == 1:
                 raise MicroBatchTooLargeError(
-                    f"One row of an eval batch does not fit in memory on {self.device}, so no piece of it can run. "
+                    f"One row of an eval batch does not fit in memory on {device}, so no piece of it can run. "
                     "Lower per_device_eval_batch_size does not help here: free memory per row (a shorter max_length "
                     "for the eval set, eval_accumulation_steps to move predictions to the CPU, or "
                     "prediction_loss_only=True to keep no logits).",
@@ -150,66 +131,50 @@ class EvalPieces:
             metrics[f"{prefix}_adaptive_batch/batches_cut_by_tokens"] = self.cut_batches
         return metrics
 
-    @property
-    def device(self) -> torch.device:
-        return self.trainer.args.device
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
-
     def _attempt(self, prediction_step, model, inputs, rows, pieces, prediction_loss_only, ignore_keys):
         """The batch's (loss, logits, labels) from `pieces` (each its rows and the width it runs at), or `None` where
-        one ran out of memory on any rank (the others stopped with it, at the next collective of the Trainer or TRL
-        they reached, or after the piece). Pieces out of the batch's row order are only run loss-only."""
-        if self.cap is not None and self.distributed:  # (every rank has the same cap: they failed together)
-            most, fewest = all_reduce_values([rows, -rows], self.device, dist.ReduceOp.MAX)
+        one ran out of memory on any rank. Pieces out of the batch's row order are only run loss-only."""
+        # (every rank has the same cap: they failed together)
+        if self.cap is not None and self.ranks.distributed:
+            most, fewest = self.ranks.max([rows, -rows])
             if most != -fewest:
                 raise RuntimeError(
                     f"The eval batches hold {int(-fewest)} to {int(most)} rows on different ranks, so they cannot "
                     "run in the same pieces after an out-of-memory error. Keep the Accelerator's even_batches=True "
                     "(its default), or set AdaptiveBatch(adapt_evaluation=False)."
                 )
-        metrics = compat.TrlMetrics(self.trainer, mode="eval")
+        metrics = TrlMetrics(self.trainer, mode="eval")
         outputs = []
-        timed = self.cut_by_tokens and not self.distributed
+        timed, device = self.cut_by_tokens and not self.ranks.distributed, self.ranks.device
+
+        def piece(index, width: int | None, name: str) -> Report:
+            if timed:
+                synchronize(device)
+                began = time.perf_counter()
+            outputs.append(
+                prediction_step(model, take(inputs, rows, index, width), prediction_loss_only, ignore_keys)
+            )
+            if timed:
+                synchronize(device)
+                (seconds,) = self.tape.measure(
+                    "eval", self.step, f"forward {name}", [time.perf_counter() - began]
+                )
+                self._timed(inputs, rows, index, width, seconds)
+            return Report()
+
         for index, width in pieces:
-            failed = False
             name = self._piece_name()
-            if self.tape.recorded_failure("eval", self.step, f"oom {name}"):
-                metrics.restore()  # the replayed run ran out of memory here: fail as it did, without running
-                self._exchange(True)
-                return None
-            try:
-                with self._guard():
-                    if timed:
-                        synchronize(self.device)
-                        began = time.perf_counter()
-                    piece = take(inputs, rows, index, width)
-                    outputs.append(prediction_step(model, piece, prediction_loss_only, ignore_keys))
-                    if timed:
-                        synchronize(self.device)
-                        (seconds,) = self.tape.measure(
-                            "eval", self.step, f"forward {name}", [time.perf_counter() - began]
-                        )
-                        self._timed(inputs, rows, index, width, seconds)
-            except _PeerFailed:  # the flags were exchanged where this rank waited
-                failed = True
-            except Exception as error:  # noqa: BLE001 (only an out-of-memory error is caught below)
-                if not is_out_of_memory(error):
-                    raise
-                self.tape.failure("eval", self.step, f"oom {name}")
-                failed = self._exchange(True)
-            else:
-                failed = self._exchange(False)
-            if failed:
+            key = ("eval", self.step, f"oom {name}")
+            if self.ranks.run(
+                partial(piece, index, width, name), partial(Report, True), self.tape, key
+            ).out_of_memory:
                 metrics.restore()
                 return None
         if len(outputs) > 1:
             local = self._units(inputs, rows, pieces)
-            across = all_reduce_values(local, self.device, dist.ReduceOp.SUM) if self.distributed else local
+            across = self.ranks.sum(local)
             metrics.merge(across)  # TRL's per-batch means over label tokens of every rank
-            over_ranks = self.distributed and compat.loss_normalised_over_ranks(self.trainer)
+            over_ranks = self.ranks.distributed and loss_normalised_over_ranks(self.trainer)
             return _combine(outputs, across if over_ranks else local)
         return outputs[0]
 
@@ -242,11 +207,7 @@ class EvalPieces:
         labels = inputs.get("shift_labels")
         if labels is None:
             labels = inputs.get("labels")
-            if (
-                isinstance(labels, torch.Tensor)
-                and labels.dim() >= 2
-                and compat.loss_shifts_labels(self.trainer)
-            ):
+            if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and loss_shifts_labels(self.trainer):
                 labels = labels[..., 1:]
         per_row = (
             (labels != IGNORE_INDEX).reshape(rows, -1).sum(dim=1).double().cpu()
@@ -258,34 +219,11 @@ class EvalPieces:
             for index, _ in pieces
         ]
 
-    def _exchange(self, failed: bool) -> bool:
-        """Whether any rank failed (this one's flag where there is one process)."""
-        if not self.distributed:
-            return failed
-        return bool(all_reduce_values([float(failed)], self.device, dist.ReduceOp.MAX)[0])
-
-    def _guard(self):
-        """Under DDP, an exchange of flags before each collective of the Trainer or TRL inside a piece, so that no
-        rank waits in one that a rank which ran out of memory will never reach."""
-        if not self.distributed:
-            return contextlib.nullcontext()
-
-        def check() -> None:
-            if self._exchange(False):
-                raise _PeerFailed
-
-        return compat.before_collectives(self.trainer.accelerator, check)
-
 
 class EvalGrowth:
     """`adapt_evaluation="grow"`: every evaluation runs at the per-device eval batch an [`EvalSizer`] chose (one
-    sizer per metric prefix: each eval set has its own rows), and tells it what the evaluation measured.
-
-    Args:
-        trainer: the Trainer, whose `per_device_eval_batch_size` is set for the length of each evaluation.
-        pieces: the evaluation's [`EvalPieces`] (its rows, and the cap an out-of-memory error left).
-        growth_margin, memory_headroom: the sizer's.
-    """
+    sizer per metric prefix: each eval set has its own rows), and tells it what the evaluation measured (`pieces`:
+    its rows, and the cap an out-of-memory error left)."""
 
     def __init__(self, trainer, pieces: EvalPieces, growth_margin: float, memory_headroom: float):
         self.trainer, self.pieces = trainer, pieces
@@ -306,7 +244,7 @@ class EvalGrowth:
         args = self.trainer.args
         size = self.sizer(prefix).batch_size(self.rows.get(prefix))
         if size != self.built_at:  # loaders kept for persistent workers were built at another size
-            compat.forget_eval_dataloaders(self.trainer)
+            forget_eval_dataloaders(self.trainer)
             self.built_at = size
         user, args.per_device_eval_batch_size = args.per_device_eval_batch_size, size
         try:
@@ -319,27 +257,23 @@ class EvalGrowth:
         """Around `evaluation_loop` over `dataset`: its seconds and peak memory, over all ranks, told to the prefix's
         sizer with the dataset's rows per rank (or, for a dataset without a length, the rows run, which count the
         rows even batches repeat)."""
-        device = self.pieces.device
+        ranks = self.pieces.ranks
+        device = ranks.device
         size = self.trainer.args.per_device_eval_batch_size
         base = float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
         with Stopwatch(device) as watch:
             yield
-        out_of_memory = self.pieces.retried > 0
         seconds, peak, base = self.pieces.tape.measure(
             "eval", self.pieces.step, "evaluation", [watch.seconds, watch.peak_bytes, base]
         )
         local = [
             seconds,
-            float(
-                self.pieces.rows if is_stream(dataset) else math.ceil(len(dataset) / self.pieces.world_size)
-            ),
-            float(out_of_memory),
+            float(self.pieces.rows if is_stream(dataset) else math.ceil(len(dataset) / ranks.world_size)),
+            float(self.pieces.retried > 0),  # ran out of memory
             (peak or 0.0) - (base or 0.0),
             base or 0.0,
         ]
-        seconds, rows, failed, above, most_base = (
-            all_reduce_values(local, device, dist.ReduceOp.MAX) if self.pieces.distributed else local
-        )
+        seconds, rows, failed, above, most_base = ranks.max(local)
         measured_memory = peak is not None
         self.rows[prefix] = int(rows)
         line = self.sizer(prefix).record(
@@ -355,10 +289,6 @@ class EvalGrowth:
         )
         if line and self.trainer.args.should_log:
             logger.info("AdaptiveBatch: %s", line)
-
-
-class _PeerFailed(Exception):
-    """Another rank ran out of memory in this piece; raised on the others at the collective they wait in."""
 
 
 def _combine(outputs: list, units: list[float]):
@@ -430,11 +360,7 @@ def token_pieces(inputs: Mapping, rows: int, overhead: int) -> list[tuple[torch.
 
 def as_many_pieces(pieces: list, count: int, rows: int) -> list:
     """`pieces` split until there are `count` of them, the one of most rows halved each time (keeping its width), so
-    that ranks whose cuts differ run as many forwards.
-
-    Raises:
-        RuntimeError: where this rank's rows cannot make `count` pieces (the ranks' eval batches differ in rows).
-    """
+    that ranks whose cuts differ run as many forwards; raises where this rank's rows cannot make `count`."""
     pieces = list(pieces)
     while len(pieces) < count:
         sizes = [len(range(rows)[index]) if isinstance(index, slice) else len(index) for index, _ in pieces]

@@ -1,7 +1,6 @@
-"""Token counts of a training dataset, read without running its transforms: the Arrow column of a
-`datasets.Dataset`, or the `input_ids` of a list of mappings. Other datasets are not read (`None`): a torch
-`Dataset` that tokenises in `__getitem__`, a `set_transform` dataset, a stream; for those the first collated step
-tells ([`step_row_lengths`])."""
+"""Token counts of a training dataset, read without running its transforms: the Arrow `input_ids` column of a
+`datasets.Dataset`, or the `input_ids` of a list of mappings. Other datasets (one that tokenises in `__getitem__`, a
+`set_transform` dataset, a stream) give `None`; for those the first collated step tells ([`step_row_lengths`])."""
 
 from __future__ import annotations
 
@@ -16,32 +15,15 @@ def is_hf_dataset(dataset) -> bool:
     return isinstance(dataset, datasets.Dataset)
 
 
-def input_ids_lengths(dataset):
-    """The length of every row's `input_ids` as an Arrow array, or `None` when they cannot be read cheaply.
-
-    Only a `datasets.Dataset` with an `input_ids` column qualifies. Its underlying table is read, so a dataset with
-    an indices mapping (after `select` or `shuffle`) is counted over all its table's rows.
-    """
-    try:
-        import datasets
-    except ImportError:
-        return None
-    if (
-        not isinstance(dataset, datasets.Dataset)
-        or "input_ids" not in dataset.column_names
-        or len(dataset) == 0
-    ):
-        return None
-    import pyarrow.compute as pc
-
-    return pc.list_value_length(dataset.data.column("input_ids"))
-
-
 def row_lengths(dataset) -> list[int] | None:
-    """The length of every row's `input_ids`, or `None` when they cannot be read cheaply."""
-    arrow = input_ids_lengths(dataset)
-    if arrow is not None:
-        return arrow.to_numpy().tolist()
+    """The length of every row's `input_ids`, or `None` when they cannot be read cheaply. A `datasets.Dataset` is
+    read from its underlying table: after `select` or `shuffle`, over all the table's rows."""
+    if is_hf_dataset(dataset):
+        if "input_ids" not in dataset.column_names or len(dataset) == 0:
+            return None
+        import pyarrow.compute as pc
+
+        return pc.list_value_length(dataset.data.column("input_ids")).to_numpy().tolist()
     if isinstance(dataset, (list, tuple)) and dataset:
         if all(isinstance(row, Mapping) and "input_ids" in row for row in dataset):
             return [len(row["input_ids"]) for row in dataset]

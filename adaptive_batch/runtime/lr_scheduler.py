@@ -8,23 +8,19 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from ..core.lr import SampleClock
-from . import compat
+from .compat.torch import lambda_lr_state
 
 
 class SampleClockLR(LambdaLR):
-    """A `LambdaLR` giving, at step `k`, `base_lr * base_lambda(clock.virtual_step(k)) * clock.scale(k)`.
-
-    Its state dict holds only the step count and learning rates (plain data, loadable with `weights_only=True`), in
-    `LambdaLR`'s own layout: the lambdas are rebuilt from the plan, which a resumed run rebuilds identically, and a
-    plain Trainer resuming without AdaptiveBatch loads it into its own scheduler.
-    """
+    """A `LambdaLR` giving, at step `k`, `base_lr * base_lambda(clock.virtual_step(k)) * clock.scale(k)`. Its state
+    is plain data in `LambdaLR`'s layout (the lambdas are rebuilt from the plan), so a plain Trainer can resume it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, base_lambdas: list[Callable], clock: SampleClock):
         self.clock = clock
         super().__init__(optimizer, [_clocked(fn, clock) for fn in base_lambdas])
 
     def state_dict(self) -> dict:
-        state = compat.lambda_lr_state(self, leave_out=("optimizer", "lr_lambdas", "clock"))
+        state = lambda_lr_state(self, leave_out=("optimizer", "lr_lambdas", "clock"))
         # as LambdaLR writes it for lambdas that are plain functions, so that a plain Trainer (a LambdaLR of its own
         # lambdas) can load it and go on from this step
         state["lr_lambdas"] = [None] * len(self.lr_lambdas)
@@ -44,12 +40,8 @@ def _clocked(base_lambda: Callable[[float], float], clock: SampleClock) -> Calla
 def follow_sample_clock(
     scheduler, optimizer: torch.optim.Optimizer, clock: SampleClock, batch_changes: bool
 ) -> SampleClockLR | object:
-    """Wrap `scheduler` so that it follows the sample clock and the LR rule.
-
-    Every scheduler `transformers.get_scheduler` builds, except `reduce_lr_on_plateau` and `greedy`, is a
-    `LambdaLR` and can be evaluated at any position. Other schedulers are kept as they are when the effective
-    batch never changes and the rule is `"none"` (there is nothing to follow); otherwise this raises.
-    """
+    """Wrap `scheduler` (a `LambdaLR`, as every `get_scheduler` builds but `reduce_lr_on_plateau` and `greedy`) so
+    that it follows the sample clock and the LR rule; keep another where `batch_changes` is False, else raise."""
     if isinstance(scheduler, SampleClockLR):
         return scheduler
     if isinstance(scheduler, LambdaLR):

@@ -47,10 +47,8 @@ def synchronize(device: torch.device) -> None:
 
 
 class Stopwatch:
-    """Wall time and peak allocated (and reserved) memory of a block, synchronised with the device at both ends.
-
-    When the block raises, nothing is read: `seconds` stays 0 and the peaks `None`.
-    """
+    """Wall time and peak allocated (and reserved) memory of a block, synchronised with the device at both ends;
+    when the block raises, nothing is read (`seconds` stays 0, the peaks `None`)."""
 
     def __init__(self, device: torch.device):
         self.device = device

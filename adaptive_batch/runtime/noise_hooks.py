@@ -1,25 +1,9 @@
-"""Reading, during a step, what the noise scale needs: each micro-batch's contribution to the step's gradient.
-
-A hook on a parameter (`Tensor.register_hook`) receives the gradient a backward pass computed for it before that is
-added into `.grad`: within one micro-batch, the micro-batch's contribution d_j. (Norms of `.grad` before and after a
-micro-batch would hold the cross term 2 <G_before, d_j>.) The hooks keep no copy of a gradient: each takes its norm
-(in fp32 at least), and the squares are summed when the micro-batch ends. The first micro-batch of a step needs no
-hooks: `.grad` is empty when a step starts, so after it `.grad` is d_1, read only when a second micro-batch follows
-(or another rank takes part). A step of one micro-batch on one process therefore costs nothing but the hooks' calls,
-which return at once.
-
-A backward that delivers a parameter's gradient in several parts (a weight shared by layers under reentrant
-gradient checkpointing, or two backward passes in one micro-batch) cannot be measured so: the norm of a sum is not
-the sum of the parts' norms. That is detected, and such steps go unmeasured, with one warning.
-
-With `preconditioner="adam"` each gradient element is divided by Adam's denominator sqrt(v / (1 - beta2^t)) + eps,
-read from the optimizer's `exp_avg_sq`, `step`, `betas` and `eps` (torch's Adam and AdamW, and optimizers that name
-their state alike): the noise scale of the update's direction rather than the raw gradient's. Steps before the
-optimizer holds that state go unmeasured.
-
-The sums this module hands on ([`noise.MicroBatchSums`]) are in the scale of the step gradient after the ranks'
-average; under an fp16 GradScaler both they and |G_step|^2 are still multiplied by its factor squared, which the
-step runner divides out.
+"""Each micro-batch's contribution to the step gradient, for the noise scale: a hook on each parameter
+(`Tensor.register_hook`) sees the gradient a backward computed before it is added into `.grad`, and keeps only its
+norm. The first micro-batch of a step is read from `.grad` (empty before it), so a step of one micro-batch costs
+nothing. A gradient delivered in several parts (reentrant checkpointing of a shared weight) cannot be measured so:
+such steps go unmeasured, with a warning. See docs/how-it-works.md, "Data, cuts and measurements" (Gradient noise
+scale).
 """
 
 from __future__ import annotations
@@ -41,15 +25,12 @@ SPLIT = (
 class GradientNoiseMeter:
     """Squared norms of every micro-batch's contribution to the step gradient, and of the step gradient.
 
-    Args:
-        preconditioner: `"none"` (raw gradients) or `"adam"` (divided by Adam's denominator, see the module
-            docstring).
-        device: where the norms are summed.
+    `preconditioner="adam"` divides each gradient element by Adam's denominator sqrt(v / (1 - beta2^t)) + eps (from
+    the optimizer's `exp_avg_sq`, `step`, `betas`, `eps`); steps before that state exists go unmeasured. The sums
+    are in the scale of the ranks' averaged gradient, still times an fp16 GradScaler's factor squared.
 
-    Call `begin_step` once per step (it registers the hooks at the first), `begin_attempt` before each attempt at
-    the step (a retried step starts afresh), `begin_micro_batch(units, share)` and `end_micro_batch()` around each
-    micro-batch that holds rows, then `step_sums` before the ranks' gradients are averaged and `step_norm_sq` after.
-    `remove()` takes the hooks off.
+    Per step: `begin_step`, then per attempt `begin_attempt`, around each micro-batch with rows `begin_micro_batch`
+    and `end_micro_batch`, then `step_sums` before the ranks' average and `step_norm_sq` after; `remove()` at the end.
     """
 
     def __init__(self, preconditioner: str = "none", device: torch.device | str = "cpu"):
@@ -63,8 +44,6 @@ class GradientNoiseMeter:
         self.warned: set[str] = set()
         self.available = True  # False while the preconditioner's state is missing
         self.begin_attempt()
-
-    # -- a step --------------------------------------------------------------------------------------------------
 
     def begin_step(self, model: torch.nn.Module, optimizer=None) -> None:
         """Hooks on `model`'s trainable parameters (at the first step); Adam's denominators for this step."""
@@ -108,9 +87,8 @@ class GradientNoiseMeter:
         self.norms = []
 
     def step_sums(self, world_size: int, every_rank: bool) -> MicroBatchSums:
-        """This rank's sums for the step, each d_j divided by `world_size` (the ranks' gradients are averaged); still
-        scaled by a GradScaler's factor. Call before the gradients are averaged. Without `every_rank` (one process),
-        a step of one micro-batch gives empty sums without reading anything."""
+        """This rank's sums for the step, each d_j divided by `world_size` (the ranks' gradients are averaged); call
+        before they are. Without `every_rank` (one process) a step of one micro-batch gives empty sums unread."""
         if self.split:
             self.warn_once("split", f"The gradient noise scale is not measured in such steps: {SPLIT}.")
         if self.split or not self.available:  # (Adam's state comes with the first optimizer step: no warning)
@@ -128,8 +106,7 @@ class GradientNoiseMeter:
         return sums
 
     def step_norm_sq(self) -> float:
-        """S_big, |G_step|^2 of the parameters' `.grad` (after the ranks' average, before clipping and the
-        optimizer); still scaled by a GradScaler's factor."""
+        """S_big, |G_step|^2 of the parameters' `.grad` (after the ranks' average, before clipping)."""
         norms = [self._norm(index, p.grad) for index, p in enumerate(self.params) if p.grad is not None]
         if not norms:
             return 0.0
@@ -144,8 +121,6 @@ class GradientNoiseMeter:
         if key not in self.warned:
             self.warned.add(key)
             warnings.warn(message, stacklevel=2)
-
-    # -- inside --------------------------------------------------------------------------------------------------
 
     def _hook(self, index: int):
         def hook(grad: torch.Tensor) -> None:

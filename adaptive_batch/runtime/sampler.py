@@ -13,22 +13,11 @@ from ..core.steps import StepPlan
 class StepBatchSampler(Sampler[list[int]]):
     """Yields, for each planned optimizer step, the dataset indices this rank trains on.
 
-    Each data epoch is one permutation of the dataset (seeded with `seed + epoch`, or the identity when
-    `shuffle=False`); epochs are laid end to end and step `k` takes positions `plan.starts[k]` to
-    `plan.starts[k] + plan.sizes[k]` of that stream. Rank `r` of `world_size` takes every `world_size`-th of them,
-    starting at `r`, so shares differ by at most one sample and their union is exactly the step. The indices of any
-    step are a pure function of (seed, plan, step): resuming at step `k` needs no state but `k`.
-
-    Args:
-        plan: the step plan.
-        seed: seed of the per-epoch permutations (use the same on every rank).
-        rank: this process's index among the data-parallel ranks.
-        shuffle: permute each epoch; `False` reads the dataset in order.
-        start_step: first step to yield.
-
-    The plan may be replaced while the sampler is iterated (a [`goodput.NoiseScaleSchedule`] grew the batch): each
-    step is read from the plan when it is drawn, and `issued` tells the last step drawn (the data loader draws a few
-    ahead of training), which a new plan must leave as it was.
+    Epochs (permutations seeded with `seed + epoch`, or in order without `shuffle`) are laid end to end and step `k`
+    takes positions `plan.starts[k]` to `plan.starts[k] + plan.sizes[k]`; rank `r` takes every `world_size`-th from
+    the `r`-th. A step's indices are a pure function of (seed, plan, step), so a resume needs only the step. The plan
+    may be replaced while iterated (a growing batch): each step reads it when drawn, and `issued`, the last step
+    drawn, tells what a new plan must leave as it was.
     """
 
     def __init__(self, plan: StepPlan, seed: int, rank: int = 0, shuffle: bool = True, start_step: int = 0):

@@ -1,25 +1,7 @@
-"""One optimizer step's forward/backward passes: the step batch cut into micro-batches, out-of-memory survived.
-
-Every micro-batch goes through the user's own `Trainer.training_step` with the step's `num_items_in_batch`, as in
-gradient accumulation, so their losses add up to the loss of the whole step. A loss that is a per-micro-batch mean
-(no `num_items_in_batch`) is weighted by the micro-batch's share of the step's label tokens (or rows) through
-`Trainer.current_gradient_accumulation_steps`, which the Trainer divides such a loss by.
-
-Under DDP every rank runs the same sequence of micro-batch sizes, computed from the largest share of any rank (a
-rank with one sample fewer runs its last micro-batch one row short, or a row that adds nothing). With a token budget
-each rank cuts its own rows by their lengths, and a rank with fewer micro-batches than another runs rows that add
-nothing until all have run as many. After each micro-batch the ranks exchange a [`MicroBatchReport`] (out of memory
-or not, and the timings), so that one rank's failure makes all of them run the step again, smaller. What the engine
-does around the micro-batches (DDP: gradients local until the step's end, then averaged once; FSDP2: reduce-scattered
-by each micro-batch) and how it undoes a failed attempt is its [`engines.Engine`]'s. The same report
-is exchanged before every collective the Trainer or TRL make inside a micro-batch (TRL gathers metrics in
-`compute_loss`): a rank that ran out of memory before such a collective answers there, and every rank leaves the
-micro-batch together instead of waiting for ever.
-
-When the noise meter is on ([`gradnoise.GradientNoiseMeter`]), each micro-batch's contribution to the gradient is
-read as it is made, with the micro-batch's units (label tokens, or rows) and its share of the step gradient; the
-ranks' sums travel in the all-reduce that counts the step's tokens, and the step gradient's norm is read after the
-average, before clipping and the optimizer.
+"""One optimizer step's forward and backward passes: the step batch cut into micro-batches, each through the user's
+own `Trainer.training_step` as in gradient accumulation, out-of-memory errors survived; the ranks agree after each
+micro-batch ([`ranks.Ranks`]), and the engine's part is its [`engines.Engine`]'s. See docs/how-it-works.md, "Data,
+cuts and measurements" (3. Micro-batches) and "Several processes".
 """
 
 from __future__ import annotations
@@ -29,19 +11,21 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
-import torch.distributed as dist
 
 from ..core.microbatch import CutController, MicroBatch, MicroBatchTooLargeError, StepMemory
 from ..core.noise import MicroBatchSums
 from ..core.replay import Tape
-from . import compat
 from .batch import StepBatch, is_packed
-from .engines import Engine, all_reduce_values
-from .memory import Stopwatch, alloc_retries, is_out_of_memory, peak_allocated, release_memory, reset_peak
+from .compat.trainer import loss_normalised_over_ranks, loss_shifts_labels
+from .compat.trl import TrlMetrics
+from .engines import Engine
+from .memory import Stopwatch, alloc_retries, peak_allocated, release_memory, reset_peak
 from .noise_hooks import GradientNoiseMeter
 from .packed import PackedStepBatch, check_packed_inputs, flatten_padded
+from .ranks import Ranks, Report
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +34,8 @@ InnerStep = Callable[[torch.nn.Module, dict, object], torch.Tensor]
 
 @dataclass
 class StepNoise:
-    """What the last step measured for the gradient noise scale: the micro-batches' sums (all ranks) and S_big, the
-    squared norm of the step gradient, both unscaled ([`noise.MicroBatchSums.estimate`] makes the estimates)."""
+    """What the last step measured for the gradient noise scale, unscaled: the micro-batches' sums (all ranks) and
+    S_big, the squared norm of the step gradient."""
 
     sums: MicroBatchSums
     step_norm_sq: float
@@ -68,85 +52,10 @@ class StepStats:
     noise: StepNoise | None = None  # `None` when not measured (off, one micro-batch, or skipped)
 
 
-@dataclass
-class MicroBatchReport:
-    """What the ranks exchange after each micro-batch (and before each collective inside one), combined by MAX.
-
-    Attributes:
-        out_of_memory: a rank ran out of memory.
-        seconds, peak_bytes, real_tokens, padded_tokens: the micro-batch's time, peak memory, non-padding tokens
-            and tokens as run, for timed micro-batches; the largest over ranks. `peak_bytes` is -inf where not
-            measured (CPU).
-        failed_rows, failed_tokens: the rows and padded tokens of the smallest micro-batch that ran out of memory on
-            any rank (sent negated, so MAX gives the smallest); `None` when none did.
-    """
-
-    out_of_memory: bool = False
-    seconds: float = 0.0
-    peak_bytes: float = -math.inf
-    real_tokens: float = 0.0
-    padded_tokens: float = 0.0
-    failed_rows: int | None = None
-    failed_tokens: int | None = None
-
-    def to_list(self) -> list[float]:
-        return [
-            float(self.out_of_memory),
-            self.seconds,
-            self.peak_bytes,
-            self.real_tokens,
-            self.padded_tokens,
-            -math.inf if self.failed_rows is None else -float(self.failed_rows),
-            -math.inf if self.failed_tokens is None else -float(self.failed_tokens),
-        ]
-
-    @classmethod
-    def from_list(cls, values: list[float]) -> MicroBatchReport:
-        out_of_memory, seconds, peak, real, padded, rows, tokens = values
-        return cls(
-            bool(out_of_memory),
-            seconds,
-            peak,
-            real,
-            padded,
-            None if rows == -math.inf else int(-rows),
-            None if tokens == -math.inf else int(-tokens),
-        )
-
-    @property
-    def measured_peak(self) -> float | None:
-        return None if self.peak_bytes == -math.inf else self.peak_bytes
-
-
-def _failed(report: MicroBatchReport, batch: StepBatch, start: int, own: int) -> None:
-    """`report` says the micro-batch of `own` rows from `start` ran out of memory (a row that adds nothing, `own`
-    0, counts as one row)."""
-    rows = own or 1
-    report.out_of_memory, report.failed_rows = True, rows
-    report.failed_tokens = batch.tokens(start if own else batch.rows - 1, rows)[1]
-
-
-class PeerOutOfMemory(Exception):
-    """Another rank ran out of memory in this micro-batch; raised on the others at the collective they wait in."""
-
-    def __init__(self, report: MicroBatchReport):
-        super().__init__("another rank ran out of memory")
-        self.report = report
-
-
 class MicroBatchRunner:
-    """Runs optimizer steps as micro-batches for one Trainer.
-
-    Args:
-        trainer: the Trainer (its `current_gradient_accumulation_steps`, `accelerator` and TRL metrics are used).
-        controller: decides how each step is cut ([`core.microbatch.CutController`]); its `cut` gives the
-            micro-batches of a step, which one loop runs.
-        world_size: data-parallel processes.
-        engine: what the engine (DDP, FSDP2, DeepSpeed, or none) does around the micro-batches.
-        packed: the collator flattens every batch into one padding-free row (cut between its sequences).
-        flatten: flatten a padding collator's step batches into such a row ([`flatten_padded`]).
-        noise: measures each micro-batch's contribution to the gradient for the noise scale (`None`: off).
-    """
+    """Runs optimizer steps as micro-batches for one Trainer, cut by `controller`. `packed`: the collator flattens
+    every batch into one padding-free row (cut between its sequences); `flatten`: flatten a padding collator's step
+    batches so ([`flatten_padded`]); `noise`: the noise scale's meter (`None`: off)."""
 
     def __init__(
         self,
@@ -161,6 +70,7 @@ class MicroBatchRunner:
         self.trainer = trainer
         self.controller = controller
         self.world_size = world_size
+        self.ranks = Ranks(trainer, world_size)
         self.packed = packed  # the collator flattens every batch (a step of one sequence looks unpacked)
         self.flatten = flatten
         self.device = trainer.args.device
@@ -171,7 +81,11 @@ class MicroBatchRunner:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        return self.ranks.distributed
+
+    def agree(self, values: list[float]) -> list[float]:
+        """The largest of each value over the ranks."""
+        return self.ranks.max(values)
 
     def run(
         self,
@@ -182,49 +96,39 @@ class MicroBatchRunner:
         max_rows: int,
         split: bool = False,
     ) -> torch.Tensor:
-        """Forward and backward of one whole step batch; returns the step's loss (detached), as the Trainer does.
-
-        Args:
-            inner_step: the user's Trainer class's `training_step`, bound to the trainer.
-            model: the (possibly DDP-wrapped) model the Trainer passes.
-            inputs: this rank's share of the step batch.
-            num_items_in_batch: the step's label-token count from the Trainer (all ranks), or `None`.
-            max_rows: the largest share of this step on any rank.
-            split: cut the step into at least two micro-batches (so that one process measures the noise scale).
-        """
+        """Forward and backward of this rank's share of one step batch through `inner_step` (the user's Trainer
+        class's `training_step`); returns the step's loss (detached), as the Trainer does. `max_rows`: the largest
+        share on any rank; `split`: cut into at least two micro-batches (so that one process measures the noise)."""
         if self.flatten and not is_packed(inputs):
             inputs = flatten_padded(inputs)
         packed = self.packed or self.flatten or is_packed(inputs)
-        if self.distributed and not (self.packed or self.flatten):
-            # a collator not known to flatten: a rank whose flattened row holds one sequence cannot tell, so the
-            # ranks must agree
-            packed = bool(all_reduce_values([float(packed)], self.device, dist.ReduceOp.MAX)[0])
+        if not (self.packed or self.flatten):
+            # a collator not known to flatten: a rank whose flattened row holds one sequence cannot tell
+            packed = bool(self.agree([float(packed)])[0])
         batch = PackedStepBatch(inputs) if packed else StepBatch(inputs)
         if packed:  # its sequences are the rows, as many as the collator packed on each rank
             check_packed_inputs(inputs, model)
-            max_rows = batch.rows
-            if self.distributed:
-                max_rows = int(all_reduce_values([max_rows], self.device, dist.ReduceOp.MAX)[0])
+            max_rows = int(self.agree([batch.rows])[0])
         elif batch.rows not in (max_rows, max_rows - 1):
             raise RuntimeError(f"Step batch of {batch.rows} rows where the plan gives {max_rows} per rank.")
-        weights = _loss_weights(batch, self.trainer)
-        share_total = (
-            self._share_total(weights, batch, num_items_in_batch) if self.noise is not None else math.nan
+        step = _Step(
+            inner_step, model, batch, num_items_in_batch, batch.label_counts(loss_shifts_labels(self.trainer))
         )
-        step = _Step(inner_step, model, batch, num_items_in_batch, weights, share_total)
         if self.noise is not None:
+            step.share_total = self._share_total(step)
             self.noise.begin_step(model, self.trainer.optimizer)
-        metrics = compat.TrlMetrics(self.trainer)
+        metrics = TrlMetrics(self.trainer)
         was_exploring = self.controller.exploring
-        retries = 0
+        retries, row_cap = 0, math.ceil(max_rows / 2) if split and max_rows > 1 else None
         while True:
-            outcome = self._attempt(
-                step, max_rows, math.ceil(max_rows / 2) if split and max_rows > 1 else None, retries
-            )
+            outcome = self._attempt(step, max_rows, row_cap, retries)
             if outcome.failed is None:
                 break
             retries += 1
-            self._forget_attempt(model, metrics)
+            # undo the attempt: gradients back to none (as at a step's start), TRL metrics back, memory freed
+            self.engine.forget(model, self.trainer.optimizer)
+            metrics.restore()
+            release_memory(self.device)
             failed = outcome.failed
             try:
                 self.controller.on_out_of_memory(failed.failed_rows, failed.failed_tokens)
@@ -232,12 +136,12 @@ class MicroBatchRunner:
                 raise MicroBatchTooLargeError(_too_large_message(batch, self.device), error.tried) from None
             logger.warning("%s", self.controller.retry_message(failed.failed_rows, failed.failed_tokens))
         real_tokens = batch.real_tokens()
-        sums = (
-            self.noise.step_sums(self.ranks, self.distributed) if self.noise is not None else MicroBatchSums()
-        )
+        sums = MicroBatchSums()
+        if self.noise is not None:
+            sums = self.noise.step_sums(self.ranks.count, self.distributed)
         self.engine.finish_step(model)
         if self.distributed:  # the noise sums travel with the token count: no collective of their own
-            totals = all_reduce_values([real_tokens, *sums.to_list()], self.device, dist.ReduceOp.SUM)
+            totals = self.ranks.sum([real_tokens, *sums.to_list()])
             real_tokens, sums = int(totals[0]), MicroBatchSums.from_list(totals[1:])
         metrics.correct(real_tokens)
         self.last = StepStats(outcome.largest, outcome.chunks, real_tokens, retries, self._step_noise(sums))
@@ -293,23 +197,18 @@ class MicroBatchRunner:
         """The optimizer step running now (the key of its measurements)."""
         return self.trainer.state.global_step
 
-    @property
-    def ranks(self) -> int:
-        """The processes whose gradients are averaged."""
-        return self.world_size if self.distributed else 1
-
     def close(self) -> None:
         """Take the noise measurement's hooks off the model (at the end of training)."""
         if self.noise is not None:
             self.noise.remove()
 
-    def _share_total(self, weights: _LossWeights, batch, num_items) -> float:
+    def _share_total(self, step: _Step) -> float:
         """What a micro-batch's units are divided by to give its share of the step gradient: the Trainer's
         `num_items_in_batch` where it normalises the loss by the label tokens of all ranks; otherwise each rank's
         loss is a mean over its own units, and the ranks' gradients are averaged: this rank's units x ranks."""
-        if self.distributed and num_items is not None and compat.loss_normalised_over_ranks(self.trainer):
-            return float(num_items)
-        return self.ranks * weights.total(batch)
+        if self.distributed and step.num_items is not None and loss_normalised_over_ranks(self.trainer):
+            return float(step.num_items)
+        return self.ranks.count * step.total()
 
     def _step_noise(self, sums: MicroBatchSums) -> StepNoise | None:
         """The step's noise measurement, unscaled, from the ranks' sums (`None` if there is nothing to estimate)."""
@@ -324,107 +223,98 @@ class MicroBatchRunner:
                     "gradient noise scale is not measured.",
                 )
             return None
-        scale_sq = (
-            compat.loss_scale(self.trainer) ** 2
-        )  # an fp16 GradScaler's gradients are still scaled here
+        # an fp16 GradScaler's factor is still in the gradients here
+        scaler = getattr(self.trainer.accelerator, "scaler", None)
+        scale_sq = float(scaler.get_scale()) ** 2 if scaler is not None and scaler.is_enabled() else 1.0
         sums.small /= scale_sq
         return StepNoise(sums, self.noise.step_norm_sq() / scale_sq)
 
-    def agree(self, values: list[float]) -> list[float]:
-        """The largest of each value over the ranks (the values themselves without DDP)."""
-        return all_reduce_values(values, self.device, dist.ReduceOp.MAX) if self.distributed else values
-
-    def _micro_batch(self, step: _Step, micro: MicroBatch, outcome: _Outcome, name: str) -> MicroBatchReport:
+    def _micro_batch(self, step: _Step, micro: MicroBatch, outcome: _Outcome, name: str) -> Report:
         """Forward and backward of the micro-batch's rows (none: a row that adds nothing), the loss added to
-        `outcome`; timed if it says so. Returns the report of every rank combined (this rank's alone without DDP).
-        `name`: the attempt and index that key its measurements; where a replayed run ran out of memory here, it is
-        not run and fails as that one did."""
+        `outcome`; timed if it says so. Returns the report the ranks agree on; `name` (the attempt and index) keys
+        its measurements."""
+        fatal = (
+            None if self.engine.retries else partial(self.engine.out_of_memory, world_size=self.world_size)
+        )
+        return self.ranks.run(
+            partial(self._forward_backward, step, micro, outcome, name),
+            partial(_failed, step.batch, micro.start, micro.rows),
+            self.tape,
+            ("train", self._step, f"oom {name}"),
+            fatal,
+        )
+
+    def _forward_backward(self, step: _Step, micro: MicroBatch, outcome: _Outcome, name: str) -> Report:
         trainer, batch = self.trainer, step.batch
         start, own = micro.start, micro.rows
         stopwatch = Stopwatch(self.device) if micro.timed else None
-        local = MicroBatchReport()
-        if self.tape.recorded_failure("train", self._step, f"oom {name}"):
-            _failed(local, batch, start, own)
-            return self._exchange(local)
-        try:
-            with (
-                stopwatch or contextlib.nullcontext(),
-                self.engine.micro_batch(step.model, micro.last),
-                self._guard(),
-            ):
-                if own > 0:
-                    chunk = batch.take(start, own)
-                    compat.set_loss_divisor(trainer, step.weights.divisor(batch, start, own))
-                    if self.noise is not None:
-                        self._measure(step, start, own)
-                else:  # a rank with fewer rows: a row that adds nothing (a mean loss is divided by inf)
-                    chunk = batch.dummy(count_items=step.num_items is not None)
-                    compat.set_loss_divisor(trainer, float("inf"))
-                loss = step.inner_step(step.model, chunk, step.num_items)
-                if own > 0 and self.noise is not None:
-                    self.noise.end_micro_batch()
-                del chunk
+        with stopwatch or contextlib.nullcontext(), self.engine.micro_batch(step.model, micro.last):
             if own > 0:
-                outcome.loss += loss.detach()
-            del loss
-        except PeerOutOfMemory as peer:  # the reports were exchanged where this rank waited
-            return peer.report
-        except Exception as error:  # noqa: BLE001 - only allocation failures are handled, the rest re-raised
-            if not is_out_of_memory(error):
-                raise
-            if not self.engine.retries:
-                raise self.engine.out_of_memory(error, self.world_size) from error
-            self.tape.failure("train", self._step, f"oom {name}")
-            _failed(local, batch, start, own)
-        if stopwatch is not None and not local.out_of_memory:
+                chunk = batch.take(start, own)
+                # the Trainer divides a loss computed without `num_items_in_batch` by this
+                trainer.current_gradient_accumulation_steps = step.divisor(start, own)
+                if self.noise is not None:
+                    self._measure(step, start, own)
+            else:  # a rank with fewer rows: a row that adds nothing (a mean loss is divided by inf)
+                chunk = batch.dummy(count_items=step.num_items is not None)
+                trainer.current_gradient_accumulation_steps = float("inf")
+            loss = step.inner_step(step.model, chunk, step.num_items)
+            if own > 0 and self.noise is not None:
+                self.noise.end_micro_batch()
+            del chunk
+        if own > 0:
+            outcome.loss += loss.detach()
+        del loss
+        local = Report()
+        if stopwatch is not None:
             seconds, peak = self.tape.measure(
                 "train", self._step, f"micro {name}", [stopwatch.seconds, stopwatch.peak_bytes]
             )
             local.seconds = seconds
             local.peak_bytes = peak if peak is not None else -math.inf
             local.real_tokens, local.padded_tokens = batch.tokens(start, max(own, 1))
-        return self._exchange(local)
+        return local
 
     def _measure(self, step: _Step, start: int, own: int) -> None:
         """Have the noise meter read this micro-batch's contribution to the gradient, with its units and share."""
-        units = step.weights.units(step.batch, start, own)
+        units = step.units(start, own)
         if units > 0:  # rows without a label token add no gradient
             self.noise.begin_micro_batch(units, units / step.share_total)
 
-    def _exchange(self, report: MicroBatchReport) -> MicroBatchReport:
-        if not self.distributed:
-            return report
-        return MicroBatchReport.from_list(all_reduce_values(report.to_list(), self.device, dist.ReduceOp.MAX))
 
-    def _guard(self):
-        """Under DDP, an exchange before each collective of the Trainer or TRL inside the micro-batch."""
-        if not self.distributed:
-            return contextlib.nullcontext()
-
-        def check() -> None:
-            report = self._exchange(MicroBatchReport())
-            if report.out_of_memory:
-                raise PeerOutOfMemory(report)
-
-        return compat.before_collectives(self.trainer.accelerator, check)
-
-    def _forget_attempt(self, model, metrics: compat.TrlMetrics) -> None:
-        """Undo a failed attempt: gradients back to none (as at the start of a step), TRL metrics back, memory freed."""
-        self.engine.forget(model, self.trainer.optimizer)
-        metrics.restore()
-        release_memory(self.device)
+def _failed(batch: StepBatch, start: int, own: int) -> Report:
+    """The report of a micro-batch of `own` rows from `start` that ran out of memory (a row that adds nothing, `own`
+    0, counts as one row)."""
+    rows = own or 1
+    return Report(
+        True, failed_rows=rows, failed_tokens=batch.tokens(start if own else batch.rows - 1, rows)[1]
+    )
 
 
 @dataclass
 class _Step:
-    """What every micro-batch of one step goes through `training_step` with."""
+    """What every micro-batch of one step goes through `training_step` with, and what turns its mean loss into its
+    share of the step's: the label tokens of each row (`counts`; `None`: the rows weigh alike)."""
 
     inner_step: InnerStep
     model: torch.nn.Module
     batch: StepBatch | PackedStepBatch
     num_items: object
-    weights: _LossWeights
-    share_total: float  # a micro-batch's units over this are its share of the step gradient
+    counts: torch.Tensor | None
+    share_total: float = math.nan  # a micro-batch's units over this are its share of the step gradient
+
+    def units(self, start: int, size: int) -> float:
+        """What the micro-batch's loss is averaged over: its label tokens, or its rows."""
+        if self.counts is None:
+            return float(size)
+        return float(self.counts[self.batch.order[start : start + size]].sum())
+
+    def total(self) -> float:
+        return float(self.batch.rows) if self.counts is None else float(self.counts.sum())
+
+    def divisor(self, start: int, size: int) -> float:
+        part = self.units(start, size)
+        return self.total() / part if part > 0 else float("inf")
 
 
 @dataclass
@@ -435,32 +325,7 @@ class _Outcome:
     largest_tokens: int = 0
     peak: float = 0.0  # the largest peak a timed micro-batch measured
     # the report of the micro-batch that ran out of memory on some rank
-    failed: MicroBatchReport | None = None
-
-
-class _LossWeights:
-    """Divisors that turn per-micro-batch mean losses into shares of the step's mean (by label tokens or rows)."""
-
-    def __init__(self, counts: torch.Tensor | None):
-        self.counts = counts
-
-    def units(self, batch: StepBatch, start: int, size: int) -> float:
-        """What the micro-batch's loss is averaged over: its label tokens, or its rows without per-row labels."""
-        if self.counts is None:
-            return float(size)
-        return float(self.counts[batch.order[start : start + size]].sum())
-
-    def total(self, batch: StepBatch) -> float:
-        """The same for this rank's whole step batch."""
-        return float(batch.rows) if self.counts is None else float(self.counts.sum())
-
-    def divisor(self, batch: StepBatch, start: int, size: int) -> float:
-        part = self.units(batch, start, size)
-        return self.total(batch) / part if part > 0 else float("inf")
-
-
-def _loss_weights(batch: StepBatch | PackedStepBatch, trainer) -> _LossWeights:
-    return _LossWeights(batch.label_counts(compat.loss_shifts_labels(trainer)))
+    failed: Report | None = None
 
 
 def _too_large_message(batch: StepBatch | PackedStepBatch, device: torch.device) -> str:

@@ -1,21 +1,7 @@
-"""A training stream (an `IterableDataset`, or `datasets` streaming) cut into the plan's steps.
-
-A stream has no length and no random access, so it has no epochs to plan over and no permutation to draw from.
-AdaptiveBatch plans it as one pass over the budget, `max_steps x the starting effective batch` samples (the Trainer
-requires `max_steps` for a stream), and reads it in order: step `k` takes the next `plan.sizes[k]` samples, of
-which rank `r` of `world_size` keeps every `world_size`-th starting at the `r`-th, as the step sampler does with a
-map-style dataset. With several processes (and no DataLoader workers), rank 0 alone reads the stream and sends each
-rank its share of every step (`shared`); the other ranks' streams are never read. With workers, which cannot reach
-the process group, every rank reads the whole stream and keeps its share (give each rank the same stream then: a
-stream already split by node would lose the other ranks' samples). A stream that ends before the budget is an
-error on every rank, not a silent restart.
-
-A resumed run skips the steps already trained by reading them again (the Trainer skips a resumed run's first
-batches), so the samples after the checkpoint are exactly those the uninterrupted run would have read next.
-
-With DataLoader workers only the first worker reads: each worker holds a copy of the stream and would otherwise read
-it from the start again. The plan is read when each step is drawn, so a `NoiseScaleSchedule` that plans the rest of
-the run again is followed, in the main process (no workers); `issued` is the last step drawn.
+"""A training stream (an `IterableDataset`, or `datasets` streaming) cut into the plan's steps: one pass over the
+budget, read in order, step `k` taking the next `plan.sizes[k]` samples, rank `r` every `world_size`-th from the
+`r`-th. With several processes and no workers rank 0 alone reads and scatters the shares; with workers only the first
+reads. See docs/how-it-works.md, "Data, cuts and measurements" (1. Plan).
 """
 
 from __future__ import annotations
@@ -38,16 +24,10 @@ class StreamEndedError(ValueError):
 
 
 class StepStream(IterableDataset):
-    """Yields, for each planned optimizer step, the list of this rank's samples (the collator makes the batch).
-
-    Args:
-        stream: the user's training stream.
-        plan: the step plan (one pass over the budget: `plan.dataset_size == plan.budget`).
-        rank: this process's index among the data-parallel ranks.
-        max_steps: the `max_steps` the budget came from, for the error when the stream ends early.
-        shared: rank 0 reads the stream and scatters the shares over the default process group (which every rank
-            must have, and no DataLoader worker may be reading).
-    """
+    """Yields, for each planned optimizer step, the list of this rank's samples (the collator makes the batch);
+    `issued` is the last step drawn. `max_steps`: where the budget came from, for the error when the stream ends
+    early. `shared`: rank 0 reads the stream and scatters the shares over the default process group (no DataLoader
+    worker may be reading)."""
 
     def __init__(
         self, stream, plan: StepPlan, rank: int = 0, max_steps: int | None = None, shared: bool = False
@@ -60,7 +40,7 @@ class StepStream(IterableDataset):
 
     def __iter__(self) -> Iterator[list]:
         worker = get_worker_info()
-        if worker is not None and worker.id != 0:
+        if worker is not None and worker.id != 0:  # each worker holds a copy of the stream: one reads it
             return
         steps = self._shares() if self.rank == 0 or not self.shared else None
         step = 0
@@ -88,8 +68,7 @@ class StepStream(IterableDataset):
             step += 1
 
     def _receive(self, steps: Iterator[list[list]] | None) -> list:
-        """This rank's share of the next step, read by rank 0 and scattered; a stream that ended raises on every
-        rank."""
+        """This rank's share of the next step, read by rank 0; a stream that ended raises on every rank."""
         shares = None
         if self.rank == 0:
             try:

@@ -1,0 +1,28 @@
+"""torch: the private modules the probe's trials use, and the flags of LRScheduler and DDP AdaptiveBatch reads or
+sets."""
+
+from __future__ import annotations
+
+import torch
+
+# a dispatch mode that sees every operator, and pytree flattening (probe/trials.py): torch has no public ones
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+from torch.utils._pytree import tree_flatten  # noqa: F401
+
+
+def lambda_lr_state(scheduler, leave_out: tuple[str, ...]) -> dict:
+    """A `LambdaLR` subclass's state as plain data: its `__dict__` without `leave_out` and without the flags
+    `LRScheduler` keeps about its own `get_lr` calls (`_get_lr_called_within_step`, not state to save)."""
+    return {
+        key: value
+        for key, value in scheduler.__dict__.items()
+        if key not in leave_out and not key.startswith("_get_lr_called")
+    }
+
+
+def ddp_forget_forward(model: torch.nn.Module) -> None:
+    """Clear DDP's `require_forward_param_sync` (flipped after a completed forward, undocumented): a forward cut short
+    by an error left it on some ranks only, which would make them alone broadcast buffers in the next forward. Every
+    completed `no_sync` forward sets it to False."""
+    if hasattr(model, "require_forward_param_sync"):
+        model.require_forward_param_sync = False

@@ -1,0 +1,126 @@
+"""transformers: the Trainer's (and a model config's) internals that AdaptiveBatch reads, sets or overrides."""
+
+from __future__ import annotations
+
+import inspect
+
+# The Trainer methods AdaptiveBatch replaces with its step sampler; a user's class that overrides one is refused.
+REPLACED_DATA_METHODS = ("get_train_dataloader", "_get_train_sampler")
+
+# Keys of a model config that do not change memory (the probe's cache compares the rest): `_name_or_path` is the
+# folder or hub name `from_pretrained` records.
+CONFIG_BOOKKEEPING_KEYS = (
+    "_name_or_path",
+    "transformers_version",
+    "architectures",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+)
+
+
+def trainer_being_built(callback):
+    """The Trainer whose `__init__` is calling `callback.on_init_end`, or `None` (then the caller says to use
+    `AdaptiveBatch.attach`). Callbacks are given no Trainer: it is read from the frame of `Trainer.__init__`."""
+    from transformers import Trainer
+
+    init = inspect.unwrap(Trainer.__init__).__code__
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):  # the handler's two calls, a subclass's on_init_end, decorators
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            if frame.f_code is init:
+                trainer = frame.f_locals.get("self")
+                handler = getattr(trainer, "callback_handler", None)
+                return trainer if callback in getattr(handler, "callbacks", ()) else None
+        return None
+    finally:
+        del frame
+
+
+def put_in_front(trainer, mixin: type, prefix: str) -> None:
+    """Give this Trainer instance a class of its own, `prefix` + its class's name, with `mixin` in front of its class:
+    the mixin's methods replace the Trainer's for this instance only."""
+    cls = type(trainer)
+    trainer.__class__ = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+
+
+class KeepsLiveCallbackState:
+    """Keeps AdaptiveBatch's callback live on resume: its checkpoint entry is left out while the Trainer re-creates
+    the other stateful callbacks (its state was read when `train` started), then put back."""
+
+    callback_state_key: str
+
+    # `_load_callback_state` re-creates every stateful callback from the checkpoint; no public hook skips one
+    def _load_callback_state(self):
+        key = self.callback_state_key
+        stored = self.state.stateful_callbacks.pop(key, None)
+        try:
+            return super()._load_callback_state()
+        finally:
+            # the next save updates this entry in place, so it must exist, also in a plain Trainer's checkpoint
+            self.state.stateful_callbacks[key] = stored if stored is not None else {}
+
+
+def saved_callback_state(trainer_state: dict, name: str) -> dict | None:
+    """The `attributes` a callback's `ExportableState.state()` saved in a checkpoint's `trainer_state.json` (the first
+    where several callbacks of one class were saved)."""
+    entry = (trainer_state.get("stateful_callbacks") or {}).get(name)
+    if isinstance(entry, list):
+        entry = entry[0] if entry else None
+    return entry.get("attributes") if isinstance(entry, dict) else None
+
+
+def attention_implementation(model) -> str | None:
+    """The model's attention implementation ("sdpa", "flex_attention", ...); `None` without a config."""
+    config = getattr(getattr(model, "module", model), "config", None)  # (DDP wraps the model)
+    # `_attn_implementation` is where transformers keeps the one in use (`attn_implementation` is only an argument)
+    return getattr(config, "_attn_implementation", None)
+
+
+def forget_eval_dataloaders(trainer) -> None:
+    """Drop the eval loaders the Trainer kept for `dataloader_persistent_workers`: an eval batch that changed needs
+    them built again."""
+    kept = getattr(trainer, "_eval_dataloaders", None)  # the Trainer's cache of them, with no public reset
+    if isinstance(kept, dict):
+        kept.clear()
+
+
+def loss_shifts_labels(trainer) -> bool:
+    """Whether the Trainer counts label tokens after shifting, as it does for `num_items_in_batch`."""
+    return bool(getattr(trainer, "_loss_shifts_labels", False))  # set in `__init__`, read nowhere public
+
+
+def loss_normalised_over_ranks(trainer) -> bool:
+    """Whether `Trainer.compute_loss` normalises the loss by `num_items_in_batch` counted over all ranks (and
+    multiplies it by the number of processes): with `average_tokens_across_devices` and a model or
+    `compute_loss_func` that takes `num_items_in_batch`."""
+    takes_items = bool(getattr(trainer, "model_accepts_loss_kwargs", False)) or (
+        getattr(trainer, "compute_loss_func", None) is not None
+    )
+    return bool(getattr(trainer.args, "average_tokens_across_devices", False)) and takes_items
+
+
+def train_dataset_and_collator(trainer, dataset, collator):
+    """The dataset and collator as `Trainer.get_train_dataloader` would use them: unused columns removed."""
+    from ..lengths import is_hf_dataset
+
+    # the Trainer's own private helpers: no public function removes the columns the model does not take
+    if is_hf_dataset(dataset):
+        return trainer._remove_unused_columns(dataset, description="training"), collator
+    return dataset, trainer._get_collator_with_removed_columns(collator, description="training")
+
+
+def padding_free(trainer) -> bool:
+    """Whether the collator flattens each batch into one row of sequences: `DataCollatorWithFlattening`, a collator
+    with `padding_free` set, or TRL's SFTTrainer with `padding_free` (its `packing=True` with "bfd" sets it)."""
+    from transformers import DataCollatorWithFlattening
+
+    collator = trainer.data_collator
+    return (
+        isinstance(collator, DataCollatorWithFlattening)
+        or bool(getattr(collator, "padding_free", False))
+        or bool(getattr(trainer, "padding_free", False))
+    )
