@@ -10,7 +10,7 @@ import torch
 from helpers import ORDER_ONLY, ORDER_TOLERANCE, Recording, assert_close_parameters, parameters
 
 from adaptive_batch import AdaptiveBatch
-from adaptive_batch.core.controllers import choose_layout
+from adaptive_batch.core.controllers import FLEX_OVER_SDPA, SWITCH, choose_layout
 
 FLASH_LIKE = "flash_like_sdpa_for_tests"
 
@@ -44,6 +44,9 @@ def test_the_layout_is_chosen_from_the_setting_the_collator_the_attention_and_th
     sdpa = choose_layout(None, False, "sdpa", True).text
     assert sdpa.startswith("padded: under sdpa a flattened step's mask is quadratic")
     assert 'attn_implementation="flex_attention"' in sdpa  # how to switch
+    assert f"an estimated {FLEX_OVER_SDPA:.1f}x the real tokens/s" in sdpa  # and what it would give
+    assert FLEX_OVER_SDPA > 1
+    assert SWITCH not in choose_layout(None, False, "sdpa", False).text  # one length: nothing to gain
 
 
 def run(make_trainer, dataset, attention, callbacks):
