@@ -290,7 +290,9 @@ def main():
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
     add_arguments(parser)
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
-    parser.add_argument("--mix", default="sft", choices=list(MIXES), help="the length distribution (MIXES)")
+    parser.add_argument(
+        "--mix", default="sft", help=f"the length distribution, or several comma-separated: {', '.join(MIXES)}"
+    )
     parser.add_argument(
         "--cold",
         action="store_true",
@@ -298,15 +300,25 @@ def main():
         "compilation (set TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 too)",
     )
     options = parser.parse_args()
+    unknown = [mix for mix in options.mix.split(",") if mix not in MIXES]
+    if unknown:
+        parser.error(f"--mix {options.mix}: {', '.join(unknown)} is not a mix; choose from {', '.join(MIXES)}")
     os.makedirs(options.out, exist_ok=True)
     os.makedirs(options.workdir, exist_ok=True)
 
     model, config = build_model(options.tiny, options.workdir)
     if options.attention != "sdpa":
         model.set_attn_implementation(options.attention)
+    for mix in options.mix.split(","):  # one model for every mix: loaded (and its attention compiled) once
+        run_mix(options, model, config, mix)
+
+
+def run_mix(options, model, config, mix: str) -> None:
+    """Every arm on rows of the length mix `mix`, in rounds; OUT/ragged_throughput_ATTENTION_MIX.json written after
+    every arm, and a table at the end."""
     arms = options.arms.split(",")
     count = 64 * max(options.steps, options.adaptive_steps)
-    row_lengths = lengths(count, options.mix)
+    row_lengths = lengths(count, mix)
     generator = torch.Generator().manual_seed(1)
     dataset = [
         {"input_ids": torch.randint(0, config.vocab_size, (n,), generator=generator).tolist()}
@@ -328,8 +340,8 @@ def main():
         "cold_runs": options.cold,
         "inductor_caches_disabled": os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1",
         "lengths": {
-            "mix": options.mix,
-            "distribution": MIXES[options.mix],
+            "mix": mix,
+            "distribution": MIXES[mix],
             "rows": count,
             "mean": sum(row_lengths) / count,
             "median": sorted(row_lengths)[count // 2],
@@ -346,9 +358,10 @@ def main():
     # an arm's first training pays for its shapes and kernels (the process's first, for the process's): not its cost
     warm_ups = WarmUps(options.warmup_steps)
     report["warmup"] = warm_ups.record()
-    path = os.path.join(options.out, f"ragged_throughput_{options.attention}_{options.mix}.json")
+    path = os.path.join(options.out, f"ragged_throughput_{options.attention}_{mix}.json")
     for round_, name in interleaved(arms, options.rounds):
         rows = fixed if name == "fixed" else dataset
+        print(f"{time.strftime('%H:%M:%S')} {mix} round {round_}: {name}", flush=True)
         warm_ups.before(name, run_arm, name, model, rows, options.warmup_steps, options.tiny, options.workdir)
         started = time.perf_counter()
         steps = options.adaptive_steps if ARMS[name][3] is not None else options.steps

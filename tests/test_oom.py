@@ -1,10 +1,14 @@
 """Out-of-memory errors: the step runs again smaller, nothing is lost or counted twice, one sample that never fits
 gets one clear error. The model raises the real `torch.OutOfMemoryError` above a number of rows."""
 
+import itertools
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import adaptive_of, assert_same_parameters, logged
 
+import adaptive_batch.runtime.memory
 from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
 from adaptive_batch.testing import FakeOutOfMemory
 
@@ -63,7 +67,10 @@ def test_a_transient_out_of_memory_error_costs_one_step(make_trainer, caplog, ma
     assert logged(trainer, "adaptive_batch/samples_seen") == logged(reference, "adaptive_batch/samples_seen")
 
 
-def test_growth_stops_below_the_size_that_ran_out(make_trainer, fixed_rows):
+def test_growth_stops_below_the_size_that_ran_out(make_trainer, fixed_rows, monkeypatch):
+    # every timed micro-batch lasts 1 s whatever its rows, so each doubling pays (on a busy CPU a real one may not)
+    ticks = itertools.count(step=0.5)
+    monkeypatch.setattr(adaptive_batch.runtime.memory, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     trainer = make_trainer(
         [AdaptiveBatch()],
         dataset=fixed_rows[:64],
