@@ -291,7 +291,9 @@ def main():
     add_arguments(parser)
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
     parser.add_argument(
-        "--mix", default="sft", help=f"the length distribution, or several comma-separated: {', '.join(MIXES)}"
+        "--mix",
+        default="sft",
+        help=f"the length distribution, or several comma-separated: {', '.join(MIXES)}",
     )
     parser.add_argument(
         "--cold",
@@ -302,7 +304,9 @@ def main():
     options = parser.parse_args()
     unknown = [mix for mix in options.mix.split(",") if mix not in MIXES]
     if unknown:
-        parser.error(f"--mix {options.mix}: {', '.join(unknown)} is not a mix; choose from {', '.join(MIXES)}")
+        parser.error(
+            f"--mix {options.mix}: {', '.join(unknown)} is not a mix; choose from {', '.join(MIXES)}"
+        )
     os.makedirs(options.out, exist_ok=True)
     os.makedirs(options.workdir, exist_ok=True)
 

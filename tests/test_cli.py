@@ -78,6 +78,36 @@ def test_plan_table_and_the_max_steps_traps(capsys):
     assert "counts it as 800 samples" in err and "runs 63 optimizer steps" in err
 
 
+@pytest.mark.parametrize(
+    "argv, padding_free, starts, switch",
+    [
+        ([], False, "padded: under sdpa a flattened step's mask is quadratic", True),  # transformers' default
+        (["--attention", "eager"], False, "padded: under eager", True),
+        (
+            ["--attention", "flex_attention"],
+            False,
+            "padded until the first step tells the rows' lengths",
+            False,
+        ),
+        # TRL's packing flattens batches itself
+        (["--", "--packing"], False, "padding-free: the collator flattens", False),
+    ],
+    ids=["sdpa", "eager", "flex", "trl-packing"],
+)
+def test_plan_says_the_layout_and_what_flex_attention_would_give(capsys, argv, padding_free, starts, switch):
+    code, out, _ = run(capsys, "plan", "--dataset-size", "100", "--json", *argv)
+    assert code == 0
+    layout = json.loads(out)["layout"]
+    assert layout["padding_free"] is padding_free and layout["text"].startswith(starts)
+    # how to switch, and the estimated gain, only where switching would change the layout
+    assert ('attn_implementation="flex_attention"' in layout["text"]) is switch
+    assert ("an estimated 1.4-1.5x the real tokens/s" in layout["text"]) is switch
+    code, out, _ = run(capsys, "plan", "--dataset-size", "100", *argv)
+    # the table's row (rich wraps its text)
+    (row,) = [line for line in out.splitlines() if line.lstrip("│ ").startswith("layout ")]
+    assert starts.split()[0] in row
+
+
 def test_plan_reads_token_counts_from_a_jsonl_dataset(capsys, tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps({"input_ids": list(range(n))}) for n in (10, 20, 30, 40)))

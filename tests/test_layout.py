@@ -44,8 +44,9 @@ def test_the_layout_is_chosen_from_the_setting_the_collator_the_attention_and_th
     sdpa = choose_layout(None, False, "sdpa", True).text
     assert sdpa.startswith("padded: under sdpa a flattened step's mask is quadratic")
     assert 'attn_implementation="flex_attention"' in sdpa  # how to switch
-    assert f"an estimated {FLEX_OVER_SDPA:.1f}x the real tokens/s" in sdpa  # and what it would give
-    assert FLEX_OVER_SDPA > 1
+    low, high = FLEX_OVER_SDPA
+    assert f"an estimated {low:.1f}-{high:.1f}x the real tokens/s" in sdpa  # and what it would give
+    assert 1 < low <= high
     assert SWITCH not in choose_layout(None, False, "sdpa", False).text  # one length: nothing to gain
 
 

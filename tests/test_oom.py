@@ -70,7 +70,9 @@ def test_a_transient_out_of_memory_error_costs_one_step(make_trainer, caplog, ma
 def test_growth_stops_below_the_size_that_ran_out(make_trainer, fixed_rows, monkeypatch):
     # every timed micro-batch lasts 1 s whatever its rows, so each doubling pays (on a busy CPU a real one may not)
     ticks = itertools.count(step=0.5)
-    monkeypatch.setattr(adaptive_batch.runtime.memory, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    monkeypatch.setattr(
+        adaptive_batch.runtime.memory, "time", SimpleNamespace(perf_counter=lambda: next(ticks))
+    )
     trainer = make_trainer(
         [AdaptiveBatch()],
         dataset=fixed_rows[:64],

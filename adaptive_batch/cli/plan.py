@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..core import report
+from ..core.controllers import choose_layout
 from ..core.planning import RunSettings, plan_run
 from ..core.schedule import PhaseSchedule, as_schedule, describe
 from ..core.traps import explicit_epochs, run_traps
@@ -100,6 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drop-last", action="store_true", help="dataloader_drop_last (default: --args, else off)"
     )
+    parser.add_argument(
+        "--attention",
+        default="sdpa",
+        help="the model's attn_implementation (from_pretrained's argument; transformers' default is sdpa): the "
+        "layout row says how AdaptiveBatch() runs a padding collator's steps under it and what flex attention "
+        "would give",
+    )
 
 
 def run(options: argparse.Namespace) -> dict:
@@ -128,6 +136,9 @@ def run(options: argparse.Namespace) -> dict:
         gradient_accumulation_steps=options.accumulation,
     )
     planned = plan_run(schedule, settings, options.lr_scaling)
+    # the rows' lengths are not read here (None: as an attach before the first step sees them)
+    packs = any(sft.given.get(name) is True for name in ("packing", "padding_free"))
+    layout = choose_layout(None, packs, options.attention, None)
     budget, plan, clock = planned.budget, planned.plan, planned.clock
     tokens = round(tokens_per_epoch * budget.samples / dataset_size) if tokens_per_epoch is not None else None
     return {
@@ -155,6 +166,7 @@ def run(options: argparse.Namespace) -> dict:
             {"step": step, "samples": samples, "scheduled": scheduled, "lr_multiplier": clock.scale(step)}
             for step, samples, scheduled in plan.uneven_steps()
         ],
+        "layout": {"padding_free": layout.flatten, "text": layout.text},
         "notes": list(plan.notes),
         "dataset_notes": dataset_notes,  # how the rows and tokens were counted, where not as the file holds them
         "not_used": not_used,  # one line for each setting given that the plan could not follow
@@ -174,6 +186,7 @@ def run(options: argparse.Namespace) -> dict:
             micro_batch_text="auto (decided while training)",
             tokens=tokens,
             rule_text=options.lr_scaling,
+            layout_text=layout.text,
         ),
     }
 
