@@ -1,8 +1,6 @@
-"""Choosing the effective batch by goodput: samples per second times the statistical efficiency the noise scale
-predicts (McCandlish et al. 2018; Pollux, Qiao et al. 2021), goodput(B) = B / T(B) x (B_noise + B0) / (B_noise + B).
-
-[`NoiseScaleSchedule`] grows the batch where that beats the current one by a margin; [`StepTimeModel`] gives T(B).
-See docs/how-it-works.md, "An effective batch chosen by goodput". Pure Python."""
+"""Choosing the effective batch by goodput (Pollux, Qiao et al. 2021), B / T(B) x (B_noise + B0) / (B_noise + B):
+[`NoiseScaleSchedule`] grows the batch where that pays, [`StepTimeModel`] gives T(B). See docs/how-it-works.md, "An
+effective batch chosen by goodput". Pure Python."""
 
 from __future__ import annotations
 
@@ -29,17 +27,15 @@ def goodput_gain(
 
 
 def statistical_efficiency(batch: int, start: int, noise_scale: float) -> float:
-    """The progress per sample of a step of `batch` samples against one of `start`: (B_noise + B0) / (B_noise + B);
-    1 with an infinite noise scale (every sample counts fully)."""
+    """The progress per sample at `batch` against `start`: (B_noise + B0) / (B_noise + B), 1 at infinite noise."""
     if math.isinf(noise_scale):
         return 1.0
     return (noise_scale + start) / (noise_scale + batch)
 
 
 class StepTimeModel:
-    """Seconds per optimizer step, T = f + a n + b r over a rank's rows r and micro-batches n: f the per-step part,
-    a the fixed part of a micro-batch, b the part per row; f = 0 until the runs tell it apart (which predicts the least
-    gain from a larger batch). `predict` is `None` until two (rows, micro-batches) are timed `min_steps` times each."""
+    """Seconds per optimizer step, T = f + a n + b r over a rank's rows r and micro-batches n (f = 0 until the runs
+    tell it apart, which predicts the least gain); `predict` is `None` until two shapes are timed `min_steps` times."""
 
     def __init__(self, min_steps: int = 3):
         self.min_steps = min_steps
@@ -50,12 +46,10 @@ class StepTimeModel:
             self.times.setdefault((rows, micro_batches), deque(maxlen=RECENT)).append(float(seconds))
 
     def medians(self) -> dict[tuple[int, int], float]:
-        """The median time of each (rows, micro-batches) timed at least `min_steps` times."""
         return {key: median(t) for key, t in self.times.items() if len(t) >= self.min_steps}
 
     def coefficients(self) -> tuple[float, float, float] | None:
-        """(f, a, b) of T = f + a n + b r, least squares over the medians (f = 0 where they do not determine it, or
-        any comes out negative); `None` when they determine neither a nor b."""
+        """(f, a, b) by least squares over the medians (f = 0 where undetermined or any is negative), or `None`."""
         points = [(n, r, t) for (r, n), t in self.medians().items()]
         solved = plane(points)
         if solved is not None and min(solved) >= 0:
@@ -72,7 +66,6 @@ class StepTimeModel:
         return 0.0, a, b
 
     def measured(self, rows: int, micro_batches: int) -> bool:
-        """Whether steps of `rows` rows in `micro_batches` micro-batches have been timed `min_steps` times."""
         return len(self.times.get((rows, micro_batches), ())) >= self.min_steps
 
     def predict(self, rows: int, micro_batches: int) -> float | None:
@@ -94,9 +87,8 @@ class StepTimeModel:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """What prices an optimizer step at another effective batch: the step times so far, the data-parallel processes,
-    the micro-batches of a step at the current size on a rank, and the most rows a micro-batch may hold
-    (`micro_batch_cap`; `None`: a larger step runs as few micro-batches, the controller growing with the rows)."""
+    """What prices a step at another effective batch; `micro_batch_cap`: the most rows a micro-batch may hold
+    (`None`: a larger step runs as few micro-batches)."""
 
     step_time: StepTimeModel
     world_size: int = 1
@@ -117,28 +109,10 @@ class Change:
 
 
 class NoiseScaleSchedule:
-    """An effective batch that grows when the measured goodput says it pays; see docs/how-it-works.md, "An effective
-    batch chosen by goodput".
-
-    Args:
-        start: the first effective batch, in samples.
-        max_size: never larger than this (required).
-        factor: each change multiplies the batch by this, rounded down to a multiple of the world size.
-        margin: the modelled goodput must improve by more than this share (0.05: 5%).
-        confidence_z: decide on the noise scale's lower confidence bound at this many standard errors (0: the
-            estimate).
-        min_samples_between_changes: samples between two changes, and before the first (default 20 steps of `start`).
-            A change also waits until steps at the current batch are timed, not extrapolated from smaller ones (where
-            a small model's step time hardly grows with its rows, that made a larger size look free).
-        measure_every: on one process, cut every this-many-th step of one micro-batch in two, so that the noise scale
-            is measured (0: never); none once no noise scale could make a change pay ([`cut_every`]).
-        min_efficiency: with a finite budget, grow only while the run's modelled sample-weighted statistical
-            efficiency stays at least this (`None`: goodput alone, which ended 5.8-7.1% above the best fixed batch's
-            final eval loss where 0.9 ended within 0.5%: `benchmarks/time_to_quality.py`).
-
-    Example: `AdaptiveBatch(schedule=NoiseScaleSchedule(32, max_size=512), lr_scaling="sqrt")` starts at 32 samples a
-    step and doubles while it pays, up to 512. The changes made (`changes`) are saved in checkpoints; like any
-    schedule it answers `schedule(progress)`: the size of the last change at or before `progress.step`."""
+    """An effective batch that grows from `start` up to `max_size` when the measured goodput gains more than `margin`,
+    decided on the noise scale's lower bound at `confidence_z`; `measure_every`: on one process, cut every n-th step in
+    two to measure; `min_efficiency`: with a finite budget, the run's modelled statistical efficiency to keep. See
+    docs/how-it-works.md, "An effective batch chosen by goodput"; `changes` are saved in checkpoints."""
 
     def __init__(
         self,
@@ -198,8 +172,6 @@ class NoiseScaleSchedule:
         self.measure_every = int(measure_every)
         self.changes: list[Change] = []
 
-    # -- a schedule ----------------------------------------------------------------------------------------------
-
     def __call__(self, progress: Progress) -> int:
         last = self._last_change(progress.step)
         return self.start if last is None else last.size
@@ -215,18 +187,14 @@ class NoiseScaleSchedule:
         )
 
     def sizes(self, world_size: int) -> list[int]:
-        """Every effective batch the schedule can reach, in order."""
         sizes = [self.start]
         while (bigger := self.next_size(sizes[-1], world_size)) is not None:
             sizes.append(bigger)
         return sizes
 
     def next_size(self, size: int, world_size: int) -> int | None:
-        """The size a change from `size` goes to, or `None` at the maximum."""
         bigger = min(self.max_size, math.floor(size * self.factor)) // world_size * world_size
         return bigger if bigger > size else None
-
-    # -- deciding ------------------------------------------------------------------------------------------------
 
     def propose(
         self,
@@ -236,8 +204,8 @@ class NoiseScaleSchedule:
         costs: StepCosts,
         budget: int | None = None,
     ) -> tuple[int, str] | None:
-        """The size to change to from `current`, after `samples_seen` samples, and why; `None` to stay. `noise_scale`:
-        its lower confidence bound (`None`: not measured yet); `budget`: the run's samples, for `min_efficiency`."""
+        """The size to change to from `current` and why, or `None`; `noise_scale`: its lower bound (`None`: not
+        measured yet); `budget`: the run's samples, for `min_efficiency`."""
         since = samples_seen - (self.changes[-1].samples_seen if self.changes else 0)
         if since < self.min_samples_between_changes or noise_scale is None:
             return None
@@ -265,12 +233,8 @@ class NoiseScaleSchedule:
     def run_efficiency(
         self, samples: float, then: tuple[int, float] | None = None, budget: float | None = None
     ) -> float:
-        """The modelled sample-weighted statistical efficiency of the run's first `samples` samples, each stretch
-        between changes at its size and the noise scale its change was decided on; with `then=(size, noise_scale)`,
-        the samples up to `budget` at that size too.
-
-        Example: 1,000 samples at the start 32, then 1,000 at 64 decided on a noise scale of 32 (worth 64 / 96):
-        0.833."""
+        """The modelled sample-weighted statistical efficiency of the first `samples` samples, each stretch at its size
+        and noise scale; with `then=(size, noise_scale)`, the samples up to `budget` at that size too."""
         total, since, size, noise = 0.0, 0.0, self.start, math.inf
         for change in self.changes:
             if change.samples_seen >= samples:
@@ -284,10 +248,8 @@ class NoiseScaleSchedule:
         return total / samples if samples > 0 else 1.0
 
     def cut_every(self, current: int, costs: StepCosts) -> int:
-        """Every how many steps one process cuts a step of one micro-batch in two to measure the noise scale:
-        `measure_every`, or 0 where no noise scale could make a change pay (at `max_size`, or where the next size's
-        speed alone does not beat the margin). Spacing cuts by their measured cost loses more than it saves
-        (benchmarks/README.md)."""
+        """Every how many steps one process cuts a step in two to measure the noise scale: `measure_every`, or 0 where
+        no noise scale could make a change pay (at `max_size`, or the next size's speed alone misses the margin)."""
         if not self.measure_every or self.next_size(current, costs.world_size) is None:
             return 0
         modelled = self._modelled(current, costs)
@@ -298,8 +260,7 @@ class NoiseScaleSchedule:
         return self.measure_every
 
     def _modelled(self, current: int, costs: StepCosts) -> tuple[int, float, float] | None:
-        """(the next size, the modelled seconds of a step at `current` and at it); `None` at the maximum or
-        unmodelled."""
+        """(the next size, the modelled seconds of a step at `current` and at it), or `None`."""
         candidate = self.next_size(current, costs.world_size)
         if candidate is None:
             return None
@@ -315,7 +276,6 @@ class NoiseScaleSchedule:
     def change(
         self, step: int, size: int, samples_seen: int, reason: str, noise_scale: float | None = None
     ) -> Change:
-        """Record a change to `size` from `step` on, with the noise scale's estimate then (`None`: not measured)."""
         if self.changes and step <= self.changes[-1].step:
             raise ValueError(
                 f"A change at step {step} comes before the last one, at {self.changes[-1].step}."
@@ -325,11 +285,8 @@ class NoiseScaleSchedule:
         return change
 
     def noise_scale_at(self, step: int) -> float:
-        """The noise scale the size of `step` was decided on (`inf` before the first change)."""
         last = self._last_change(step)
         return math.inf if last is None else last.noise_scale
-
-    # -- checkpoint ----------------------------------------------------------------------------------------------
 
     def reset(self) -> None:
         self.changes = []

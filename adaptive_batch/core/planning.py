@@ -1,15 +1,6 @@
-"""Planning a run before it starts: the budget in samples, the step plan and the sample clock of the learning rate.
-
-One function, [`plan_run`], used by the Trainer wiring when `train()` starts and by `adaptive-batch plan`, so the
-command prints exactly what the run will do.
-
-The budget means what it means to the plain Trainer: `max_steps` (or `num_train_epochs`) are the plain Trainer's
-steps at the starting effective batch, an epoch's short last step counted as one, and the budget is the samples
-those steps take. So at a constant effective batch the run has the plain Trainer's steps, epochs and learning rate
-exactly; a growing batch takes the same samples in fewer steps.
-
-Pure Python: no torch, no transformers.
-"""
+"""Planning a run before it starts: the budget in samples, the step plan and the LR's sample clock. One function,
+[`plan_run`], serves both `train()` and `adaptive-batch plan`. The budget is the samples the plain Trainer's steps take
+at the starting batch (docs/how-it-works.md, "Plan"). Pure Python."""
 
 from __future__ import annotations
 
@@ -24,19 +15,9 @@ from .steps import Budget, DoneSteps, StepPlan, build_plan
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What a run's plan depends on besides its schedule, as the Trainer's arguments give it.
-
-    Attributes:
-        dataset_size: rows of the training dataset; `None` for a stream (one pass over the budget, in order).
-        num_train_epochs: the budget in epochs, where `max_steps` is not set.
-        max_steps: the budget in steps of the starting effective batch where > 0 (it wins, as in the Trainer).
-        world_size: data-parallel processes.
-        drop_last: `dataloader_drop_last`: an epoch's short last step is dropped.
-        unit: what one dataset row is, for messages ("packed rows" under TRL's packing).
-        per_device_train_batch_size, gradient_accumulation_steps: the user's, which decide how the plain Trainer
-            cuts an epoch into steps where their product (x world size) is the starting effective batch; a schedule
-            that starts elsewhere counts steps of it at accumulation 1.
-    """
+    """What a run's plan depends on besides its schedule, from the Trainer's arguments. `dataset_size` is `None` for
+    a stream; `per_device_train_batch_size` x `gradient_accumulation_steps` decide how the plain Trainer cuts an
+    epoch where their product (x world size) is the starting batch, else steps of it at accumulation 1."""
 
     dataset_size: int | None
     num_train_epochs: float = 3.0
@@ -75,15 +56,9 @@ class RunPlan:
 
     def steps(self, schedule: Schedule) -> StepPlan:
         """The step plan `schedule` gives over this run's budget (from where the done steps ended)."""
-        settings = self.settings
+        s = self.settings
         return build_plan(
-            schedule,
-            self.dataset_size,
-            self.budget,
-            settings.world_size,
-            settings.drop_last,
-            done=self.done,
-            unit=settings.unit,
+            schedule, self.dataset_size, self.budget, s.world_size, s.drop_last, done=self.done, unit=s.unit
         )
 
     def replan(self, schedule: Schedule) -> StepPlan:
@@ -99,22 +74,8 @@ def plan_run(
     done: DoneSteps | None = None,
     noise_scale_at: Callable[[int], float] | None = None,
 ) -> RunPlan:
-    """Plan a run: its budget in samples, its steps and the learning rate's clock. Every refusal (a bad schedule, a
-    budget that leaves no step, a rule that gives no valid multiplier) happens here, before any compute.
-
-    Args:
-        schedule: the effective batch over training.
-        settings: the dataset and the Trainer's budget.
-        lr_scaling: the LR rule (a name or a callable).
-        done: steps trained before the plan takes over (a plain Trainer's checkpoint).
-        noise_scale_at: for the gain rules, the noise scale the size of a step was decided on.
-
-    Example:
-        ```python
-        run = plan_run(PhaseSchedule([8, 16], [0.5]), RunSettings(dataset_size=1000, num_train_epochs=1), "sqrt")
-        run.plan.num_steps  # 94: 63 steps of 8 to half the samples, then 31 of 16
-        ```
-    """
+    """Plan a run: its budget in samples, its steps and the LR's clock; every refusal happens here, before any
+    compute. `done`: steps a plain Trainer's checkpoint trained; `noise_scale_at`: for the gain LR rules."""
     starting = check_effective_batch_size(schedule(Progress(0, 0, 0.0)), where="The schedule at step 0")
     _check_batch_settings_fit(settings, starting)
     plain = settings.plain_trainer(starting)
@@ -137,8 +98,7 @@ def plan_run(
 
 
 def _check_batch_settings_fit(settings: RunSettings, starting: int) -> None:
-    """A start above the dataset that is the user's `per_device x accumulation x world size`: refused naming those
-    settings and values of them that fit (a start a schedule sets elsewhere is refused by the plan, naming it)."""
+    """Refuse a start above the dataset that is the user's `per_device x accumulation x world size`, naming fits."""
     dataset_size, world = settings.dataset_size, settings.world_size
     per_device, accumulation = settings.per_device_train_batch_size, settings.gradient_accumulation_steps
     if dataset_size is None or starting <= dataset_size or dataset_size < world or per_device is None:
@@ -165,8 +125,7 @@ def _check_batch_settings_fit(settings: RunSettings, starting: int) -> None:
 
 
 def _budget(settings: RunSettings, starting: int, plain: PlainBatching | None) -> tuple[Budget, int]:
-    """The budget in samples and the plain Trainer's steps at `starting` that take it (the base LR schedule's
-    length)."""
+    """The budget in samples and the plain Trainer's steps at `starting` that take it (the LR schedule's length)."""
     if plain is None:  # a stream: max_steps steps of the starting batch, read once
         if settings.max_steps <= 0:
             raise ValueError(
@@ -178,8 +137,7 @@ def _budget(settings: RunSettings, starting: int, plain: PlainBatching | None) -
         origin = (
             f"max_steps={steps:,} steps of the plain Trainer at the starting effective batch {starting:,} (an "
             "epoch's short last step counts as one; a growing batch takes the same samples in fewer steps, a "
-            "shrinking one in more; "
-            "num_train_epochs is ignored, as in the Trainer)"
+            "shrinking one in more; num_train_epochs is ignored, as in the Trainer)"
         )
     else:
         Budget.from_epochs(settings.num_train_epochs, plain.dataset_size)  # (refuses a budget of no epochs)

@@ -49,8 +49,6 @@ class Tape:
         if record is not None:
             self.streams = copy.deepcopy(record["streams"])
 
-    # -- measurements ------------------------------------------------------------------------------------------
-
     def measure(self, stream: str, step: int, tag: str, live: list) -> list:
         """`live` was measured now (`tag` names what); returns what decisions read: the recorded values while
         replaying, else `live`. Recorded either way."""
@@ -100,8 +98,6 @@ class Tape:
             self._append(stream, step, ["time", *values])
         return values
 
-    # -- the file ----------------------------------------------------------------------------------------------
-
     def to_json(self) -> dict:
         return {
             "format": FORMAT,
@@ -117,8 +113,6 @@ class Tape:
         with open(temporary, "w", encoding="utf-8") as handle:
             json.dump(self.to_json(), handle, separators=(",", ":"))
         os.replace(temporary, path)
-
-    # -- inside --------------------------------------------------------------------------------------------------
 
     def _next(self, stream: str, step: int) -> list | None:
         entries = self.source.get(stream, {}).get(str(step), [])

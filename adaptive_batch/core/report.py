@@ -16,17 +16,9 @@ from .steps import Budget, StepPlan
 
 @dataclass(frozen=True)
 class StepStrategy:
-    """Evaluation or saving by steps (`eval_strategy="steps"`, `save_strategy="steps"`), as the Trainer runs it: at
-    every multiple of `every` steps from `delay` on (a float `every` below 1 is that share of the run's steps,
-    rounded up), and at the run's last step.
-
-    Attributes:
-        what: "evaluation" or "saving", for the table.
-        field: the setting, "eval_steps" or "save_steps".
-        strategy: the strategy's setting, "eval_strategy" or "save_strategy", for the fix.
-        every: the setting's value.
-        delay: `eval_delay` (no step before it evaluates; 0 for saving).
-    """
+    """Evaluation or saving by steps as the Trainer runs it: every multiple of `every` steps from `delay` on (a float
+    `every` below 1 is that share of the run's steps, rounded up), and at the last step. `what`: "evaluation" or
+    "saving"; `field`, `strategy`: the settings ("eval_steps", "eval_strategy"); `delay`: `eval_delay`."""
 
     what: str
     field: str
@@ -54,14 +46,8 @@ def step_strategy_rows(
     strategies: list[StepStrategy],
     may_grow_to: int | None = None,
 ) -> list[tuple[str, str]]:
-    """Where evaluation and saving by steps happen under a batch that changes, against the plain Trainer's (which
-    evaluates every `eval_steps` steps of its one batch, so at equal intervals of samples), and how to keep the
-    plain Trainer's intervals of samples. None at a constant batch: the steps are the plain Trainer's.
-
-    Args:
-        plain, plain_steps: the plain Trainer at the user's batch settings, and its steps over the run.
-        may_grow_to: a batch that grows while training (`NoiseScaleSchedule`): its `max_size`.
-    """
+    """Where evaluation and saving by steps happen under a changing batch, against the plain Trainer's equal intervals
+    of samples, and how to keep those; none at a constant batch. `may_grow_to`: a `NoiseScaleSchedule`'s `max_size`."""
     phases = plan.phases()
     if len(phases) < 2 and may_grow_to is None:
         return []
@@ -69,7 +55,6 @@ def step_strategy_rows(
     largest = max([effective for _, _, effective in phases] + [may_grow_to or 0])
     rows = []
     for strategy in strategies:
-        # the plain Trainer's samples between two
         gap = strategy.interval(plain_steps) * plain.effective_batch_size
         setting = f"{strategy.field}={strategy.every:g}"
         if len(phases) > 1:
@@ -98,9 +83,8 @@ def step_strategy_rows(
             )
             text += (
                 f". To {verb} at least every {gap:,} samples, as the plain Trainer does: {strategy.field}={keep} "
-                f"({apart}), or "
-                f"{strategy.strategy}='epoch', which follows data epochs (a float {strategy.field} is a share of the "
-                "steps, not of the samples)"
+                f"({apart}), or {strategy.strategy}='epoch', which follows data epochs (a float {strategy.field} is a "
+                "share of the steps, not of the samples)"
             )
         rows.append((f"{strategy.what} by steps", text))
     return rows
@@ -165,15 +149,10 @@ def plan_rows(
     uneven = plan.uneven_steps()
     if uneven:
         rows.append(("uneven steps", _uneven_text(uneven, clock, plan)))
-    if plan.done_steps:
-        done = plan.done_steps
-        rows.append(
-            (
-                "already trained",
-                f"steps 1-{done} ({plan.samples_before_step[done]:,} samples), by the plain Trainer before the "
-                "checkpoint",
-            )
-        )
+    if done := plan.done_steps:
+        samples = plan.samples_before_step[done]
+        text = f"steps 1-{done} ({samples:,} samples), by the plain Trainer before the checkpoint"
+        rows.append(("already trained", text))
     rows.extend(("note", note) for note in plan.notes)
     return rows
 

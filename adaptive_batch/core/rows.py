@@ -1,9 +1,6 @@
-"""The micro-batch policy by rows (the samples of a step, or a padding-free step's sequences), decided by memory and
-speed. With `auto` the size starts at the per-device batch and doubles while tokens per second gain more than
-`growth_margin`, or halves while that pays where the first doubling does not (packed rows under sdpa ran 2.3x faster
-at 2 rows of 2,048 tokens than at 16). A trial runs inside a step beside the best size known, so the search costs
-about one step; out-of-memory errors: [`MicroBatchSearch`]. Pure Python.
-"""
+"""The micro-batch policy by rows: with `auto` the size doubles while tokens/s gain more than `growth_margin`, or
+halves while that pays where the first doubling does not (packed rows under sdpa ran 2.3x faster at 2 rows of 2,048
+tokens than at 16). Trials run inside steps; out-of-memory errors: [`MicroBatchSearch`]. Pure Python."""
 
 from __future__ import annotations
 
@@ -24,21 +21,9 @@ FIXED = "fixed by micro_batch_size"
 
 
 class RowController(MicroBatchSearch):
-    """Chooses the rows of every micro-batch (a [`microbatch.CutController`] whose unit is rows).
-
-    Args:
-        start: the first size (the per-device batch, or a probed one).
-        auto: grow by doubling while it pays; `False`: keep `start`, only shrinking on out-of-memory.
-        max_size: never more rows per micro-batch.
-        row_limit: the most rows a step holds on one rank (no point measuring beyond).
-        growth_margin: the relative tokens/s gain a doubling must bring to be kept.
-        repeats: micro-batches timed per trial size (the best counts, discarding warm-up stalls); one `DECISIVE`
-            margins faster than the size before settles the trial at once.
-        memory_limit: bytes a micro-batch's peak may reach; a trial predicted to exceed it is not run.
-        oom_is_fatal: an out-of-memory error cannot be retried: a trial runs only where [`predict_peak`]'s `cautious`
-            bound fits.
-        row_tokens: for packed rows (TRL's `packing=True`), the tokens of one: a micro-batch of `size` rows is a run
-            of whole sequences of at most `size x row_tokens` tokens."""
+    """Chooses the rows of every micro-batch (a [`microbatch.CutController`] whose unit is rows). `repeats`:
+    micro-batches timed per trial, the best counting; `row_tokens`: a packed row's tokens (TRL's `packing=True`),
+    a micro-batch of `size` rows then being a run of whole sequences of at most `size x row_tokens` tokens."""
 
     kind = "rows"
     max_tokens = None  # the cut counts rows
@@ -73,8 +58,6 @@ class RowController(MicroBatchSearch):
         self.unit = "packed rows" if row_tokens else "rows"
         self.stopped_by_limit = False  # the search stopped at max_micro_batch_size or a step's rows
 
-    # -- what to run -------------------------------------------------------------------------------------------
-
     @property
     def exploring(self) -> bool:
         return self.trial is not None
@@ -84,25 +67,19 @@ class RowController(MicroBatchSearch):
         return self.size
 
     def cut(self, batch, max_rows: int, agree=None, row_cap: int | None = None) -> RowCut | PackedRowCut:
-        """See [`microbatch.CutController.cut`]; packed rows are cut between sequences, each rank its own."""
         if self.row_tokens and batch.packed:
             return PackedRowCut(self, batch, agree, row_cap)
         return RowCut(self, batch.rows, max_rows, row_cap)
 
     def next_size(self, remaining: int) -> int:
-        """The next micro-batch of a step with `remaining` rows left (the most of any rank)."""
         if self.trial is not None and remaining >= self.trial:
             return self.trial
         return even_chunk(remaining, self.size)
 
     def needs_timing(self, size: int) -> bool:
-        """Whether a micro-batch of `size` is a trial, to be measured."""
         return self.trial is not None and size == self.trial
 
-    # -- what happened -----------------------------------------------------------------------------------------
-
     def record(self, size: int, seconds: float, tokens: float, peak_bytes: float | None = None) -> None:
-        """Feed the time, tokens and peak memory of a timed micro-batch of `size`."""
         self._measured(tokens, peak_bytes)
         if not self.needs_timing(size) or seconds <= 0:
             return
@@ -120,13 +97,10 @@ class RowController(MicroBatchSearch):
             self._shrink(size, f"{size} ran out of memory")
 
     def end_step(self, memory: StepMemory) -> str | None:
-        """A step ran to its end; returns a line to log where the size changed for memory."""
         return self._after_step(memory, memory.largest, memory.tokens / max(1, self.size))
 
     def retry_message(self, rows: int, padded_tokens: int | None) -> str:
         return f"Out of memory at micro-batch {rows}; running the step again at {self.size}."
-
-    # -- decisions ---------------------------------------------------------------------------------------------
 
     def _thrashed(self, memory: StepMemory) -> str:
         size = min(memory.largest, self.size)
@@ -191,8 +165,8 @@ class RowController(MicroBatchSearch):
         return f"it reached the {self.row_limit} {self.unit} a step holds on a rank"
 
     def set_row_limit(self, row_limit: int) -> None:
-        """A step holds up to `row_limit` rows on a rank now (a new plan). Where it grew, a search stopped at the old
-        limit goes on doubling, and a fixed size the old limit held down grows back towards the one stated."""
+        """A new plan's rows per rank: where they grew, a search stopped at the old limit goes on doubling, and a
+        fixed size the old limit held down grows back."""
         old, self.row_limit = self.row_limit, row_limit
         if self.trial is not None or old is None or row_limit <= old:
             return
@@ -208,9 +182,8 @@ class RowController(MicroBatchSearch):
             self.trial, self.trial_left, self.settled_because = bigger, self.repeats, None
 
     def larger_step_cap(self, last_micro_batch_size: int = 0, usual_micro_batches: int = 1) -> int | None:
-        """The most rows a micro-batch of a larger step may hold (`None`: as memory allows, the search going on): the
-        size stated, or the one a search stopped at for memory or speed."""
-        # (an out-of-memory error settles a fixed size otherwise: see `on_out_of_memory`)
+        """The most rows a micro-batch of a larger step may hold: the size stated, or the one a search stopped at for
+        memory or speed (`None`: as memory allows)."""
         if self.settled_because == FIXED:
             return self.start if self.max_size is None else min(self.start, self.max_size)
         if self.settled_because is not None and not self.stopped_by_limit:
@@ -228,8 +201,6 @@ class RowController(MicroBatchSearch):
 
     def check_longest_row(self, tokens: int | None) -> None:
         """Rows of any length run: one row is as small as a cut by rows goes."""
-
-    # -- the plan table ----------------------------------------------------------------------------------------
 
     def describe(self) -> str:
         if self.auto and self.exploring:
@@ -254,10 +225,7 @@ class RowController(MicroBatchSearch):
         counts = sorted({math.ceil(rows / self.size) for rows in per_rank_sizes})
         return " -> ".join(map(str, counts)) + f" micro-batches of at most {self.size}"
 
-    # -- checkpoint --------------------------------------------------------------------------------------------
-
     def state_dict(self) -> dict:
-        """Plain JSON: what a resumed run needs to cut steps as the uninterrupted run would."""
         return {
             "size": self.size,
             "trial": self.trial,
@@ -277,9 +245,8 @@ class RowController(MicroBatchSearch):
 
 
 class RowCut:
-    """The micro-batches of a step cut by rows, each sized afresh after a timed one (a trial that settles the search
-    resizes the rest). Every rank runs the same sizes; one with a row fewer runs its last a row short, or a row that
-    adds nothing."""
+    """A step cut by rows, each micro-batch sized afresh after a timed one; every rank runs the same sizes (one with a
+    row fewer runs its last a row short, or a row that adds nothing)."""
 
     def __init__(self, controller: RowController, rows: int, max_rows: int, row_cap: int | None = None):
         self.controller, self.rows, self.max_rows, self.row_cap = controller, rows, max_rows, row_cap
@@ -307,10 +274,8 @@ class RowCut:
 
 
 class PackedRowCut(RowCut):
-    """The micro-batches of a step of packed rows flattened into sequences: runs of whole sequences, in order, of at
-    most `size x row_tokens` tokens (a trial's size for the first `trial_left`, timed). Each rank cuts its own
-    sequences; all run as many micro-batches, sized and timed alike by index, so every rank feeds its controller the
-    same."""
+    """A step of packed rows cut into runs of whole sequences of at most `size x row_tokens` tokens (a trial's size
+    for the first `trial_left`). Each rank cuts its own; all run as many, sized and timed alike by index."""
 
     def __init__(self, controller: RowController, batch, agree, row_cap: int | None = None):
         self.controller = controller

@@ -1,11 +1,6 @@
 """The micro-batch policy for rows of varying length: each step cut by padded tokens ([`cut.py`]) at the least
-modelled time, `overhead` x micro-batches + padded tokens, under a budget of `max_tokens` padded tokens and `rows_cap`
-rows. The overhead is stated or measured (`CALIBRATION_STEPS` steps after a warm-up one); with `tune` the budget
-doubles while the cut would change and memory allows, until micro-batches beyond the fitted line run more than
-`LINE_MARGIN` slower than it predicts, twice. Out-of-memory errors: [`MicroBatchSearch`]. Under DDP each rank cuts its
-own rows; the ranks agree on the number of micro-batches and on whether the budget bound the cut. See
-docs/how-it-works.md, "Variable-length data". Pure Python.
-"""
+modelled time under a budget of `max_tokens`; the overhead is stated or measured, and with `tune` the budget doubles
+while it pays (docs/how-it-works.md, "Variable-length data"). Pure Python."""
 
 from __future__ import annotations
 
@@ -21,18 +16,9 @@ LINE_MARGIN = 0.15  # how much slower than the fitted line micro-batches beyond 
 
 
 class TokenController(MicroBatchSearch):
-    """Cuts every step by padded tokens (a [`microbatch.CutController`] whose unit is padded tokens).
-
-    Args:
-        max_tokens: the budget of padded tokens per micro-batch (the first one, with `tune`).
-        max_rows: the most rows a micro-batch may hold as stated (`max_micro_batch_size`, or an `int`
-            `micro_batch_size`); `None`: as many as a step holds on a rank.
-        row_limit: the most rows a step holds on a rank (from the plan).
-        tune: grow the budget while the cut needs more and memory allows.
-        overhead: the fixed time of one micro-batch in padded tokens' worth; `None`: measured.
-        memory_limit: bytes a micro-batch's peak may reach (`None`: not known).
-        oom_is_fatal: an out-of-memory error cannot be retried: the budget doubles only where [`predict_peak`]'s
-            `cautious` bound fits."""
+    """Cuts every step by padded tokens (a [`microbatch.CutController`] whose unit is padded tokens). `max_rows`: the
+    stated cap on rows; `row_limit`: a step's rows on a rank; `overhead`: a micro-batch's fixed time in padded tokens'
+    worth (`None`: measured)."""
 
     kind = "tokens"
     unit = "padded tokens"
@@ -69,12 +55,10 @@ class TokenController(MicroBatchSearch):
 
     @property
     def exploring(self) -> bool:
-        """Still measuring the overhead of a micro-batch, or the budget."""
         return self.calibrating or self.tuning
 
     @property
     def rows_cap(self) -> int | None:
-        """The most rows a micro-batch holds: a step's rows on a rank, capped by `max_rows`."""
         caps = [cap for cap in (self.max_rows, self.row_limit) if cap is not None]
         return min(caps) if caps else None
 
@@ -94,21 +78,17 @@ class TokenController(MicroBatchSearch):
             self.warn_long_row(tokens)
 
     def cut(self, batch, max_rows: int, agree: Agree, row_cap: int | None = None) -> TokenCut:
-        """See [`microbatch.CutController.cut`] (`batch`: a `StepBatch` or `PackedStepBatch`)."""
         return TokenCut(self, batch, agree, row_cap)
 
     def token_overhead(self, longest: int) -> int:
-        """The overhead a cut uses: stated or measured; while measuring, or where no rising line was measured, one
-        longest row's worth (`longest` padded tokens)."""
+        """The overhead a cut uses: stated or measured, else one longest row's worth."""
         return self.overhead if self.overhead is not None else longest
 
-    # -- what happened -----------------------------------------------------------------------------------------
-
     def record(self, seconds: float, padded_tokens: float, peak_bytes: float | None = None) -> None:
-        """Feed the time, padded tokens and peak memory of a micro-batch timed while measuring."""
         self._measured(padded_tokens, peak_bytes)
-        if self.measures_overhead and self.exploring and self.steps_measured > 0 and seconds > 0:
-            # the first step warms up
+        if (
+            self.measures_overhead and self.exploring and self.steps_measured > 0 and seconds > 0
+        ):  # after warm-up
             self.time_points.append((float(padded_tokens), seconds))
 
     def end_step(self, bound: bool, memory: StepMemory | None = None) -> str | None:
@@ -130,8 +110,7 @@ class TokenController(MicroBatchSearch):
         return f"the token budget of {budget:,}"
 
     def _shrink(self, failed: int) -> None:
-        """A micro-batch of `failed` padded tokens failed: cut at most at half the smallest that failed from now on;
-        the budget before is tried again where a micro-batch of `failed` tokens had run."""
+        """Cut at most at half the smallest failed micro-batch from now on (retried later where one that size ran)."""
         self.failed_tokens.append(failed)
         previous, self.max_tokens = (
             self.max_tokens,
@@ -187,9 +166,7 @@ class TokenController(MicroBatchSearch):
             self.settled_because = f"token budget {self.max_tokens:,} ({self.budget_because}), {overhead}"
 
     def on_out_of_memory(self, rows: int, padded_tokens: int) -> None:
-        """A micro-batch of `rows` rows and `padded_tokens` ran out of memory: the budget becomes at most half of that
-        and stops growing (the budget before is tried again later). Raises [`MicroBatchTooLargeError`] if it was one
-        row."""
+        """The budget halves below `padded_tokens` and stops growing; [`MicroBatchTooLargeError`] if it was one row."""
         self._out_of_memory(rows)
         self._shrink(padded_tokens)
         if self.tuning:
@@ -202,7 +179,6 @@ class TokenController(MicroBatchSearch):
         )
 
     def warn_long_row(self, length: int) -> None:
-        """Say once per run that a row longer than the budget runs alone (a row cannot be split)."""
         if self.warned_long_row:
             return
         self.warned_long_row = True
@@ -216,11 +192,8 @@ class TokenController(MicroBatchSearch):
         )
 
     def limit_to(self, max_size: int | None) -> None:
-        """Apply a `max_micro_batch_size` stated after the budget was learned (a resumed run)."""
         if max_size is not None:
             self.max_rows = max_size if self.max_rows is None else min(self.max_rows, max_size)
-
-    # -- the plan table ----------------------------------------------------------------------------------------
 
     def describe(self) -> str:
         text = f"cut by a token budget of {self.max_tokens:,} padded tokens (rows x padded length)"
@@ -244,10 +217,7 @@ class TokenController(MicroBatchSearch):
         self.tuning = False
         self.budget_because = because
 
-    # -- checkpoint --------------------------------------------------------------------------------------------
-
     def state_dict(self) -> dict:
-        """Plain JSON: what a resumed run needs to cut steps as the uninterrupted run would."""
         return {
             "max_tokens": self.max_tokens,
             "tuning": self.tuning,
@@ -278,13 +248,11 @@ class TokenController(MicroBatchSearch):
 
 
 class TokenCut:
-    """The micro-batches of a step cut by tokens, decided before it runs from this rank's row lengths; all ranks run
-    as many (a rank with fewer runs rows that add nothing)."""
+    """A step cut by tokens before it runs, from this rank's row lengths; all ranks run as many micro-batches."""
 
     def __init__(self, controller: TokenController, batch, agree: Agree, row_cap: int | None = None):
         self.controller = controller
-        # a row cap counts the dataset's rows, which a padding-free step no longer shows (its sequences are the
-        # rows it is cut between): there the token budget alone bounds a micro-batch
+        # a row cap counts dataset rows, which a padding-free step no longer shows: the budget alone bounds it
         budget, cap = controller.max_tokens, None if batch.packed else controller.rows_cap
         if row_cap is not None:
             cap = row_cap if cap is None else min(cap, row_cap)
@@ -317,10 +285,8 @@ class TokenCut:
 
 
 def fitted_overhead(points: list[tuple[float, float]]) -> int | None:
-    """The fixed time of a micro-batch in tokens' worth: intercept over slope of the robust line of seconds against
-    padded tokens (at least 0); `None` where the points give no rising line.
-
-    Example: 1,000 and 3,000 tokens in 0.2 s and 0.4 s: 0.1 s + 0.0001 s per token, so 1,000."""
+    """A micro-batch's fixed time in tokens' worth: intercept over slope of the robust line of seconds against padded
+    tokens (at least 0); `None` where the points give no rising line."""
     line = robust_affine(points)
     if line is None or line[1] <= 0:
         return None
@@ -331,10 +297,8 @@ def fitted_overhead(points: list[tuple[float, float]]) -> int | None:
 def slower_than_the_line(
     fitted_on: list[tuple[float, float]], new: list[tuple[float, float]]
 ) -> float | None:
-    """How much slower than the line of `fitted_on` the `new` micro-batches larger than all of those ran, together,
-    where that is more than `LINE_MARGIN`; else `None` (also where none is larger, or there is no rising line).
-
-    Example: 0.1 s + 0.0001 s per token fitted up to 2,000 tokens predicts 0.9 s at 8,000; 1.8 s is 100% slower."""
+    """How much slower than the line of `fitted_on` the `new` micro-batches beyond its range ran together, where that
+    is more than `LINE_MARGIN`; else `None`."""
     line = robust_affine(fitted_on) if fitted_on else None
     if line is None or line[1] <= 0:
         return None
