@@ -1,8 +1,6 @@
 """What every way of cutting a step into micro-batches shares: the micro-batch, the controller's interface, the
-search's memory bookkeeping ([`MicroBatchSearch`]), the error. A controller cuts each step in one unit
-([`rows.RowController`]: rows; [`tokens.TokenController`]: padded tokens); its decisions read only the (all-reduced)
-measurements and the step's rows, so every rank decides alike. Pure Python.
-"""
+memory bookkeeping ([`MicroBatchSearch`]), the error. Decisions read only all-reduced measurements, so every rank
+decides alike. Pure Python."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ from typing import Protocol
 from .fit import predict_peak
 
 REGROW_AFTER_STEPS = 1  # steps run at the smaller size before the size that failed is tried again
-# steps failed at a size (out of memory, or allocator thrash) after which it is not tried again
-MAX_FAILURES = 2
+MAX_FAILURES = 2  # failures at a size (out of memory, or allocator thrash) after which it is not tried again
 Agree = Callable[[list[float]], list[float]]  # combines values of all ranks by their maximum
 
 
@@ -28,9 +25,8 @@ class MicroBatchTooLargeError(RuntimeError):
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch of a step on this rank: `rows` rows from `start` of the step batch's order (0: a row that adds
-    nothing, for a rank with fewer), `size` what it stands for in the controller's decisions, `timed` whether it is
-    measured, `last` whether it ends the step's attempt (on every rank alike)."""
+    """One micro-batch on this rank: `rows` rows from `start` (0: a row that adds nothing), `size` what it stands for
+    in the controller's decisions, `last` whether it ends the step's attempt."""
 
     start: int
     rows: int
@@ -41,9 +37,8 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class StepMemory:
-    """What a step's end tells the controller: its largest micro-batch (`largest` in the controller's unit, `tokens`
-    as run), its peak bytes (`None` where not measured), and whether the allocator freed its cache to retry an
-    allocation (`thrashed`: memory is nearly full)."""
+    """What a step's end tells the controller: its largest micro-batch (`largest` in the unit, `tokens` as run), its
+    peak bytes, and whether the allocator freed its cache to retry an allocation (`thrashed`)."""
 
     largest: int = 0
     tokens: int = 0
@@ -83,8 +78,7 @@ class CutController(Protocol):
         """Rows of the next step's first micro-batch, where known before it is cut."""
 
     def cut(self, batch, max_rows: int, agree: Agree, row_cap: int | None = None) -> Cut:
-        """The micro-batches of a step of `batch.rows` rows here and `max_rows` on the rank with most; `agree`
-        combines values of all ranks by their maximum; at most `row_cap` rows each (this step)."""
+        """The micro-batches of a step of `batch.rows` rows here, `max_rows` on the rank with most."""
 
     def set_row_limit(self, rows: int) -> None:
         """A step holds up to `rows` rows on a rank now (a new plan)."""
@@ -96,8 +90,7 @@ class CutController(Protocol):
         """The most rows a micro-batch of a larger step may hold, where known (`None`: as memory allows)."""
 
     def on_out_of_memory(self, rows: int, padded_tokens: int | None) -> None:
-        """A micro-batch of `rows` rows and `padded_tokens` ran out of memory; the step runs again. Raises
-        [`MicroBatchTooLargeError`] if it was one row."""
+        """A micro-batch ran out of memory; the step runs again ([`MicroBatchTooLargeError`] if it was one row)."""
 
     def retry_message(self, rows: int, padded_tokens: int | None) -> str: ...
 
@@ -117,12 +110,8 @@ class CutController(Protocol):
 
 class MicroBatchSearch:
     """What the row and the token controller share: the peaks measured, the micro-batches that ran out of memory, and
-    a size (rows, or a token budget) that failed, tried again later.
-
-    After an out-of-memory error or allocator thrash the size shrinks; `REGROW_AFTER_STEPS` steps later it is tried
-    again where the peaks since predict it fits, until it has failed `MAX_FAILURES` times. A size no step had run to
-    its end (stated too large from the start) is not tried again. A subclass holds the size and says how it shrinks
-    for thrash (`_thrashed`) and grows back (`_grow_back`)."""
+    a size that failed, shrunk and tried again `REGROW_AFTER_STEPS` later where the peaks predict it fits (at most
+    `MAX_FAILURES` times; never one no step had run). Subclasses say how to shrink (`_thrashed`) and grow back."""
 
     kind: str  # the checkpoint's name of the cut
     largest_key: str  # the checkpoint's name of `largest_run`
@@ -161,8 +150,7 @@ class MicroBatchSearch:
             )
 
     def _failed(self, size: int, had_run: bool) -> None:
-        """A micro-batch under `size` failed: try `size` again later where it had run and failed too few times (a
-        later failure in the same step keeps the size it first failed at)."""
+        """A micro-batch under `size` failed: try `size` again later where it had run (first failure of a step)."""
         if self.failed_this_step:
             return
         self.failed_this_step = True
@@ -171,8 +159,7 @@ class MicroBatchSearch:
         self.steps_since_shrink = 0
 
     def _after_step(self, memory: StepMemory, largest: int, tokens_per_unit: float) -> str | None:
-        """The memory side of a step that ran to its end (`largest` in the unit's size): a step down for allocator
-        thrash, or the size that failed tried again; returns the line to log."""
+        """The memory side of a finished step: a step down for thrash, or a failed size tried again; the log line."""
         self._measured(memory.tokens, memory.peak_bytes if memory.tokens > 0 else None)
         self.largest_run = max(self.largest_run, largest)
         self.failed_this_step = False
@@ -230,14 +217,9 @@ def out_of_memory_text(fatal: bool, retry: str) -> str:
 
 
 def tried_again_text(what: str, times: int) -> str:
-    """The line logged where a size that failed is tried again for the `times`-th time."""
-    left = MAX_FAILURES - 1 - times
+    n = MAX_FAILURES - 1 - times
+    rest = f"it may fail {n} more time(s) before it stays below" if n else "if it fails again, it stays below"
     return (
         f"Trying {what} again: its out-of-memory error (or allocator thrash) may have been one long step or a "
-        "fragmented moment; "
-        + (
-            f"it may fail {left} more time(s) before it stays below."
-            if left
-            else "if it fails again, it stays below."
-        )
+        f"fragmented moment; {rest}."
     )

@@ -1,12 +1,6 @@
-"""The gradient noise scale of McCandlish et al. (2018), B_simple = tr(Sigma) / |G|^2 in samples, measured from the
-micro-batches each step is cut into.
-
-From S_small = sum_j |d_j|^2 / a_j (d_j: micro-batch j's contribution to the step gradient, a_j its share of the step)
-and S_big = |G_step|^2 come unbiased estimates of |G|^2 and tr(Sigma) for micro-batches of any sizes
-([`MicroBatchSums`]; as sums, so ranks combine them in one all-reduce). [`NoiseScale`] averages numerator and
-denominator separately (an average of ratios would be biased). See docs/how-it-works.md, "Gradient noise scale". Pure
-Python.
-"""
+"""The gradient noise scale of McCandlish et al. (2018), B_simple = tr(Sigma) / |G|^2 in samples, from the step's
+micro-batches: unbiased per-step estimates ([`MicroBatchSums`], sums that ranks all-reduce), numerator and denominator
+averaged apart ([`NoiseScale`]). See docs/how-it-works.md, "Gradient noise scale". Pure Python."""
 
 from __future__ import annotations
 
@@ -21,8 +15,7 @@ PRECONDITIONERS = ("none", "adam")
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """One step's unbiased estimates: |G|^2 (`grad_norm_sq`), the squared norm of the true gradient, and tr(Sigma)
-    (`grad_variance`), the summed variance of one sample's gradient (or one unit's, where no samples were given)."""
+    """One step's unbiased estimates of |G|^2 (`grad_norm_sq`) and tr(Sigma) (`grad_variance`, per sample or unit)."""
 
     grad_norm_sq: float
     grad_variance: float
@@ -47,8 +40,6 @@ class MicroBatchSums:
     count: float = 0.0
 
     def add(self, units: float, share: float, norm_sq: float) -> None:
-        """Count a micro-batch of `units` units weighing `share` in the step gradient, its contribution of squared
-        norm `norm_sq`."""
         self.small += norm_sq / share
         self.share_per_unit += share / units
         self.share_sq_per_unit += share * share / units
@@ -58,14 +49,11 @@ class MicroBatchSums:
 
     @property
     def complete(self) -> bool:
-        """The shares of the micro-batches counted add up to the whole step."""
         return abs(self.shares - 1.0) <= SHARE_TOLERANCE
 
     def estimate(self, step_norm_sq: float, samples: float | None = None) -> StepEstimate | None:
-        """|G|^2 = (A S_big - B S_small) / (A - B) and tr(Sigma) = (S_small - S_big) / (A - B), S_big =
-        `step_norm_sq`; `None` with fewer than 2 micro-batches. tr(Sigma) is per unit, or per sample with the step's
-        `samples` (x samples / units: exact where samples hold equally many units), so that tr(Sigma) / |G|^2 counts
-        samples."""
+        """|G|^2 = (A S_big - B S_small) / (A - B), tr(Sigma) = (S_small - S_big) / (A - B) (per unit, or x `samples`
+        / units per sample); `None` with fewer than 2 micro-batches."""
         if self.count < 2:
             return None
         spread = self.share_per_unit - self.share_sq_per_unit  # A - B > 0: sum_j a_j (1 - a_j) / n_j
@@ -86,10 +74,7 @@ class MicroBatchSums:
 def step_estimate(
     micro_batches: Iterable[tuple[float, float]], step_norm_sq: float, total_units: float
 ) -> StepEstimate | None:
-    """One step's estimates (per unit) from its micro-batches `(n_j, |d_j|^2)`, for a loss averaged over the step's
-    `total_units` (a_j = n_j / N): |G|^2 = (M S_big - S_small) / (M - 1), tr(Sigma) = N (S_small - S_big) / (M - 1).
-
-    Example: `step_estimate([(2, 1.0), (2, 1.0)], 2.0, 4)` gives |G|^2 = 0 and tr(Sigma) = 8."""
+    """One step's estimates (per unit) from its micro-batches `(n_j, |d_j|^2)`, the loss averaged over `total_units`."""
     sums = MicroBatchSums()
     for units, norm_sq in micro_batches:
         sums.add(units, units / total_units, norm_sq)
@@ -98,9 +83,8 @@ def step_estimate(
 
 @dataclass
 class _Moments:
-    """Exponentially weighted sums over the steps of the weights, their squares, both estimates and their squares.
-    Step t weighs (1 - r_t) x the product of the later steps' r, r_t = exp(-samples_t / tau): `weight` = 1 - prod r_t
-    is the bias correction."""
+    """Exponentially weighted sums of the weights, both estimates and their squares; `weight` = 1 - prod r_t is the
+    bias correction."""
 
     weight: float = 0.0
     weight_sq: float = 0.0
@@ -120,14 +104,9 @@ class _Moments:
 
 
 class NoiseScale:
-    """Smoothed |G|^2 and tr(Sigma), and their ratio, the noise scale in samples, over a run's steps.
-
-    The averages forget with exp(-samples / `time_constant_samples`) and are bias-corrected, so the first step counts
-    fully. A step whose estimates are not finite (an fp16 overflow) is skipped (`update` returns `False`). Given the
-    run's samples so far (`samples_seen`), the past is forgotten by the samples since the last step averaged, so that
-    tau spans the same stretch of training however often the noise is measured.
-
-    Example: `NoiseScale(4096)` updated with `StepEstimate(2.0, 40.0)` for 32 samples has `value` 20.0 samples."""
+    """Smoothed |G|^2, tr(Sigma) and their ratio, the noise scale in samples: bias-corrected averages that forget with
+    exp(-samples / `time_constant_samples`), counted in the run's samples since the last step averaged where given;
+    steps whose estimates are not finite are skipped."""
 
     def __init__(self, time_constant_samples: float):
         if not (isinstance(time_constant_samples, (int, float)) and 0 < time_constant_samples < math.inf):
@@ -143,7 +122,6 @@ class NoiseScale:
         self.last_averaged = False  # whether the last step given to `update` was averaged in (not skipped)
 
     def update(self, estimate: StepEstimate, samples: float, samples_seen: float | None = None) -> bool:
-        """Average in one step of `samples` samples; `False`, and nothing changed, if its estimates are not finite."""
         self.last_averaged = estimate.finite
         if not estimate.finite:
             self.skipped += 1
@@ -163,13 +141,11 @@ class NoiseScale:
 
     @property
     def grad_variance(self) -> float | None:
-        """The averaged tr(Sigma), per sample (the averaged |G|^2: `grad_norm_sq`); `None` before the first step."""
         return self.moments.grad_variance / self.moments.weight if self.steps else None
 
     @property
     def value(self) -> float | None:
-        """tr(Sigma) / |G|^2 of the averages (a negative tr(Sigma) counts as 0; |G|^2 <= 0, a gradient not yet told
-        apart from its noise, gives `inf`); `None` before the first step."""
+        """tr(Sigma) / |G|^2 of the averages (a negative tr(Sigma) counts as 0; |G|^2 <= 0 gives `inf`)."""
         if not self.steps:
             return None
         return _ratio(max(self.grad_variance, 0.0), self.grad_norm_sq)
@@ -180,8 +156,7 @@ class NoiseScale:
         return self.moments.weight**2 / self.moments.weight_sq if self.steps else 0.0
 
     def standard_errors(self) -> tuple[float, float] | None:
-        """(standard error of the averaged tr(Sigma), of the averaged |G|^2), sqrt(s^2 / (n_eff - 1)) with s^2 the
-        weighted spread of the steps' estimates; `None` before two steps."""
+        """(standard error of the averaged tr(Sigma), of the averaged |G|^2); `None` before two steps."""
         moments, n_eff = self.moments, self.effective_steps
         if self.steps < 2 or n_eff <= 1.0:
             return None
@@ -197,9 +172,8 @@ class NoiseScale:
         )
 
     def lower_bound(self, z: float = 1.645) -> float | None:
-        """A lower confidence bound of the noise scale: (tr(Sigma) - z se) / (|G|^2 + z se), at least 0; for a
-        one-sided z (1.645: 95% each) it holds at about that level or better while the estimates are steady. 0 before
-        two steps, `inf` where |G|^2 + z se <= 0 under a positive numerator, `None` before the first step."""
+        """A lower confidence bound of the noise scale, (tr(Sigma) - z se) / (|G|^2 + z se), at least 0 (0 before two
+        steps)."""
         if not self.steps:
             return None
         errors = self.standard_errors()
@@ -222,14 +196,13 @@ class NoiseScale:
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
         self.skipped = int(state["skipped"])
-        seen = state["samples_seen"]  # None before the first step measured
+        seen = state["samples_seen"]
         self.samples_seen = None if seen is None else float(seen)
         self.moments = _Moments(**{k: float(v) for k, v in state["moments"].items()})
 
 
 def _ratio(numerator: float, denominator: float) -> float:
-    """numerator / denominator for numerator >= 0; `inf` (or 0 for a zero numerator) where the denominator is not
-    positive."""
+    """numerator / denominator; `inf` (0 for a zero numerator) where the denominator is not positive."""
     if denominator <= 0.0:
         return math.inf if numerator > 0.0 else 0.0
     return numerator / denominator
