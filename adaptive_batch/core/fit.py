@@ -1,7 +1,5 @@
-"""The lines the package fits, on `statistics`: peak memory and step time against the size of a micro-batch, both
-close to affine (a fixed part plus a part per sample or token). The time of single micro-batches is now and then
-several times slower (a compile, a busy host), never faster: [`robust_affine`] fits those. Pure Python.
-"""
+"""The lines the package fits, on `statistics`: peak memory and step time against a micro-batch's size, both close
+to affine; [`robust_affine`] for times, which a compile or a busy host slows now and then. Pure Python."""
 
 from __future__ import annotations
 
@@ -11,10 +9,7 @@ from statistics import linear_regression, median
 
 
 def affine(points: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
-    """The least-squares line through `points`, as `(intercept, slope)`; `None` with fewer than two distinct `x`.
-
-    Example: `affine([(1, 3), (2, 5), (4, 9)])` is `(1.0, 2.0)`: y = 1 + 2x.
-    """
+    """The least-squares line through `points`, as `(intercept, slope)`; `None` with fewer than two distinct `x`."""
     points = list(points)
     if len({x for x, _ in points}) < 2:
         return None
@@ -23,12 +18,8 @@ def affine(points: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
 
 
 def robust_affine(points: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
-    """The Theil-Sen line through `points`, as `(intercept, slope)`: the median of the slopes between every two
-    points of distinct `x`, and the median of `y - slope x`. Fewer than about 29% of the points far off move it
-    little, where one in four can tip a least-squares line to a falling one. `None` with fewer than two distinct `x`.
-
-    Example: `robust_affine([(1, 3), (2, 5), (3, 40), (4, 9), (5, 11)])` is `(1.0, 2.0)`: the point at 3 is ignored.
-    """
+    """The Theil-Sen line through `points`, as `(intercept, slope)`: the median pairwise slope and the median of
+    `y - slope x`, which up to about 29% of outliers move little; `None` with fewer than two distinct `x`."""
     points = list(points)
     slopes = [
         (y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :] if x2 != x1
@@ -42,13 +33,8 @@ def robust_affine(points: Iterable[tuple[float, float]]) -> tuple[float, float] 
 def plane(
     points: list[tuple[int, int, float]], through_origin: bool = False
 ) -> tuple[float, float, float] | None:
-    """The least-squares `z = c + a x + b y` through `points` `(x, y, z)`, as `(c, a, b)` (`c` = 0 `through_origin`);
-    `None` where the points' `(x, y)` lie on one line (through the origin, `through_origin`), which leaves it
-    undetermined (checked exactly: `x` and `y` are whole numbers).
-
-    By Frisch-Waugh-Lovell: `b` is the slope of what the line on `x` leaves of `z` against what it leaves of `y`;
-    `c` and `a` are the line of `z - b y` on `x`.
-    """
+    """The least-squares `z = c + a x + b y` through `(x, y, z)` points, as `(c, a, b)`, by Frisch-Waugh-Lovell;
+    `None` where the `(x, y)` lie on one line (through the origin, `through_origin`, where `c` = 0)."""
     x0, y0 = (0, 0) if through_origin or not points else points[0][:2]
     vectors = [(x - x0, y - y0) for x, y, _ in points]
     if not any(u[0] * v[1] != u[1] * v[0] for u in vectors for v in vectors):
@@ -65,13 +51,9 @@ def plane(
 
 
 def predict_peak(points: list[tuple[float, float]], tokens: float, cautious: bool = False) -> float:
-    """Peak bytes at `tokens` per micro-batch, from the least-squares line of peak bytes against tokens.
-
-    With fewer than two distinct token counts: 0 (assume it fits: an out-of-memory error costs only a retry), or
-    with `cautious` (where it cannot be retried) an upper bound: a peak affine in tokens with a non-negative
-    intercept (weights, optimizer state) grows at most in proportion, so the largest measured peak scaled by
-    `tokens` over its tokens; with no point at all, infinity (nothing known, nothing fits).
-    """
+    """Peak bytes at `tokens` per micro-batch, from the line of peak bytes against tokens. With fewer than two
+    distinct token counts: 0 (a retry is cheap), or `cautious`, the largest measured peak scaled up in proportion
+    (a peak affine with a non-negative intercept grows no faster), infinity with no point."""
     line = affine(points)
     if line is not None:
         intercept, slope = line

@@ -1,13 +1,6 @@
-"""Learning-rate rules: how the learning rate follows the effective batch, on the sample clock.
-
-The LR at step `k` is `base_lr x base_schedule(virtual_step(k)) x rule(samples_in_step(k) / B0)`: the user's
-scheduler, built for `nominal_steps` steps of the starting batch B0, read where the samples consumed put the step
-(exactly `k` at a constant batch), times the rule for the samples the step holds. Rules: `"none"`, `"sqrt"` (Adam
-family, Malladi et al. 2022), `"linear"` (SGD, Goyal et al. 2017), a callable, and with `NoiseScaleSchedule` `"gain"`
-/ `"sqrt_gain"`: AdaScale's gain r = (B / B0) (B_noise + B0) / (B_noise + B) (Johnson et al. 2020), or its square
-root, on the noise scale the change was decided on. See docs/how-it-works.md, "A learning rate that follows the gain"
-and "Data, cuts and measurements" (4. Learning rate). Pure Python.
-"""
+"""Learning-rate rules on the sample clock: the LR at step `k` is `base_lr x base_schedule(virtual_step(k)) x
+rule(samples_in_step(k) / B0)`. Rules: "none", "sqrt" (Malladi et al. 2022), "linear" (Goyal et al. 2017), a callable,
+and AdaScale's "gain" / "sqrt_gain". See docs/how-it-works.md, "A learning rate that follows the gain". Pure Python."""
 
 from __future__ import annotations
 
@@ -23,8 +16,7 @@ RULE_NAMES = ("none", "sqrt", "linear", *GAIN_POWERS)
 
 
 def resolve_rule(rule: str | LRRule) -> LRRule:
-    """The callable behind a rule name, or the callable given (a gain rule's is its value at an infinite noise scale;
-    [`SampleClock`] applies the gain)."""
+    """The callable behind a rule name (a gain rule's at an infinite noise scale), or the callable given."""
     if callable(rule):
         return rule
     if rule == "none":
@@ -45,9 +37,7 @@ def gain_power(rule: str | LRRule) -> float | None:
 
 
 def gain(effective_batch_size: int, starting_effective_batch_size: int, noise_scale: float) -> float:
-    """AdaScale's gain r = (B / B0)(B_noise + B0) / (B_noise + B); B / B0 at an infinite (or unknown) noise scale.
-
-    Example: `gain(64, 16, 48)` = 4 x 64 / 112 = 2.29: four times the samples buy 2.29 times the step."""
+    """AdaScale's gain r = (B / B0)(B_noise + B0) / (B_noise + B); B / B0 at an infinite (or unknown) noise scale."""
     ratio = effective_batch_size / starting_effective_batch_size
     if math.isinf(noise_scale) or effective_batch_size <= starting_effective_batch_size:
         return ratio
@@ -69,10 +59,8 @@ def lr_scale(rule: LRRule, effective_batch_size: int, starting_effective_batch_s
 
 @dataclass
 class SampleClock:
-    """Maps optimizer steps of a [`StepPlan`] to positions on the base LR schedule and to LR multipliers (relative to
-    `starting_effective_batch_size`, B0). `nominal_steps`: the budget in steps of B0, as the plain Trainer counts
-    them; `steps_per_epoch`: the plain Trainer's steps in an epoch at B0 (`None` for a stream); gain rules also read
-    `noise_scale_at(step)`."""
+    """Maps optimizer steps of a [`StepPlan`] to positions on the base LR schedule (built for `nominal_steps` of the
+    starting batch B0) and to LR multipliers; `steps_per_epoch` is the plain Trainer's at B0 (`None` for a stream)."""
 
     plan: StepPlan
     rule: LRRule
@@ -83,10 +71,8 @@ class SampleClock:
     noise_scale_at: Callable[[int], float] | None = None
 
     def virtual_step(self, step: int) -> float:
-        """Position of `step` on the base schedule: each epoch's steps of B0 (its short last one counted as one, as
-        the plain Trainer counts it), then the samples into the epoch over B0; exactly `step` at a constant batch.
-
-        Example: 60 samples an epoch at B0 = 8 are 8 steps; the step 16 samples into the second epoch sits at 10."""
+        """Position of `step` on the base schedule: the plain Trainer's steps of B0 per epoch, then the samples into
+        the epoch over B0; exactly `step` at a constant batch."""
         if step >= self.plan.num_steps:
             return float(self.nominal_steps)
         position, starting = self.plan.starts[step], self.starting_effective_batch_size
@@ -107,10 +93,9 @@ class SampleClock:
         return self.multiplier(samples)
 
     def multiplier(self, samples: int) -> float:
-        """The LR multiplier of a step holding `samples`."""
         return lr_scale(self.rule, samples, self.starting_effective_batch_size)
 
     def check(self) -> None:
-        """Evaluate the rule at every step size of the plan, so that a bad rule fails before any compute."""
+        """Evaluate the rule at every step size of the plan, so a bad rule fails before any compute."""
         for samples in sorted(set(self.plan.sizes[self.plan.done_steps :])):
             self.multiplier(samples)

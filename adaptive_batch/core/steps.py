@@ -1,10 +1,6 @@
-"""The step plan: how many samples each optimizer step takes, and from where in the sample stream (the dataset's
-epochs end to end, one seeded permutation each; a position counts data positions from the start of training). As in
-the plain Trainer, a step never straddles two epochs (an epoch's last step holds the remainder, or is dropped with
-`drop_last`), and a remainder smaller than the world size joins the step before it. A plan may start after steps a
-plain Trainer's checkpoint trained ([`DoneSteps`]). See docs/how-it-works.md, "Data, cuts and measurements" (1. Plan).
-Pure Python.
-"""
+"""The step plan: how many samples each optimizer step takes, and from where in the sample stream (the epochs end to
+end). A step never straddles two epochs, and a remainder smaller than the world size joins the step before it. See
+docs/how-it-works.md, "Data, cuts and measurements" (1. Plan). Pure Python."""
 
 from __future__ import annotations
 
@@ -45,8 +41,7 @@ class Budget:
 
 
 class DoneSteps(NamedTuple):
-    """Steps trained before the plan takes over: where each started, its samples, where the last left the stream, and
-    the effective batch they ran at."""
+    """Steps a plain Trainer's checkpoint trained before the plan takes over."""
 
     starts: list[int]
     sizes: list[int]
@@ -100,8 +95,7 @@ class StepPlan:
         return self.end_position(step) % self.dataset_size == 0
 
     def epoch_after(self, step: int) -> float:
-        """Data epochs completed after `step` as `TrainerState.epoch` reads them (1.0, 2.0, ... at epoch ends), added
-        as the plain Trainer adds them so that the same position gives the same float."""
+        """Data epochs completed after `step`, computed as the plain Trainer's `TrainerState.epoch` (the same float)."""
         epochs, offset = divmod(self.end_position(step), self.dataset_size)
         return epochs + offset / self.dataset_size
 
@@ -117,8 +111,7 @@ class StepPlan:
         return digest.hexdigest()[:16]
 
     def phases(self) -> list[tuple[int, int, int]]:
-        """Runs of steps of one scheduled effective batch, `(first_step, last_step, effective)`, from the first step
-        the plan runs."""
+        """Runs of steps of one scheduled effective batch, `(first_step, last_step, effective)`."""
         runs: list[tuple[int, int, int]] = []
         for step in range(self.done_steps, self.num_steps):
             effective = self.scheduled[step]
@@ -129,8 +122,7 @@ class StepPlan:
         return runs
 
     def uneven_steps(self) -> list[tuple[int, int, int]]:
-        """Steps that hold other than their scheduled batch, `(step, samples, scheduled)`: an epoch's short last step,
-        or one that took in a remainder too small for every rank."""
+        """Steps that hold other than their scheduled batch, `(step, samples, scheduled)`."""
         return [
             (step, self.sizes[step], self.scheduled[step])
             for step in range(self.done_steps, self.num_steps)
@@ -147,12 +139,8 @@ def build_plan(
     done: DoneSteps | None = None,
     unit: str = "samples",
 ) -> StepPlan:
-    """Walk the sample stream from position 0 (or where `done` steps ended) to the budget, cutting it into optimizer
-    steps; `unit` names a dataset row in messages (e.g. "packed rows").
-
-    Raises:
-        ValueError: before any compute, for an effective batch that is not a positive integer, not divisible by
-            `world_size` or larger than the dataset, or a dataset smaller than the world."""
+    """Cut the sample stream, from 0 (or where `done` steps ended) to the budget, into optimizer steps; a bad
+    effective batch or dataset is refused here (`unit` names a dataset row in messages)."""
     budget_samples = budget.samples if isinstance(budget, Budget) else int(budget)
     if dataset_size < 1:
         raise ValueError(f"The training dataset has {dataset_size} {unit}; it needs at least one.")
