@@ -1,9 +1,6 @@
-"""What AdaptiveBatch keeps in a checkpoint (plain JSON in `TrainerState.stateful_callbacks`: `schema`, `plan`,
-`settings`, `micro_batch`, counters, the noise scale's averages, a growing schedule's changes), and the rules for
-resuming from one: the same [`PlanIdentity`] or refused, micro-batch settings stated now win, a plain Trainer's
-checkpoint adopted ([`Adoption`]). See docs/how-it-works.md, "Data, cuts and measurements" (5. Epochs, evaluation,
-checkpoints). Pure Python.
-"""
+"""What AdaptiveBatch keeps in a checkpoint (plain JSON in `TrainerState.stateful_callbacks`) and the rules for
+resuming: the same [`PlanIdentity`] or refused, micro-batch settings stated now win, a plain Trainer's checkpoint
+adopted ([`Adoption`]). See docs/how-it-works.md, "Data, cuts and measurements" (5.). Pure Python."""
 
 from __future__ import annotations
 
@@ -24,10 +21,8 @@ def check_schema(state: dict, path: str) -> None:
 
 @dataclass(frozen=True)
 class PlanIdentity:
-    """What decides which sample goes into which step, and at which learning rate: the same on resume, or the steps
-    left change. `schedule` as the plan table describes it (a `NoiseScaleSchedule` by its settings: its changes are
-    restored); `lr_scaling` the rule's name or description; `fingerprint` the cut of the stream into steps, named only
-    for a change no other field explains."""
+    """What decides which sample goes into which step, and at which learning rate: the same on resume, or refused.
+    `fingerprint`, the cut of the stream into steps, is named only for a change no other field explains."""
 
     dataset_size: int
     budget_samples: int
@@ -40,7 +35,7 @@ class PlanIdentity:
     fingerprint: str
 
     def differences(self, stored: dict) -> list[str]:
-        """What differs from a stored identity, one phrase per field ("seed: 0 in the checkpoint, 1 now")."""
+        """What differs from a stored identity, one phrase per field."""
         now = asdict(self)
         changed = [
             f"{_LABELS[name]}: {stored[name]!r} in the checkpoint, {now[name]!r} now"
@@ -87,9 +82,8 @@ def describe_settings(settings: dict) -> str:
 
 
 def learned_state_applies(stored: dict, now: dict) -> tuple[bool, str]:
-    """Whether what a checkpoint's run learned about micro-batches applies under the settings stated now, and the line
-    that says which: it does under the same settings, or where both leave the size to `"auto"` in the same mode (a new
-    `max_micro_batch_size` then caps it)."""
+    """Whether what a checkpoint's run learned about micro-batches applies under the settings now (the same, or both
+    `"auto"` alike but for `max_micro_batch_size`), and the line that says which."""
     if stored == now:
         return (
             True,
@@ -129,8 +123,7 @@ class Adoption:
 
 @dataclass(frozen=True)
 class StoredCheckpoint:
-    """A checkpoint's global step, AdaptiveBatch's state (`None`: the plain Trainer wrote it) and the per-device batch
-    the Trainer recorded."""
+    """A checkpoint's global step, AdaptiveBatch's state (`None`: a plain Trainer's) and its per-device batch."""
 
     path: str
     global_step: int

@@ -1,6 +1,5 @@
-"""What the user can ask of AdaptiveBatch, checked when it is constructed: every setting, its default and its help,
-in one place. `AdaptiveBatch`'s signature and docstring, `adaptive-batch --help` and the checkpoint's record of the
-micro-batch settings are all read from here. Pure Python."""
+"""What the user can ask of AdaptiveBatch: every setting, its default and its help, checked when constructed, and
+read by `AdaptiveBatch`'s signature and docstring, the command line and checkpoints. Pure Python."""
 
 from __future__ import annotations
 
@@ -20,10 +19,8 @@ from .schedule import Schedule, as_schedule, describe
 
 
 def setting(default, help: str, micro_batch: bool = False, meaning: str | None = None):
-    """A field of [`AdaptiveBatchConfig`]: its default and help text; `micro_batch`: it decides how steps are cut,
-    so a checkpoint records it (what a run learned under other such settings is not reused); `meaning`: what the
-    setting is, without the Python values it takes, for a command-line option that spells its values otherwise
-    (its help is this meaning, then the option's own syntax)."""
+    """A field of [`AdaptiveBatchConfig`]; `micro_batch`: it decides how steps are cut (a checkpoint records it);
+    `meaning`: the help without the Python values, for a command-line option that spells its values otherwise."""
     return field(default=default, metadata={"help": help, "micro_batch": micro_batch, "meaning": meaning})
 
 
@@ -170,11 +167,7 @@ class AdaptiveBatchConfig:
                 f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch!r} must be a positive int (padded "
                 "tokens per micro-batch) or None, e.g. 16384: adaptive-batch probe's recommended size x seq_len."
             )
-        if self.micro_batch_overhead is not None and not (
-            isinstance(self.micro_batch_overhead, numbers.Integral)
-            and not isinstance(self.micro_batch_overhead, bool)
-            and self.micro_batch_overhead >= 0
-        ):
+        if self.micro_batch_overhead is not None and not _positive_int(self.micro_batch_overhead, least=0):
             raise ValueError(
                 f"micro_batch_overhead={self.micro_batch_overhead!r} must be an int >= 0 (padded tokens' worth of "
                 "time per micro-batch) or None to measure it, e.g. 1024."
@@ -240,7 +233,6 @@ class AdaptiveBatchConfig:
 
 
 def help_text(name: str) -> str:
-    """The help of one setting."""
     return next(f.metadata["help"] for f in fields(AdaptiveBatchConfig) if f.name == name)
 
 
@@ -272,5 +264,5 @@ def settings_signature(self_parameter: bool = True) -> inspect.Signature:
     return inspect.Signature(parameters)
 
 
-def _positive_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+def _positive_int(value, least: int = 1) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least

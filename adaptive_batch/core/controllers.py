@@ -1,9 +1,6 @@
-"""Which controller cuts a run's steps, and in which unit: the one place that chooses. A stated
-`max_tokens_per_micro_batch`, or `"auto"` on padded rows known to vary in length: by padded tokens
-([`tokens.TokenController`]); otherwise by rows ([`rows.RowController`]), packed rows counted as the dataset's rows.
-Also the layout of a padding collator's steps ([`choose_layout`]). See docs/how-it-works.md, "Variable-length data"
-and "Padding-free and packed data". Pure Python.
-"""
+"""Which controller cuts a run's steps: by padded tokens ([`tokens.TokenController`]) where the budget is stated or
+`"auto"` meets padded rows of varying length, else by rows ([`rows.RowController`]); and the layout of a padding
+collator's steps ([`choose_layout`]). See docs/how-it-works.md, "Variable-length data". Pure Python."""
 
 from __future__ import annotations
 
@@ -17,8 +14,7 @@ from .tokens import TokenController
 
 
 class RunFacts(Protocol):
-    """What the choice reads of the run, each computed on first use (reading the probe's cache or a dataset's lengths
-    costs time)."""
+    """What the choice reads of the run, each computed on first use (some cost time)."""
 
     lengths_vary: bool | None  # the dataset's rows differ in length; None: not known before training
     padding_free: bool  # the collator flattens each batch, or the layout flattens them
@@ -58,8 +54,7 @@ def controller_for(config: AdaptiveBatchConfig, facts: RunFacts, row_limit: int)
 
 
 def waits_for_lengths(config: AdaptiveBatchConfig, facts: RunFacts) -> bool:
-    """Whether the choice waits for the first step's lengths: `"auto"`, padded, over a dataset that cannot tell its
-    rows' lengths before training (a torch `Dataset`, a transform, a stream); until then steps are cut by rows."""
+    """Whether the choice waits for the first step's lengths (`"auto"`, padded, lengths unknown before training)."""
     return (
         config.auto
         and config.max_tokens_per_micro_batch is None
@@ -69,16 +64,14 @@ def waits_for_lengths(config: AdaptiveBatchConfig, facts: RunFacts) -> bool:
 
 
 def stated_max_rows(config: AdaptiveBatchConfig) -> int | None:
-    """The most rows a micro-batch cut by tokens may hold as stated: `max_micro_batch_size`, an `int`
-    `micro_batch_size`."""
+    """The most rows a micro-batch cut by tokens may hold as stated (`max_micro_batch_size`, an `int` size)."""
     caps = [config.max_micro_batch_size, None if config.auto else config.micro_batch_size]
     caps = [cap for cap in caps if cap is not None]
     return min(caps) if caps else None
 
 
-# attention implementations (transformers' names, or a kernel's named after them) that read a flattened step's
-# sequences from `position_ids` with work in proportion to each sequence's tokens: flex attention's block mask, flash
-# attention's variable-length kernels. Eager and sdpa build a dense mask over all the step's tokens instead.
+# attention implementations that read a flattened step's sequences at work in proportion to their tokens (eager and
+# sdpa build a dense mask over all the step's tokens instead)
 PACKED_ATTENTION = ("flex", "flash")
 
 
@@ -93,8 +86,7 @@ class Layout:
 def choose_layout(
     padding_free: bool | None, collator_packs: bool, attention: str | None, lengths_vary: bool | None
 ) -> Layout:
-    """The layout for a run from the setting `padding_free` (`None`: chosen), whether the collator flattens batches
-    itself, the model's attention implementation (`None`: unknown) and whether rows vary in length."""
+    """The layout for a run from `padding_free` (`None`: chosen), the collator, the attention and the lengths."""
     if collator_packs:
         return Layout(False, "padding-free: the collator flattens each batch into one row of sequences")
     if padding_free is not None:
