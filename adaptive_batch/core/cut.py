@@ -1,8 +1,6 @@
-"""Where to cut one step's rows, longest first, into micro-batches by tokens: runs of consecutive rows (a micro-batch
-of similar lengths, padded to its longest; swapping rows between runs never lowers a cost, so some best cut is made of
-runs), under a token budget (a longer row alone) and `row_cap` rows. A micro-batch's tokens are rows x its longest
-row, or with `packed` the sum of its lengths. See docs/how-it-works.md, "Variable-length data". Pure Python.
-"""
+"""Where to cut one step's rows, longest first, into micro-batches by tokens: runs of consecutive rows (some best cut
+is made of runs) under a token budget and `row_cap` rows; tokens are rows x the longest row, or with `packed` the sum.
+See docs/how-it-works.md, "Variable-length data". Pure Python."""
 
 from __future__ import annotations
 
@@ -23,11 +21,8 @@ def fewest_chunks(lengths: list[int], budget: int, row_cap: int | None, packed: 
 
 
 def cheapest_chunks(lengths: list[int], budget: int, row_cap: int | None, overhead: int) -> list[int]:
-    """The chunks that minimise `overhead` x chunks + padded tokens (`overhead`: a micro-batch's fixed cost in tokens'
-    worth), by dynamic programming; among equal costs, the fewest chunks, then the lowest peak.
-
-    Example: lengths 100, 100, 10, 10 with a budget of 400 and an overhead of 50 give 2, 2 (320), not 4 (450); with an
-    overhead of 200, 4 (600 against 620)."""
+    """The chunks that minimise `overhead` x chunks + padded tokens, by dynamic programming; among equal costs, the
+    fewest chunks, then the lowest peak."""
     count = len(lengths)
     # best[end]: (cost, chunks, peak) of the best cut of the first `end` rows; last[end]: where its last chunk starts
     best: list[tuple[int, int, int] | None] = [(0, 0, 0)] + [None] * count

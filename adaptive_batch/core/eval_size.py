@@ -1,9 +1,6 @@
-"""The eval batch under `adapt_evaluation="grow"`: from `per_device_eval_batch_size`, doubled from one evaluation to
-the next while rows per second rise by `growth_margin` and the doubled batch's predicted peak, `base + (peak - base) x
-next / size`, stays under `(1 - headroom) x limit`; then kept. An out-of-memory error keeps the largest piece that ran
-([`runtime.evaluation`]). Decisions read only what they are told, so ranks told the same choose alike. See
-docs/how-it-works.md, "Evaluation". Pure Python.
-"""
+"""The eval batch under `adapt_evaluation="grow"`: doubled from one evaluation to the next while rows/s rise by
+`growth_margin` and the predicted peak leaves `memory_headroom` free. See docs/how-it-works.md, "Evaluation". Pure
+Python."""
 
 from __future__ import annotations
 
@@ -12,9 +9,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class EvalMeasure:
-    """One evaluation over all ranks: `rows` per rank, `seconds` of the slowest, `peak_bytes` above `base_bytes`
-    (`None` without a measure of memory), `limit_bytes`, and `largest` the largest piece that ran (below `size` after
-    an out-of-memory error)."""
+    """One evaluation over all ranks: `rows` per rank, `seconds` of the slowest, and `largest` the largest piece that
+    ran (below `size` after an out-of-memory error)."""
 
     size: int
     rows: int
@@ -27,8 +23,7 @@ class EvalMeasure:
 
 @dataclass
 class EvalSizer:
-    """Chooses each evaluation's per-device eval batch from `start`; a doubling must gain `growth_margin` rows/s, and
-    a predicted peak leave `memory_headroom` of the device's memory free."""
+    """Chooses each evaluation's per-device eval batch, starting at `start`."""
 
     start: int
     growth_margin: float = 0.01
@@ -42,7 +37,6 @@ class EvalSizer:
         self.size = self.start
 
     def batch_size(self, rows_per_rank: int | None) -> int:
-        """The eval batch for `rows_per_rank` rows (`None`: unknown): never more than it holds."""
         if rows_per_rank is None or rows_per_rank <= 0:
             return self.size
         return max(1, min(self.size, rows_per_rank))

@@ -1,8 +1,5 @@
 """What the plain Trainer does with the user's batch settings: its optimizer steps and the samples each takes, for the
-plan table and to take over from (or hand back to) its checkpoints. Each epoch is cut into per-device batches (the
-last short, or dropped), dealt to the ranks, `gradient_accumulation_steps` to a step, the epoch's last step taking
-what is left; accelerate's padding repeats are not counted. Pure Python.
-"""
+plan table and to take over from (or hand back to) its checkpoints. Pure Python."""
 
 from __future__ import annotations
 
@@ -66,9 +63,7 @@ def plain_resume_mismatch(
     plain: PlainBatching, position: int, steps: int, lr_steps: int, plain_lr_steps: int
 ) -> str | None:
     """Why the plain Trainer, resuming a checkpoint AdaptiveBatch wrote after `steps` steps, would not go on from
-    where the run was (`None`: it would). It skips the samples its own `steps` steps take and builds its LR schedule
-    for `plain_lr_steps`: right only where the run's steps took as many (`position`) and its schedule is as long
-    (`lr_steps`)."""
+    where the run was (`None`: it would): the samples taken (`position`) or the LR schedule's length differ."""
     expected = plain.position_after(steps)
     if position != expected:
         return (

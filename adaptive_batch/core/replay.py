@@ -1,9 +1,6 @@
-"""Reproducible reruns: every run records each measurement a decision reads ([`Tape`]), keyed by optimizer step and
-stream (`"train"`, `"growth"`, `"eval"`), with the out-of-memory errors it survived; a run given that record
-(`AdaptiveBatch(replay=PATH)`) reads them in place of the clock and makes the same decisions. A record of another run
-is refused ([`differences`]); where a replay departs from its record all the same, it ends there with one warning. See
-docs/how-it-works.md, "Reproducible reruns". Pure Python.
-"""
+"""Reproducible reruns: every run records each measurement a decision reads ([`Tape`]), by stream and step, with its
+out-of-memory errors; `AdaptiveBatch(replay=PATH)` reads them in place of the clock. A record of another run is
+refused ([`differences`]). See docs/how-it-works.md, "Reproducible reruns". Pure Python."""
 
 from __future__ import annotations
 
@@ -24,9 +21,8 @@ def file_name(rank: int, world_size: int) -> str:
 
 
 class Tape:
-    """The measurements of one run, recorded, and read back from an earlier run's record while replaying: `run` the
-    run's description, `streams` what this run measured (`{stream: {step: [[tag, *values], ...]}}`), `source` the
-    replayed record's streams (`None`: measuring), `ended` why the replay ended early."""
+    """One run's measurements (`streams`: `{stream: {step: [[tag, *values], ...]}}`), and while replaying the
+    record's (`source`); `ended` says why a replay ended early."""
 
     def __init__(self, run: dict | None = None):
         self.run = run
@@ -41,7 +37,6 @@ class Tape:
         return self.source is not None and self.ended is None
 
     def replay(self, record: dict, path: str) -> None:
-        """Read measurements from `record` (checked against this run's description first)."""
         self.source, self.path, self.ended, self._read = record["streams"], path, None, {}
 
     def continue_from(self, record: dict | None) -> None:
@@ -82,8 +77,7 @@ class Tape:
         self._append(stream, step, [tag])
 
     def keyed(self, stream: str, step: int, live: list | None) -> list | None:
-        """A measurement some runs cannot take (the time of the step before a resumed run's first): while replaying
-        the record's at `step` (its first values must agree where both measured), else `live`. Recorded either way."""
+        """A measurement some runs cannot take (the step before a resumed run's first): the record's, else `live`."""
         values = live
         if self.replaying:
             entries = self.source.get(stream, {}).get(str(step), [])
@@ -165,13 +159,10 @@ def read_record(path: str, rank: int, world_size: int) -> tuple[dict, str]:
 
 
 def differences(recorded: dict | None, now: dict) -> list[str]:
-    """What differs between a record's run description and this run's, one phrase per value ("world_size: 1 in the
-    record, 2 now"); the plan's fingerprint only where nothing else explains its change."""
+    """What differs between a record's run description and this run's, one phrase per value."""
     recorded, now = _flat(recorded or {}), _flat(json.loads(json.dumps(now, default=repr)))
     changed = [name for name in sorted(set(recorded) | set(now)) if recorded.get(name) != now.get(name)]
-    if (
-        len(changed) > 1 and "plan.fingerprint" in changed
-    ):  # (the cut into steps: named where nothing else says why)
+    if len(changed) > 1 and "plan.fingerprint" in changed:  # named only where nothing else says why
         changed.remove("plan.fingerprint")
     return [
         f"{name}: {recorded.get(name, 'nothing')!r} in the record, {now.get(name, 'nothing')!r} now"

@@ -1,7 +1,5 @@
-"""Effective-batch schedules: any callable from a [`Progress`] to a positive integer, the samples per optimizer step
-(all devices). Provided: a constant (a plain `int` is accepted wherever a schedule is) and [`PhaseSchedule`]. Pure
-Python.
-"""
+"""Effective-batch schedules: any callable from a [`Progress`] to the samples per optimizer step (all devices); an
+`int` is a constant. Pure Python."""
 
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ UNITS = ("samples", "steps", "fraction")
 
 
 class Progress(NamedTuple):
-    """Where training stands just before an optimizer step: `step` optimizer steps taken (0 for the first),
-    `samples_seen` samples trained (all devices), `fraction` of the budget's data positions consumed, in `[0, 1)`."""
+    """Where training stands just before an optimizer step (`fraction`: of the budget's data positions, in [0, 1))."""
 
     step: int
     samples_seen: int
@@ -45,14 +42,10 @@ class ConstantSchedule:
 @dataclass(frozen=True)
 class PhaseSchedule:
     """Piecewise-constant effective batch: `sizes[i]` from `boundaries[i - 1]` (inclusive) to `boundaries[i]`, in
-    `unit`: `"fraction"` of the training budget (in `(0, 1)`), `"samples"` seen or `"steps"` taken.
-
-    Example: `PhaseSchedule([8, 16, 32], boundaries=[0.1, 0.3])`: 8 for the first 10% of the data, 16 up to 30%, then
-    32 (`boundaries=[2_000, 6_000], unit="samples"`: the same by samples seen)."""
+    `unit`: `"fraction"` of the training budget (in `(0, 1)`), `"samples"` seen or `"steps"` taken."""
 
     sizes: Sequence[int]
-    # a default, so that PhaseSchedule([8, 16]) is refused naming the boundaries it lacks
-    boundaries: Sequence[float] = ()
+    boundaries: Sequence[float] = ()  # a default, so that PhaseSchedule([8, 16]) is refused naming them
     unit: str = "fraction"
 
     def __post_init__(self):
@@ -141,16 +134,16 @@ def describe(schedule: Schedule) -> str:
 
 
 def _even_fractions(phases: int) -> list[float]:
-    """Boundaries that split the budget into `phases` equal shares: [0.5] for 2, [0.33, 0.67] for 3."""
     return [round(k / phases, 2) for k in range(1, phases)]
 
 
 def _as_list(values, name: str, example: str) -> tuple:
-    """`values` as a tuple, where it is a list of values (not one number, nor a string)."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        what = "where each phase after the first starts"
-        if name == "sizes":
-            what = "the effective batch of each phase"
+        what = (
+            "the effective batch of each phase"
+            if name == "sizes"
+            else "where each phase after the first starts"
+        )
         fix = f"{name}=[{values!r}] or " if isinstance(values, numbers.Real) else ""
         raise ValueError(
             f"PhaseSchedule {name}={values!r} is not a list; it takes {what}, e.g. {fix}{example}."
@@ -159,7 +152,6 @@ def _as_list(values, name: str, example: str) -> tuple:
 
 
 def finite_number(value) -> bool:
-    """A finite real number (not a bool)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 

@@ -1,9 +1,5 @@
-"""The classic traps of a run's settings, as warnings that name the fix: `max_steps` with `num_train_epochs` or with a
-changing batch, a schedule boundary never reached, a budget ending mid-epoch, a size above the dataset, an explicit
-schedule starting elsewhere than the batch settings, a size above what `adaptive-batch probe` found to fit.
-`adaptive-batch plan` prints them and the Trainer wiring logs them, from the same [`~core.planning.RunPlan`]. Pure
-Python.
-"""
+"""The classic traps of a run's settings, as warnings that name the fix, printed by `adaptive-batch plan` and logged
+by the Trainer alike (docs/how-it-works.md, "The commands"). Pure Python."""
 
 from __future__ import annotations
 
@@ -17,8 +13,7 @@ TRAINER_DEFAULT_EPOCHS = 3.0  # TrainingArguments.num_train_epochs
 
 
 def explicit_epochs(num_train_epochs: float | None) -> float | None:
-    """`num_train_epochs` where given on purpose, as far as one can tell: a saved TrainingArguments holds the default
-    3 either way, so 3 counts as not given."""
+    """`num_train_epochs` where given on purpose, as far as one can tell (the default 3 counts as not given)."""
     if num_train_epochs is None or num_train_epochs == TRAINER_DEFAULT_EPOCHS:
         return None
     return num_train_epochs
@@ -27,8 +22,7 @@ def explicit_epochs(num_train_epochs: float | None) -> float | None:
 def run_traps(
     run: RunPlan, schedule: Schedule, epochs_given: float | None = None, schedule_given: bool = False
 ) -> list[str]:
-    """The warnings for `run` under `schedule`; `epochs_given`: `num_train_epochs` where set (for "max_steps overrides
-    it"); `schedule_given`: the schedule and the batch settings were both set explicitly."""
+    """The warnings for `run` under `schedule`; `schedule_given`: it and the batch settings were both set."""
     return [
         *_max_steps_traps(run, schedule, epochs_given),
         *_phase_traps(run, schedule),
@@ -45,8 +39,7 @@ def probed_traps(
     boundary: int | None,
     eval_boundary: int | None,
 ) -> list[str]:
-    """A start above what `adaptive-batch probe` found to fit at `seq_len` tokens (`boundary`, `eval_boundary`;
-    `None`: not found): the first such step or eval batch runs out of memory and runs again smaller."""
+    """A start above what `adaptive-batch probe` found to fit at `seq_len` tokens (`None`: not found)."""
     warnings = []
     if isinstance(micro_batch_size, int) and boundary is not None and micro_batch_size > boundary:
         warnings.append(
@@ -78,7 +71,6 @@ def _max_steps_traps(run: RunPlan, schedule: Schedule, epochs_given: float | Non
     plan, starting, samples = run.plan, run.starting_effective_batch_size, run.budget.samples
     phases = plan.phases()
     if len(phases) > 1:
-        # the plain Trainer's samples in max_steps steps of the scheduled batches
         plain_samples = sum(plan.scheduled[min(k, plan.num_steps - 1)] for k in range(max_steps))
         later = [effective for _, _, effective in phases[1:]]
         change = "growing" if min(later) > starting else "shrinking" if max(later) < starting else "changing"
@@ -110,16 +102,11 @@ def _phase_traps(run: RunPlan, schedule: Schedule) -> list[str]:
     unreached = schedule.boundaries[reached:]
     if not unreached:
         return []
+    samples, fraction = plan.samples_before_step[last], plan.starts[last] / plan.budget
     at = {
         "steps": (last, f"its last step is step {last:,} (steps counted from 0)"),
-        "samples": (
-            plan.samples_before_step[last],
-            f"its last step starts at {plan.samples_before_step[last]:,} samples seen",
-        ),
-        "fraction": (
-            plan.starts[last] / plan.budget,
-            f"its last step starts at fraction {plan.starts[last] / plan.budget:.3f} of the budget",
-        ),
+        "samples": (samples, f"its last step starts at {samples:,} samples seen"),
+        "fraction": (fraction, f"its last step starts at fraction {fraction:.3f} of the budget"),
     }
     limit, where = at[schedule.unit]
     limit_text = f"{limit:.3f}" if schedule.unit == "fraction" else f"{limit:,}"
