@@ -50,15 +50,9 @@ class Cut(Protocol):
     """The micro-batches of one step, as one controller cuts it."""
 
     def __iter__(self) -> Iterator[MicroBatch]: ...
-
-    def record(self, micro: MicroBatch, report) -> None:
-        """What a timed micro-batch measured (`report`: seconds, tokens, peak bytes, all ranks combined)."""
-
-    def failed_rows(self, micro: MicroBatch, report) -> int:
-        """The rows of the micro-batch that ran out of memory (on any rank)."""
-
-    def finish(self, memory: StepMemory) -> str | None:
-        """The step ran to its end; returns a line to log where the controller changed its size for memory."""
+    def record(self, micro: MicroBatch, report) -> None: ...  # a timed micro-batch, all ranks combined
+    def failed_rows(self, micro: MicroBatch, report) -> int: ...  # rows that ran out of memory (on any rank)
+    def finish(self, memory: StepMemory) -> str | None: ...  # a line to log where the size changed for memory
 
 
 class CutController(Protocol):
@@ -72,39 +66,18 @@ class CutController(Protocol):
 
     @property
     def exploring(self) -> bool: ...
-
     @property
-    def first_micro_batch_size(self) -> int | None:
-        """Rows of the next step's first micro-batch, where known before it is cut."""
-
-    def cut(self, batch, max_rows: int, agree: Agree, row_cap: int | None = None) -> Cut:
-        """The micro-batches of a step of `batch.rows` rows here, `max_rows` on the rank with most."""
-
-    def set_row_limit(self, rows: int) -> None:
-        """A step holds up to `rows` rows on a rank now (a new plan)."""
-
-    def limit_to(self, max_rows: int | None) -> None:
-        """Apply a `max_micro_batch_size` stated after the size was learned (a resumed run)."""
-
-    def larger_step_cap(self, last_micro_batch_size: int, usual_micro_batches: int) -> int | None:
-        """The most rows a micro-batch of a larger step may hold, where known (`None`: as memory allows)."""
-
-    def on_out_of_memory(self, rows: int, padded_tokens: int | None) -> None:
-        """A micro-batch ran out of memory; the step runs again ([`MicroBatchTooLargeError`] if it was one row)."""
-
+    def first_micro_batch_size(self) -> int | None: ...  # where known before the step is cut
+    def cut(self, batch, max_rows: int, agree: Agree, row_cap: int | None = None) -> Cut: ...
+    def set_row_limit(self, rows: int) -> None: ...  # a step's rows on a rank under a new plan
+    def limit_to(self, max_rows: int | None) -> None: ...  # a `max_micro_batch_size` stated on resume
+    def larger_step_cap(self, last_micro_batch_size: int, usual_micro_batches: int) -> int | None: ...
+    def on_out_of_memory(self, rows: int, padded_tokens: int | None) -> None: ...  # the step runs again
     def retry_message(self, rows: int, padded_tokens: int | None) -> str: ...
-
-    def check_longest_row(self, tokens: int | None) -> None:
-        """Before any compute: the dataset's longest row, where known (a controller that cannot run it warns)."""
-
-    def describe(self) -> str:
-        """How each step is cut, for the plan table."""
-
-    def accumulation_text(self, per_rank_sizes: list[int], user_accumulation: int) -> str:
-        """Micro-batches per step, for the plan table (`per_rank_sizes`: a rank's samples per step, per phase)."""
-
+    def check_longest_row(self, tokens: int | None) -> None: ...  # warns where a row cannot run
+    def describe(self) -> str: ...  # for the plan table
+    def accumulation_text(self, per_rank_sizes: list[int], user_accumulation: int) -> str: ...
     def state_dict(self) -> dict: ...
-
     def load_state_dict(self, state: dict) -> None: ...
 
 

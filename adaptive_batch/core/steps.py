@@ -155,7 +155,6 @@ def build_plan(
         raise ValueError(
             f"The training budget is {budget_samples} samples; set num_train_epochs or max_steps > 0."
         )
-
     sizes, scheduled, starts, samples_before = array("q"), array("q"), array("q"), array("q", [0])
     notes: list[str] = []
     position = samples_seen = 0
@@ -181,7 +180,6 @@ def build_plan(
             schedule(progress), where=f"The schedule at {_where(progress)}"
         )
         _check_fits(effective, world_size, dataset_size, progress, unit)
-
         epoch_left = dataset_size - position % dataset_size
         size = min(effective, epoch_left, budget_samples - position)
         if size < effective and size == epoch_left and drop_last:
