@@ -10,7 +10,6 @@ SCHEMA_VERSION = 1  # the layout of the state below; raise it when a key changes
 
 
 def check_schema(state: dict, path: str) -> None:
-    """Refuse a checkpoint whose AdaptiveBatch state has another layout than this release writes."""
     schema = state.get("schema")
     if schema != SCHEMA_VERSION:
         raise ValueError(
@@ -35,7 +34,6 @@ class PlanIdentity:
     fingerprint: str
 
     def differences(self, stored: dict) -> list[str]:
-        """What differs from a stored identity, one phrase per field."""
         now = asdict(self)
         changed = [
             f"{_LABELS[name]}: {stored[name]!r} in the checkpoint, {now[name]!r} now"
@@ -71,7 +69,6 @@ def identity_error(differences: list[str]) -> str:
 
 
 def describe_settings(settings: dict) -> str:
-    """Micro-batch settings as `name=value` (those at `None` or `False` left out)."""
     parts = [f"micro_batch_size={settings['micro_batch_size']!r}"]
     parts += [
         f"{name}={value}"

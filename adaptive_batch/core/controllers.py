@@ -26,7 +26,6 @@ class RunFacts(Protocol):
 
 
 def controller_for(config: AdaptiveBatchConfig, facts: RunFacts, row_limit: int) -> CutController:
-    """The controller for a run (`row_limit`: the most rows a step holds on a rank, from the plan)."""
     budget = config.max_tokens_per_micro_batch
     tune = budget is None and config.auto and facts.lengths_vary and not facts.padding_free
     if tune:

@@ -49,7 +49,6 @@ def cheapest_chunks(lengths: list[int], budget: int, row_cap: int | None, overhe
 
 
 def _greedy_chunks(lengths: list[int], budget: int, row_cap: int | None, packed: bool = False) -> list[int]:
-    """Each chunk takes rows while its tokens stay within `budget`."""
     sizes, start = [], 0
     while start < len(lengths):
         size, longest, total = 1, lengths[start], lengths[start]

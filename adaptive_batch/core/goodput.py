@@ -152,15 +152,11 @@ class NoiseScaleSchedule:
         _check_real(confidence_z, "confidence_z", lambda x: x >= 0, "at least 0, e.g. 1.645 (95% one-sided)")
         if min_samples_between_changes is None:
             min_samples_between_changes = 20 * self.start
+        rule = f"a number of samples >= 0, e.g. {20 * self.start} (20 steps of the start)"
+        _check_real(min_samples_between_changes, "min_samples_between_changes", lambda x: x >= 0, rule)
+        rule = "an integer >= 0 (0: never cut a step in two to measure), e.g. 4"
         _check_real(
-            min_samples_between_changes,
-            "min_samples_between_changes",
-            lambda x: x >= 0,
-            f"a number of samples >= 0, e.g. {20 * self.start} (20 steps of the start)",
-        )
-        whole = "an integer >= 0 (0: never cut a step in two to measure), e.g. 4"
-        _check_real(
-            measure_every, "measure_every", lambda x: isinstance(x, numbers.Integral) and x >= 0, whole
+            measure_every, "measure_every", lambda x: isinstance(x, numbers.Integral) and x >= 0, rule
         )
         if min_efficiency is not None:
             _check_real(

@@ -46,7 +46,6 @@ def gain(effective_batch_size: int, starting_effective_batch_size: int, noise_sc
 
 
 def lr_scale(rule: LRRule, effective_batch_size: int, starting_effective_batch_size: int) -> float:
-    """The multiplier of the learning rate at `effective_batch_size`; checked to be positive and finite."""
     scale = rule(effective_batch_size, starting_effective_batch_size)
     number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
     if not number or not math.isfinite(scale) or scale <= 0:
@@ -96,6 +95,5 @@ class SampleClock:
         return lr_scale(self.rule, samples, self.starting_effective_batch_size)
 
     def check(self) -> None:
-        """Evaluate the rule at every step size of the plan, so a bad rule fails before any compute."""
         for samples in sorted(set(self.plan.sizes[self.plan.done_steps :])):
             self.multiplier(samples)

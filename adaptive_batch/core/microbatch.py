@@ -106,7 +106,6 @@ class MicroBatchSearch:
         raise NotImplementedError
 
     def fits(self, tokens: float, cautious: bool = False) -> bool:
-        """Whether a micro-batch of `tokens` is predicted to stay under the memory limit ([`predict_peak`])."""
         if self.memory_limit is None:
             return True
         return predict_peak(self.memory_points, tokens, cautious or self.oom_is_fatal) <= self.memory_limit

@@ -32,13 +32,11 @@ class PlainBatching:
         return max(1, math.ceil(per_rank / self.gradient_accumulation_steps))
 
     def total_steps(self, num_train_epochs: float, max_steps: int = -1) -> int:
-        """`max_steps` when set, else `num_train_epochs` epochs of steps."""
         if max_steps > 0:
             return max_steps
         return math.ceil(num_train_epochs * self.steps_per_epoch)
 
     def step_sizes(self, num_steps: int) -> list[int]:
-        """Samples (all ranks) of the first `num_steps` optimizer steps, epoch after epoch."""
         effective, per_epoch = self.effective_batch_size, self.steps_per_epoch
         sizes = []
         for step in range(num_steps):
@@ -53,7 +51,6 @@ class PlainBatching:
         return epochs * self.dataset_size + min(within * self.effective_batch_size, self.dataset_size)
 
     def done_steps(self, num_steps: int) -> DoneSteps:
-        """The first `num_steps` steps as a step plan's already-trained prefix."""
         sizes = self.step_sizes(num_steps)
         starts = [self.position_after(step) for step in range(num_steps)]
         return DoneSteps(starts, sizes, self.position_after(num_steps), self.effective_batch_size)

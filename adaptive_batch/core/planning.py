@@ -29,7 +29,6 @@ class RunSettings:
     gradient_accumulation_steps: int = 1
 
     def plain_trainer(self, starting_effective_batch_size: int) -> PlainBatching | None:
-        """The plain Trainer at the starting effective batch (`None` for a stream: it has no epochs)."""
         if self.dataset_size is None:
             return None
         per_device, accumulation = self.per_device_train_batch_size, self.gradient_accumulation_steps
@@ -55,14 +54,12 @@ class RunPlan:
         return self.clock.starting_effective_batch_size
 
     def steps(self, schedule: Schedule) -> StepPlan:
-        """The step plan `schedule` gives over this run's budget (from where the done steps ended)."""
         s = self.settings
         return build_plan(
             schedule, self.dataset_size, self.budget, s.world_size, s.drop_last, done=self.done, unit=s.unit
         )
 
     def replan(self, schedule: Schedule) -> StepPlan:
-        """Plan the steps again under `schedule` and make the clock follow the new plan."""
         self.plan = self.clock.plan = self.steps(schedule)
         return self.plan
 

@@ -40,7 +40,6 @@ class Tape:
         self.source, self.path, self.ended, self._read = record["streams"], path, None, {}
 
     def continue_from(self, record: dict | None) -> None:
-        """A resumed run's own record starts with what its checkpoint's run had measured."""
         if record is not None:
             self.streams = copy.deepcopy(record["streams"])
 
@@ -71,7 +70,6 @@ class Tape:
         return True
 
     def failure(self, stream: str, step: int, tag: str) -> None:
-        """An out-of-memory error this run met that the record does not hold."""
         if self.replaying:
             self._end(f"at step {step} this run ran out of memory ({tag!r}) where the recorded run did not")
         self._append(stream, step, [tag])

@@ -117,7 +117,6 @@ def plan_rows(
     accumulation_text: str = "samples per rank per step / micro-batch, decided while training",
     layout_text: str | None = None,
 ) -> list[tuple[str, str]]:
-    """(label, value) rows describing a plan, in reading order."""
     phases = plan.phases()
     world = plan.world_size
     per_rank = " -> ".join(_per_rank(effective, world) for _, _, effective in phases)

@@ -46,10 +46,12 @@ class RowController(MicroBatchSearch):
         self.auto = auto
         self.start = max(1, start)  # a fixed size held down by a step's rows comes back when steps grow
         self.size = max(1, min(start, limit) if limit else start)
-        self.max_size = max_size
-        self.row_limit = row_limit
-        self.growth_margin = growth_margin
-        self.repeats = repeats
+        self.max_size, self.row_limit, self.growth_margin, self.repeats = (
+            max_size,
+            row_limit,
+            growth_margin,
+            repeats,
+        )
         self.trial: int | None = self.size if auto else None
         self.trial_left = repeats
         self.settled_because = None if auto else FIXED
@@ -191,7 +193,6 @@ class RowController(MicroBatchSearch):
         return self.max_size
 
     def limit_to(self, max_size: int | None) -> None:
-        """Apply a `max_size` stated after the size was learned (a resumed run)."""
         if max_size is None:
             return
         self.max_size = max_size

@@ -25,8 +25,6 @@ Schedule = Callable[[Progress], int]
 
 @dataclass(frozen=True)
 class ConstantSchedule:
-    """The same effective batch at every step."""
-
     effective_batch_size: int
 
     def __post_init__(self):
@@ -100,7 +98,6 @@ class PhaseSchedule:
         return self.sizes[self.phase(progress)]
 
     def phase(self, progress: Progress) -> int:
-        """The index of the phase at `progress` (0: before any boundary)."""
         positions = {"samples": progress.samples_seen, "steps": progress.step, "fraction": progress.fraction}
         return sum(1 for boundary in self.boundaries if positions[self.unit] >= boundary)
 
@@ -111,7 +108,6 @@ class PhaseSchedule:
 
 
 def as_schedule(schedule: int | Schedule) -> Schedule:
-    """An `int` as a [`ConstantSchedule`]; any other callable as it is."""
     if isinstance(schedule, bool):
         raise ValueError(
             f"schedule={schedule!r} is a bool; pass an int effective batch or a schedule callable."
@@ -127,7 +123,6 @@ def as_schedule(schedule: int | Schedule) -> Schedule:
 
 
 def describe(schedule: Schedule) -> str:
-    """A one-line description of a schedule, for the plan table."""
     if hasattr(schedule, "describe"):
         return schedule.describe()
     return getattr(schedule, "__name__", type(schedule).__name__) + " (callable)"
@@ -156,7 +151,6 @@ def finite_number(value) -> bool:
 
 
 def check_effective_batch_size(value, where: str) -> int:
-    """`value` as an int if it is a positive integer (an integral float too), else `ValueError`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(
             f"{where} gave effective batch {value!r}; it must be a positive integer number of samples."

@@ -69,12 +69,10 @@ class StepPlan:
 
     @property
     def num_samples(self) -> int:
-        """Samples trained over the whole plan (positions dropped by `drop_last` left out)."""
         return self.samples_before_step[-1]
 
     @property
     def num_epochs(self) -> int:
-        """Data epochs the plan touches (a partial last one counts)."""
         return math.ceil(self.budget / self.dataset_size)
 
     @property
@@ -103,7 +101,6 @@ class StepPlan:
         return math.ceil(self.sizes[step] / self.world_size)
 
     def fingerprint(self) -> str:
-        """Identifies the stream's cut into steps; a checkpoint must resume into the same one."""
         digest = hashlib.sha256()
         digest.update(f"{self.dataset_size}:{self.budget}:".encode())
         digest.update(self.sizes.tobytes())
@@ -111,7 +108,6 @@ class StepPlan:
         return digest.hexdigest()[:16]
 
     def phases(self) -> list[tuple[int, int, int]]:
-        """Runs of steps of one scheduled effective batch, `(first_step, last_step, effective)`."""
         runs: list[tuple[int, int, int]] = []
         for step in range(self.done_steps, self.num_steps):
             effective = self.scheduled[step]
@@ -122,7 +118,6 @@ class StepPlan:
         return runs
 
     def uneven_steps(self) -> list[tuple[int, int, int]]:
-        """Steps that hold other than their scheduled batch, `(step, samples, scheduled)`."""
         return [
             (step, self.sizes[step], self.scheduled[step])
             for step in range(self.done_steps, self.num_steps)

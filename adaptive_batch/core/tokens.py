@@ -35,11 +35,8 @@ class TokenController(MicroBatchSearch):
         oom_is_fatal: bool = False,
     ):
         super().__init__(memory_limit, oom_is_fatal)
-        self.max_tokens = max_tokens
-        self.max_rows = max_rows
-        self.row_limit = row_limit
-        self.tuning = tune
-        self.overhead = overhead
+        self.max_tokens, self.max_rows, self.row_limit = max_tokens, max_rows, row_limit
+        self.tuning, self.overhead = tune, overhead
         self.calibrating = overhead is None
         self.measures_overhead = overhead is None  # a stated one is kept as stated
         self.no_line = False  # measured, but the times gave no rising line: one longest row's worth

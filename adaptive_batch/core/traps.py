@@ -58,7 +58,6 @@ def probed_traps(
 
 
 def _max_steps_traps(run: RunPlan, schedule: Schedule, epochs_given: float | None) -> list[str]:
-    """`max_steps` overrides the epochs, and counts samples of the starting batch, not steps of later ones."""
     max_steps = run.settings.max_steps
     if max_steps <= 0:
         return []
@@ -93,7 +92,6 @@ def _max_steps_traps(run: RunPlan, schedule: Schedule, epochs_given: float | Non
 
 
 def _phase_traps(run: RunPlan, schedule: Schedule) -> list[str]:
-    """A `PhaseSchedule` boundary past the run's last step: its phase never trains."""
     if not isinstance(schedule, PhaseSchedule) or not schedule.boundaries:
         return []
     plan = run.plan
@@ -131,7 +129,6 @@ def _phase_traps(run: RunPlan, schedule: Schedule) -> list[str]:
 
 
 def _mid_epoch_trap(run: RunPlan) -> list[str]:
-    """A budget in epochs whose last epoch is partial: part of the data is seen once fewer."""
     settings, dataset_size = run.settings, run.settings.dataset_size
     if settings.max_steps > 0 or dataset_size is None:
         return []
@@ -149,7 +146,6 @@ def _mid_epoch_trap(run: RunPlan) -> list[str]:
 
 
 def _above_dataset_traps(run: RunPlan, schedule: Schedule) -> list[str]:
-    """A schedule's size above the dataset, refused once reached (the plan refuses only those it reaches)."""
     if not isinstance(schedule, PhaseSchedule) or run.settings.dataset_size is None:
         return []
     dataset_size, world = run.dataset_size, run.settings.world_size
@@ -165,7 +161,6 @@ def _above_dataset_traps(run: RunPlan, schedule: Schedule) -> list[str]:
 
 
 def _start_traps(run: RunPlan, schedule_given: bool) -> list[str]:
-    """An explicit schedule starting elsewhere than `per_device x accumulation x world size`."""
     settings = run.settings
     per_device, accumulation = settings.per_device_train_batch_size, settings.gradient_accumulation_steps
     if not schedule_given or per_device is None:
