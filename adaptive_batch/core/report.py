@@ -119,7 +119,7 @@ def plan_rows(
 ) -> list[tuple[str, str]]:
     phases = plan.phases()
     world = plan.world_size
-    per_rank = " -> ".join(_per_rank(effective, world) for _, _, effective in phases)
+    per_rank = " -> ".join(str(effective // world) for _, _, effective in phases)
     scales = " -> ".join(f"x{clock.multiplier(effective):.3g}" for _, _, effective in phases)
     steps = f"{plan.num_steps:,}"
     if plain_steps is not None and plain_steps != plan.num_steps:
@@ -176,7 +176,3 @@ def format_rows(title: str, rows: list[tuple[str, str]]) -> str:
     width = max(len(label) for label, _ in rows)
     lines = [title] + [f"  {label:<{width}}  {value}" for label, value in rows]
     return "\n".join(lines)
-
-
-def _per_rank(effective: int, world: int) -> str:
-    return str(effective // world)

@@ -152,7 +152,7 @@ def build_plan(
         )
     sizes, scheduled, starts, samples_before = array("q"), array("q"), array("q"), array("q", [0])
     notes: list[str] = []
-    position = samples_seen = 0
+    position = 0  # samples trained so far: samples_before[-1]
     done_count = len(done.sizes) if done else 0
     if done is not None:
         if done.end >= budget_samples:
@@ -165,12 +165,12 @@ def build_plan(
             sizes.append(size)
             scheduled.append(done.effective_batch_size)
             starts.append(start)
-            samples_seen += size
-            samples_before.append(samples_seen)
+            samples_before.append(samples_before[-1] + size)
         position = done.end
     while position < budget_samples:
-        step = len(sizes)
-        progress = Progress(step=step, samples_seen=samples_seen, fraction=position / budget_samples)
+        progress = Progress(
+            step=len(sizes), samples_seen=samples_before[-1], fraction=position / budget_samples
+        )
         effective = check_effective_batch_size(
             schedule(progress), where=f"The schedule at {_where(progress)}"
         )
@@ -184,7 +184,6 @@ def build_plan(
             if len(sizes) > done_count and starts[-1] // dataset_size == position // dataset_size:
                 sizes[-1] += size  # too few samples for every rank: join the step before, same epoch
                 samples_before[-1] += size
-                samples_seen += size
             else:
                 notes.append(
                     f"{size} sample(s) at the end of the budget are not trained on: fewer than world_size="
@@ -196,8 +195,7 @@ def build_plan(
         scheduled.append(effective)
         starts.append(position)
         position += size
-        samples_seen += size
-        samples_before.append(samples_seen)
+        samples_before.append(samples_before[-1] + size)
     if len(sizes) == done_count:
         raise ValueError(
             f"The budget of {budget_samples} samples leaves no optimizer step (drop_last={drop_last}, dataset "
