@@ -87,8 +87,7 @@ class StepTimeModel:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """What prices a step at another effective batch; `micro_batch_cap`: the most rows a micro-batch may hold
-    (`None`: a larger step runs as few micro-batches)."""
+    """What prices a step at another effective batch (`micro_batch_cap` `None`: as few micro-batches at any size)."""
 
     step_time: StepTimeModel
     world_size: int = 1
@@ -200,8 +199,7 @@ class NoiseScaleSchedule:
         costs: StepCosts,
         budget: int | None = None,
     ) -> tuple[int, str] | None:
-        """The size to change to from `current` and why, or `None`; `noise_scale`: its lower bound (`None`: not
-        measured yet); `budget`: the run's samples, for `min_efficiency`."""
+        """The size to change to from `current` and why, or `None`; `noise_scale`: the noise scale's lower bound."""
         since = samples_seen - (self.changes[-1].samples_seen if self.changes else 0)
         if since < self.min_samples_between_changes or noise_scale is None:
             return None

@@ -172,8 +172,7 @@ class NoiseScale:
         )
 
     def lower_bound(self, z: float = 1.645) -> float | None:
-        """A lower confidence bound of the noise scale, (tr(Sigma) - z se) / (|G|^2 + z se), at least 0 (0 before two
-        steps)."""
+        """A lower confidence bound of the noise scale, (tr(Sigma) - z se) / (|G|^2 + z se), at least 0."""
         if not self.steps:
             return None
         errors = self.standard_errors()

@@ -1,7 +1,5 @@
-"""The plan table logged when training starts (and printed by `adaptive-batch plan`). Pure Python.
-
-Steps are numbered from 1 in the table, as the Trainer logs them (`state.global_step` after the step); the plan
-itself indexes them from 0."""
+"""The plan table logged when training starts and printed by `adaptive-batch plan`. Steps are numbered from 1 in the
+table, as the Trainer logs them; the plan indexes them from 0. Pure Python."""
 
 from __future__ import annotations
 

@@ -167,8 +167,7 @@ class RowController(MicroBatchSearch):
         return f"it reached the {self.row_limit} {self.unit} a step holds on a rank"
 
     def set_row_limit(self, row_limit: int) -> None:
-        """A new plan's rows per rank: where they grew, a search stopped at the old limit goes on doubling, and a
-        fixed size the old limit held down grows back."""
+        """A new plan's rows per rank: where they grew, a search or a fixed size the old limit held goes on growing."""
         old, self.row_limit = self.row_limit, row_limit
         if self.trial is not None or old is None or row_limit <= old:
             return
@@ -246,8 +245,7 @@ class RowController(MicroBatchSearch):
 
 
 class RowCut:
-    """A step cut by rows, each micro-batch sized afresh after a timed one; every rank runs the same sizes (one with a
-    row fewer runs its last a row short, or a row that adds nothing)."""
+    """A step cut by rows, each micro-batch sized afresh after a timed one; every rank runs the same sizes."""
 
     def __init__(self, controller: RowController, rows: int, max_rows: int, row_cap: int | None = None):
         self.controller, self.rows, self.max_rows, self.row_cap = controller, rows, max_rows, row_cap

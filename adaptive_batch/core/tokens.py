@@ -89,8 +89,7 @@ class TokenController(MicroBatchSearch):
             self.time_points.append((float(padded_tokens), seconds))
 
     def end_step(self, bound: bool, memory: StepMemory | None = None) -> str | None:
-        """A step is done; `bound`: a doubled budget would have cut it otherwise (on some rank). Returns a line to log
-        where the budget changed for memory."""
+        """A step is done (`bound`: a doubled budget would have cut it otherwise); a line to log, or `None`."""
         notice = self._after_step(memory, memory.tokens, 1.0) if memory is not None else None
         if self.exploring:
             self._measure_step(bound)
@@ -294,8 +293,7 @@ def fitted_overhead(points: list[tuple[float, float]]) -> int | None:
 def slower_than_the_line(
     fitted_on: list[tuple[float, float]], new: list[tuple[float, float]]
 ) -> float | None:
-    """How much slower than the line of `fitted_on` the `new` micro-batches beyond its range ran together, where that
-    is more than `LINE_MARGIN`; else `None`."""
+    """How much slower than `fitted_on`'s line the `new` micro-batches beyond its range ran, above `LINE_MARGIN`."""
     line = robust_affine(fitted_on) if fitted_on else None
     if line is None or line[1] <= 0:
         return None
