@@ -21,8 +21,7 @@ class SampleClockLR(LambdaLR):
 
     def state_dict(self) -> dict:
         state = lambda_lr_state(self, leave_out=("optimizer", "lr_lambdas", "clock"))
-        # as LambdaLR writes it for lambdas that are plain functions, so that a plain Trainer (a LambdaLR of its own
-        # lambdas) can load it and go on from this step
+        # as LambdaLR writes plain functions' state, so that a plain Trainer can load it and go on from this step
         state["lr_lambdas"] = [None] * len(self.lr_lambdas)
         return state
 
@@ -40,8 +39,8 @@ def _clocked(base_lambda: Callable[[float], float], clock: SampleClock) -> Calla
 def follow_sample_clock(
     scheduler, optimizer: torch.optim.Optimizer, clock: SampleClock, batch_changes: bool
 ) -> SampleClockLR | object:
-    """Wrap `scheduler` (a `LambdaLR`, as every `get_scheduler` builds but `reduce_lr_on_plateau` and `greedy`) so
-    that it follows the sample clock and the LR rule; keep another where `batch_changes` is False, else raise."""
+    """Wrap a `LambdaLR` `scheduler` so that it follows the sample clock and the LR rule; keep another where
+    `batch_changes` is False, else raise."""
     if isinstance(scheduler, SampleClockLR):
         return scheduler
     if isinstance(scheduler, LambdaLR):
