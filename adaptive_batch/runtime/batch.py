@@ -1,7 +1,6 @@
 """Cutting one collated step batch into micro-batches without changing the step's gradient: rows longest first,
 trailing padding no row of a micro-batch uses cut off (only where exact: right padding, every sequence tensor
-`[rows, length]`, labels ignored beyond the cut). See docs/how-it-works.md, "Data, cuts and measurements".
-"""
+`[rows, length]`, labels ignored beyond the cut). See docs/how-it-works.md, "Data, cuts and measurements"."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")  # wha
 
 
 def is_packed(batch: Mapping[str, Any]) -> bool:
-    """Whether a collated batch is padding-free: it carries sequence boundaries (`cu_seq_lens_q`, ...), or it is one
-    row whose `position_ids` start again."""
+    """Whether a collated batch is padding-free: sequence boundaries, or one row whose `position_ids` start again."""
     if any(key in batch for key in PACKED_KEYS):
         return True
     position_ids = batch.get("position_ids")
@@ -30,8 +28,7 @@ def is_packed(batch: Mapping[str, Any]) -> bool:
 
 
 class StepBatch:
-    """One rank's share of an optimizer step's collated batch, to be cut into micro-batches by rows; raises
-    `ValueError` naming the key and a fix where a value is not per row."""
+    """One rank's share of an optimizer step's collated batch, to be cut into micro-batches by rows."""
 
     packed = False  # rows of their own, not sequences flattened into one row
 
@@ -72,8 +69,7 @@ class StepBatch:
         return real, padded
 
     def label_counts(self, shifted: bool) -> torch.Tensor | None:
-        """Labelled tokens of each row (after the shift a causal LM's loss makes, if `shifted`), or `None` without
-        per-row labels."""
+        """Labelled tokens of each row (after a causal LM's shift, if `shifted`), or `None` without labels."""
         for key in LABEL_KEYS:
             labels = self.batch.get(key)
             if isinstance(labels, torch.Tensor) and labels.dim() == 2:
@@ -84,14 +80,12 @@ class StepBatch:
 
     def token_chunks(self, budget: int, row_cap: int | None = None, overhead: int | None = None) -> list[int]:
         """Micro-batch sizes cutting the rows (longest first) into runs of at most `budget` padded tokens and
-        `row_cap` rows: the least `overhead` x micro-batches + padded tokens ([`cut.cheapest_chunks`]), or without
-        `overhead` the fewest micro-batches with the lowest peak ([`cut.fewest_chunks`])."""
+        `row_cap` rows ([`cut.cheapest_chunks`] given an `overhead`, else [`cut.fewest_chunks`])."""
         if overhead is None:
             return fewest_chunks(self.padded_lengths, budget, row_cap)
         return cheapest_chunks(self.padded_lengths, budget, row_cap, overhead)
 
     def longest_row(self) -> int:
-        """Padded tokens of a micro-batch holding only the longest row."""
         return max(self.padded_lengths)
 
     def padded_tokens(self, start: int, size: int) -> int:
@@ -148,11 +142,7 @@ def labels_ignored(chunk: dict[str, Any]) -> dict[str, Any]:
 
 
 def _count_rows(batch: Mapping[str, Any]) -> int:
-    for key in ("input_ids", "inputs_embeds", "labels"):
-        value = batch.get(key)
-        if isinstance(value, torch.Tensor) and value.dim() >= 1:
-            return value.shape[0]
-    for value in batch.values():
+    for value in [*(batch.get(key) for key in ("input_ids", "inputs_embeds", "labels")), *batch.values()]:
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
             return value.shape[0]
     raise ValueError(f"The step batch holds no tensor to cut into micro-batches (keys: {sorted(batch)}).")

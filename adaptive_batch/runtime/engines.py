@@ -1,8 +1,5 @@
-"""What each training engine needs around the micro-batches of a step, one [`Engine`] per engine: the context a
-micro-batch runs in, what makes the step's gradient whole, what undoes a failed attempt, and whether an
-out-of-memory error can be retried (not where a backward holds collectives: a hang). See docs/how-it-works.md,
-"Several processes".
-"""
+"""What each training engine needs around the micro-batches of a step, one [`Engine`] per engine; an out-of-memory
+error is not retried where a backward holds collectives (a hang). See docs/how-it-works.md, "Several processes"."""
 
 from __future__ import annotations
 
@@ -31,11 +28,8 @@ class Engine(Protocol):
     measures_noise: bool  # each micro-batch's own gradient reaches the parameters' hooks ([`noise_hooks`])
 
     def micro_batch(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager: ...
-
     def finish_step(self, model: torch.nn.Module) -> None: ...
-
     def forget(self, model: torch.nn.Module, optimizer) -> None: ...
-
     def out_of_memory(self, error: BaseException, world_size: int) -> EngineOutOfMemoryError: ...
 
 
@@ -95,8 +89,7 @@ class DataParallel(SingleProcess):
 
 
 class FullyShardedV2(SingleProcess):
-    """FSDP2 (`fully_shard`): every micro-batch reduce-scatters into the sharded `.grad`; a failed attempt is undone
-    by `reset_iter_state`, retried only on one process."""
+    """FSDP2: micro-batches reduce-scatter into the sharded `.grad`; `reset_iter_state` undoes a failed attempt."""
 
     name = "FSDP2"
     measures_noise = False  # the hooks would see the sharded gradient, already averaged over the ranks
@@ -117,8 +110,7 @@ class FullyShardedV2(SingleProcess):
 
 class DeepSpeed(SingleProcess):
     """DeepSpeed ZeRO-0 to 3 through accelerate: each micro-batch runs `engine.backward` alone, the last marked as
-    the accumulation boundary; the step's end runs `engine.step()` once. A failed attempt is undone by
-    [`deepspeed_reset`], retried only on one process (ZeRO-2 and 3 reduce or gather inside every backward)."""
+    the accumulation boundary; the step's end runs `engine.step()` once."""
 
     name = "DeepSpeed"
     measures_noise = False  # ZeRO reduces and partitions the gradients the hooks would read
@@ -138,8 +130,7 @@ class DeepSpeed(SingleProcess):
 
 
 def prepare(trainer) -> None:
-    """Before the Trainer builds the engine: refuse a DeepSpeed setup AdaptiveBatch cannot drive, and give DeepSpeed
-    back the accumulation boundary where the config took it away."""
+    """Before the Trainer builds DeepSpeed's engine: refuse a setup AdaptiveBatch cannot drive, fix its boundary."""
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return
     import deepspeed

@@ -1,7 +1,5 @@
-"""Evaluation and prediction that survive an out-of-memory error: the eval batch runs again in pieces of half its
-rows, put back together as the whole batch's output ([`EvalPieces`]); under `adapt_evaluation="grow"` the eval
-batch also grows between evaluations ([`EvalGrowth`]). See docs/how-it-works.md, "Evaluation".
-"""
+"""Evaluation and prediction that survive an out-of-memory error ([`EvalPieces`]), the eval batch grown between
+evaluations under `adapt_evaluation="grow"` ([`EvalGrowth`]). See docs/how-it-works.md, "Evaluation"."""
 
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ MIN_POINTS, MAX_POINTS = 4, 64
 
 
 class EvalPieces:
-    """Runs eval batches through the Trainer's `prediction_step`, in pieces after an out-of-memory error;
-    `cut_by_tokens`: loss-only batches of ragged rows run in pieces of similar lengths."""
+    """Runs eval batches through `prediction_step`, in pieces after an OOM (`cut_by_tokens`: by row lengths)."""
 
     def __init__(self, trainer, world_size: int, cut_by_tokens: bool = False):
         self.trainer = trainer
@@ -125,8 +122,7 @@ class EvalPieces:
         return metrics
 
     def _attempt(self, prediction_step, model, inputs, rows, pieces, prediction_loss_only, ignore_keys):
-        """The batch's (loss, logits, labels) from `pieces` (rows, width), or `None` where one ran out of memory on
-        any rank. Pieces out of the batch's row order are only run loss-only."""
+        """The batch's (loss, logits, labels) from `pieces` (rows, width), or `None` after an OOM on any rank."""
         # (every rank has the same cap: they failed together)
         if self.cap is not None and self.ranks.distributed:
             most, fewest = self.ranks.max([rows, -rows])
@@ -211,8 +207,7 @@ class EvalPieces:
 
 
 class EvalGrowth:
-    """`adapt_evaluation="grow"`: every evaluation runs at the eval batch an [`EvalSizer`] chose (one per metric
-    prefix), and tells it what the evaluation measured."""
+    """`adapt_evaluation="grow"`: each evaluation runs at the eval batch its prefix's [`EvalSizer`] chose."""
 
     def __init__(self, trainer, pieces: EvalPieces, growth_margin: float, memory_headroom: float):
         self.trainer, self.pieces = trainer, pieces
@@ -243,10 +238,8 @@ class EvalGrowth:
 
     @contextlib.contextmanager
     def measured(self, prefix: str, dataset):
-        """Around `evaluation_loop` over `dataset`: its seconds, peak memory and rows per rank, over all ranks, told
-        to the prefix's sizer."""
-        ranks = self.pieces.ranks
-        device = ranks.device
+        """Around `evaluation_loop`: its seconds, peak memory and rows, over all ranks, told to the prefix's sizer."""
+        ranks, device = self.pieces.ranks, self.pieces.ranks.device
         size = self.trainer.args.per_device_eval_batch_size
         base = float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
         with Stopwatch(device) as watch:
@@ -280,16 +273,14 @@ class EvalGrowth:
 
 
 def _combine(outputs: list, units: list[float]):
-    """The whole batch's (loss, logits, labels) from its pieces': losses weighted by `units`, the rest concatenated."""
-    losses = [loss for loss, _, _ in outputs]
+    """The whole batch's (loss, logits, labels) from its pieces': losses weighted by `units`, the rest joined."""
+    losses, logits, labels = ([*parts] for parts in zip(*outputs))
     loss = None
     if all(piece is not None for piece in losses):
         total = sum(units)
         weights = [u / total for u in units] if total > 0 else [1.0 / len(units)] * len(units)
         loss = sum(piece.double() * weight for piece, weight in zip(losses, weights)).to(losses[0].dtype)
-    logits = _concat([piece_logits for _, piece_logits, _ in outputs])
-    labels = _concat([piece_labels for _, _, piece_labels in outputs])
-    return loss, logits, labels
+    return loss, _concat(logits), _concat(labels)
 
 
 def batch_rows(inputs) -> int | None:
@@ -315,9 +306,8 @@ def halves(rows: int, size: int) -> list[tuple[slice, None]]:
 
 
 def token_pieces(inputs: Mapping, rows: int, overhead: int) -> list[tuple[torch.Tensor, int]] | None:
-    """A right-padded batch's rows grouped by length, longest first, each group at its longest row's width: the cut
-    of [`core.cut.cheapest_chunks`] within the batch's tokens, a forward costing `overhead` padded tokens more.
-    `None` where the batch cannot be cut so (no 2-D attention mask, not right-padded) or one piece is best."""
+    """A right-padded batch's rows grouped by length ([`core.cut.cheapest_chunks`]), each at its longest row's
+    width; `None` where the batch cannot be cut so or one piece is best."""
     mask = inputs.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != rows or rows < 2:
         return None

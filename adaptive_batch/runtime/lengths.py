@@ -1,5 +1,4 @@
-"""Token counts of a training dataset, read without running its transforms (a `datasets.Dataset`'s Arrow column, or
-a list of mappings); `None` for other datasets, where the first collated step tells ([`step_row_lengths`])."""
+"""Token counts of a training dataset, read without running its transforms; `None` where they cannot be."""
 
 from __future__ import annotations
 

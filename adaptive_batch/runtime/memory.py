@@ -46,7 +46,7 @@ def synchronize(device: torch.device) -> None:
 
 
 class Stopwatch:
-    """Wall time and peak allocated (and reserved) memory of a block, synchronised at both ends (unread if it raises)."""
+    """Wall time and peak allocated (and reserved) memory of a block, synchronised at both ends (none on error)."""
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -1,7 +1,5 @@
-"""Each micro-batch's contribution to the step gradient, for the noise scale: a hook on each parameter keeps the
-norm of the gradient a backward computed before it is added into `.grad` (the first micro-batch is read from
-`.grad`). See docs/how-it-works.md, "Data, cuts and measurements" (Gradient noise scale).
-"""
+"""Each micro-batch's contribution to the step gradient, for the noise scale, read by a hook on each parameter. See
+docs/how-it-works.md, "Data, cuts and measurements" (Gradient noise scale)."""
 
 from __future__ import annotations
 
@@ -20,10 +18,9 @@ SPLIT = (
 
 
 class GradientNoiseMeter:
-    """Squared norms of every micro-batch's contribution to the step gradient, and of the step gradient
-    (`preconditioner="adam"`: each element divided by Adam's denominator). Per step: `begin_step`, per attempt
-    `begin_attempt`, around each micro-batch `begin_micro_batch` and `end_micro_batch`, then `step_sums` before the
-    ranks' average and `step_norm_sq` after; `remove()` at the end."""
+    """Squared norms of every micro-batch's contribution to the step gradient, and of the step gradient. Per step:
+    `begin_step`, per attempt `begin_attempt`, around each micro-batch `begin_micro_batch` and `end_micro_batch`,
+    then `step_sums` before the ranks' average and `step_norm_sq` after; `remove()` at the end."""
 
     def __init__(self, preconditioner: str = "none", device: torch.device | str = "cpu"):
         if preconditioner not in PRECONDITIONERS:
@@ -91,9 +88,8 @@ class GradientNoiseMeter:
         if not self.micro_batches:
             return sums
         norms_sq = torch.stack([norm_sq for _, _, norm_sq in self.micro_batches]).tolist()
-        divisor = world_size**2
         for (units, share, _), norm_sq in zip(self.micro_batches, norms_sq):
-            sums.add(units, share, norm_sq / divisor)
+            sums.add(units, share, norm_sq / world_size**2)
         return sums
 
     def step_norm_sq(self) -> float:

@@ -1,8 +1,6 @@
-"""Cutting a padding-free step batch (sequences flattened into one row, told apart by `position_ids` or
-`cu_seq_lens`) between its sequences: exact because the collators ignore (-100) each sequence's first label.
-[`PackedStepBatch`] has the interface of [`StepBatch`]; [`flatten_padded`] makes such a row from a padded batch.
-See docs/how-it-works.md, "Padding-free and packed data".
-"""
+"""Cutting a padding-free step batch (sequences flattened into one row) between its sequences: exact because the
+collators ignore (-100) each sequence's first label; [`flatten_padded`] makes such a row from a padded batch. See
+docs/how-it-works.md, "Padding-free and packed data"."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k
 
 
 class PackedStepBatch:
-    """One rank's share of a padding-free step batch (per-token tensors `[1, tokens]`), cut between sequences, its
-    "rows"; raises `ValueError` naming the key and a fix where a cut would split a loss term."""
+    """One rank's share of a padding-free step batch (`[1, tokens]`), cut between its sequences, its "rows"."""
 
     packed = True  # its "rows" are sequences flattened into one row
 
@@ -43,14 +40,11 @@ class PackedStepBatch:
         """The micro-batch of sequences `start` to `start + size`, its per-sequence fields rebuilt."""
         first, last = self.starts[start], self.ends[start + size - 1]
         lengths = self.lengths_list[start : start + size]
-        taken = {}
-        for key, value in self.batch.items():
-            if key in SEQUENCE_KEYS:
-                continue
-            if isinstance(value, torch.Tensor) and value.dim() == 2:
-                taken[key] = value[:, first:last]
-            else:
-                taken[key] = value
+        taken = {
+            key: value[:, first:last] if isinstance(value, torch.Tensor) and value.dim() == 2 else value
+            for key, value in self.batch.items()
+            if key not in SEQUENCE_KEYS
+        }
         cumulative = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
             if key in self.batch:
@@ -139,8 +133,7 @@ def flatten_padded(batch: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_packed_inputs(batch: Mapping[str, Any], model: torch.nn.Module) -> None:
-    """Refuse a padding-free batch whose sequences the model would let attend to each other (an `attention_mask`,
-    or `use_cache=True`)."""
+    """Refuse a padding-free batch whose sequences would attend to each other (`attention_mask`, `use_cache`)."""
     if batch.get("attention_mask") is not None:
         raise ValueError(
             "The padding-free step batch carries an attention_mask, so eager and sdpa attention let its packed "
@@ -148,9 +141,8 @@ def check_packed_inputs(batch: Mapping[str, Any], model: torch.nn.Module) -> Non
             "without one). Leave attention_mask out of the collated batch (DataCollatorWithFlattening and TRL's "
             "padding_free collator do), or pad the sequences instead of flattening them."
         )
-    config = getattr(
-        getattr(model, "module", model), "config", getattr(model, "config", None)
-    )  # (DDP wraps it)
+    inner = getattr(model, "module", model)  # (DDP wraps the model)
+    config = getattr(inner, "config", getattr(model, "config", None))
     if batch.get("use_cache") is not False and getattr(config, "use_cache", False):
         raise ValueError(
             "The model would run with use_cache=True, and with a cache transformers does not tell packed "
@@ -207,12 +199,7 @@ def _sequence_starts(batch: Mapping[str, Any], total: int) -> list[int]:
 def _check_cuts(batch: Mapping[str, Any], starts: list[int], total: int) -> None:
     """Every sequence start is a possible cut: its label must be ignored, and every tensor must be per token."""
     for key, value in batch.items():
-        if (
-            key in SEQUENCE_KEYS
-            or key == "cu_seqlens"
-            or not isinstance(value, torch.Tensor)
-            or value.dim() == 0
-        ):
+        if key in (*SEQUENCE_KEYS, "cu_seqlens") or not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
         if value.dim() != 2 or value.shape != (1, total):
             raise ValueError(

@@ -1,7 +1,5 @@
 """The rank-agreement protocol: after each micro-batch (or eval piece), and before each collective inside one, the
-ranks exchange a [`Report`], so that one rank's out-of-memory error makes every rank run it again together. See
-docs/how-it-works.md, "Several processes".
-"""
+ranks exchange a [`Report`]. See docs/how-it-works.md, "Several processes"."""
 
 from __future__ import annotations
 
@@ -89,8 +87,8 @@ class Ranks:
         key: tuple[str, int, str],
         fatal: Callable[[BaseException], Exception] | None = None,
     ) -> Report:
-        """Run `work` (this rank's report) on every rank; returns the report they agree on, `failed()` where this
-        rank ran out of memory (or the replayed run did at `key`). `fatal`: the error to raise instead of retrying."""
+        """Run `work` on every rank; returns the report they agree on (`failed()` where this rank ran out of memory,
+        or the replayed run did at `key`). `fatal`: the error to raise instead of retrying."""
         if tape.recorded_failure(*key):
             return self.exchange(failed())
         try:

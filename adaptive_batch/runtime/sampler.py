@@ -11,8 +11,7 @@ from ..core.steps import StepPlan
 
 
 class StepBatchSampler(Sampler[list[int]]):
-    """Yields, for each planned optimizer step, the dataset indices this rank trains on: epochs (permutations seeded
-    with `seed + epoch`) end to end, rank `r` taking every `world_size`-th; a pure function of (seed, plan, step).
+    """Yields, for each planned optimizer step, this rank's dataset indices, a pure function of (seed, plan, step).
     The plan may be replaced while iterated; `issued`, the last step drawn, tells what it must leave as it was."""
 
     def __init__(self, plan: StepPlan, seed: int, rank: int = 0, shuffle: bool = True, start_step: int = 0):
@@ -33,7 +32,6 @@ class StepBatchSampler(Sampler[list[int]]):
             step += 1
 
     def indices(self, step: int, rank: int | None = None) -> list[int]:
-        """Dataset indices of `step` on `rank` (this sampler's rank by default)."""
         rank = self.rank if rank is None else rank
         offset = self.plan.offset(step)
         order = self.permutation(self.plan.epoch(step))

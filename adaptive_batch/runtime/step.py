@@ -1,7 +1,5 @@
-"""One optimizer step as micro-batches, each through the user's own `Trainer.training_step` as in gradient
-accumulation, out-of-memory errors survived. See docs/how-it-works.md, "Data, cuts and measurements" (3.
-Micro-batches) and "Several processes".
-"""
+"""One optimizer step as micro-batches through the user's own `training_step`, out-of-memory errors survived. See
+docs/how-it-works.md, "Data, cuts and measurements" (3. Micro-batches) and "Several processes"."""
 
 from __future__ import annotations
 
@@ -51,8 +49,7 @@ class StepStats:
 
 
 class MicroBatchRunner:
-    """Runs optimizer steps as micro-batches for one Trainer, cut by `controller`; `flatten`: make padded step
-    batches padding-free ([`flatten_padded`]); `noise`: the noise scale's meter (`None`: off)."""
+    """Runs optimizer steps as micro-batches for one Trainer, cut by `controller` (`noise`: `None` for off)."""
 
     def __init__(
         self,
@@ -89,9 +86,8 @@ class MicroBatchRunner:
         max_rows: int,
         split: bool = False,
     ) -> torch.Tensor:
-        """Forward and backward of this rank's share of a step batch through `inner_step` (the user's
-        `training_step`); returns the detached loss. `max_rows`: the largest share on any rank; `split`: cut into
-        at least two micro-batches (so that one process measures the noise)."""
+        """Forward and backward of this rank's share of a step batch through the user's `training_step`; returns
+        the detached loss. `split`: at least two micro-batches (so that one process measures the noise)."""
         if self.flatten and not is_packed(inputs):
             inputs = flatten_padded(inputs)
         packed = self.packed or self.flatten or is_packed(inputs)
@@ -179,8 +175,7 @@ class MicroBatchRunner:
         tokens, peak, thrashed = self.agree(
             [outcome.largest_tokens, -1.0 if peak is None else max(peak, outcome.peak), float(thrashed)]
         )
-        peak = None if peak < 0 else peak
-        return StepMemory(outcome.largest, int(tokens), peak, bool(thrashed))
+        return StepMemory(outcome.largest, int(tokens), None if peak < 0 else peak, bool(thrashed))
 
     @property
     def _step(self) -> int:
@@ -191,8 +186,7 @@ class MicroBatchRunner:
             self.noise.remove()
 
     def _share_total(self, step: _Step) -> float:
-        """What a micro-batch's units are divided by to give its share of the step gradient: `num_items_in_batch`
-        where the loss is normalised over all ranks, else this rank's units x ranks (the gradients are averaged)."""
+        """What a micro-batch's units are divided by to give its share of the step gradient."""
         if self.distributed and step.num_items is not None and loss_normalised_over_ranks(self.trainer):
             return float(step.num_items)
         return self.ranks.count * step.total()
@@ -276,8 +270,7 @@ def _failed(batch: StepBatch, start: int, own: int) -> Report:
 
 @dataclass
 class _Step:
-    """What every micro-batch of a step runs `training_step` with, and each row's label tokens (`counts`; `None`:
-    rows weigh alike), which turn a micro-batch's mean loss into its share of the step's."""
+    """What a step's micro-batches run `training_step` with, and its rows' label tokens (`None`: alike)."""
 
     inner_step: InnerStep
     model: torch.nn.Module

@@ -1,6 +1,4 @@
-"""A training stream (an `IterableDataset`, or `datasets` streaming) cut into the plan's steps, read once in order.
-See docs/how-it-works.md, "Data, cuts and measurements" (1. Plan).
-"""
+"""A training stream cut into the plan's steps, read once in order. See docs/how-it-works.md, "1. Plan"."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ class StreamEndedError(ValueError):
 
 
 class StepStream(IterableDataset):
-    """Yields, for each planned step, the list of this rank's samples (rank `r` every `world_size`-th); `issued` is
-    the last step drawn. `shared`: rank 0 reads the stream and scatters the shares (no DataLoader workers)."""
+    """Yields, for each planned step, this rank's samples; `shared`: rank 0 reads the stream and scatters shares."""
 
     def __init__(
         self, stream, plan: StepPlan, rank: int = 0, max_steps: int | None = None, shared: bool = False
@@ -47,7 +44,6 @@ class StepStream(IterableDataset):
             step += 1
 
     def _shares(self) -> Iterator[list[list]]:
-        """Read the stream: every step's samples, as one list per rank."""
         samples, read, step = iter(self.stream), 0, 0
         while step < self.plan.num_steps:
             size, world = self.plan.sizes[step], self.plan.world_size

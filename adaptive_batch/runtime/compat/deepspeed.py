@@ -1,5 +1,4 @@
-"""DeepSpeed (through accelerate's wrapper): the accumulation boundary set per micro-batch, and the ZeRO state a
-failed pass leaves, undone."""
+"""DeepSpeed: the accumulation boundary set per micro-batch, and the ZeRO state a failed pass leaves, undone."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ MANAGED_ACCUMULATION = "managed_gradient_accumulation"
 
 @contextlib.contextmanager
 def deepspeed_backward_only(trainer, boundary: bool) -> Iterator[None]:
-    """Make `Accelerator.backward` mark the accumulation boundary and run `engine.backward` without the
-    `engine.step()` accelerate's wrapper adds (the step's end calls it): it has no switch, so its method is replaced
-    on the instance for the block."""
+    """Make `Accelerator.backward` mark the accumulation boundary and skip the `engine.step()` accelerate's wrapper
+    adds (the step's end calls it): it has no switch, so its method is replaced on the instance."""
     wrapper = trainer.accelerator.deepspeed_engine_wrapped
 
     def backward(loss, sync_gradients=True, **kwargs):

@@ -1,5 +1,4 @@
-"""torch: the private modules the probe's trials use, and the flags of LRScheduler and DDP AdaptiveBatch reads or
-sets."""
+"""torch: the private modules the probe's trials use, and the flags of LRScheduler and DDP AdaptiveBatch touches."""
 
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ CONFIG_BOOKKEEPING_KEYS = (
 
 
 def trainer_being_built(callback):
-    """The Trainer whose `__init__` is calling `callback.on_init_end`, or `None`: callbacks are given no Trainer, so
-    it is read from the frame of `Trainer.__init__`."""
+    """The Trainer whose `__init__` calls `callback.on_init_end` (callbacks get none: read from its frame)."""
     from transformers import Trainer
 
     init = inspect.unwrap(Trainer.__init__).__code__
@@ -47,8 +46,7 @@ def put_in_front(trainer, mixin: type, prefix: str) -> None:
 
 
 class KeepsLiveCallbackState:
-    """Keeps AdaptiveBatch's callback live on resume: its checkpoint entry is left out while the Trainer re-creates
-    the other stateful callbacks, then put back."""
+    """Keeps AdaptiveBatch's callback live on resume: left out while the Trainer re-creates the others."""
 
     callback_state_key: str
 

@@ -19,7 +19,7 @@ def sft_prepare_dataset(dataset, tokenizer, args, packing: bool, chat_template, 
 
 class TrlMetrics:
     """SFTTrainer's token count and metrics, kept true where `compute_loss` runs more often than TRL expects:
-    `restore` drops a failed attempt's, `correct` sets the step's real tokens, `merge` joins an eval batch's pieces."""
+    `restore` drops a failed attempt's, `correct` sets the step's real tokens, `merge` joins eval pieces'."""
 
     def __init__(self, trainer, mode: str = "train"):
         self.trainer = trainer
@@ -43,8 +43,7 @@ class TrlMetrics:
             self.trainer._total_train_tokens = self.total_tokens
 
     def merge(self, weights: list[float]) -> None:
-        """Where each of the last `len(weights)` `compute_loss` calls appended one value to a list, make them their
-        mean weighted by `weights` (the pieces' label tokens)."""
+        """Where the last `len(weights)` `compute_loss` calls each appended a value, make them their weighted mean."""
         total = sum(weights)
         if self.lists is None or total <= 0:
             return
