@@ -1,6 +1,5 @@
-"""The training dataloader: one batch per optimizer step per rank, as the plan cuts the sample stream, yielded as
-`gradient_accumulation_steps` slots (the step batch last, empty slots before it) so that the loop's counts are the
-plain Trainer's. See docs/how-it-works.md, "What happens inside" (2. Data)."""
+"""The training dataloader: one batch per optimizer step per rank, yielded as `gradient_accumulation_steps` slots
+(the step batch last) so that the loop's counts are the plain Trainer's. See docs/how-it-works.md, "What happens inside"."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from ..runtime.stream import StepStream, is_stream
 
 
 def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: bool):
-    """The DataLoader `Trainer.get_train_dataloader` returns, and what draws its steps ([`StepBatchSampler`], or a
-    [`StepStream`] over a stream): a growing schedule replaces its `plan`; its `issued` tells the last step drawn."""
+    """The DataLoader `Trainer.get_train_dataloader` returns, and what draws its steps (its `issued`: the last drawn)."""
     args = trainer.args
     dataset, collator = train_dataset_and_collator(trainer, trainer.train_dataset, trainer.data_collator)
     slots = args.gradient_accumulation_steps
@@ -102,8 +100,8 @@ def empty_slot(batch) -> EmptySlot:
 
 
 def batch_samples(inner, epoch_iterator, slots: int, device) -> tuple[list, object]:
-    """`Trainer.get_batch_samples` over one step's slots: `num_items_in_batch` counted over the step batch alone, the
-    empty slots before it (the loop synchronises gradients at a step's last batch)."""
+    """`Trainer.get_batch_samples` over one step's slots: `num_items_in_batch` the step batch's, the empty slots before
+    it (the loop synchronises gradients at a step's last batch)."""
     drawn = list(itertools.islice(epoch_iterator, slots))
     steps = [batch for batch in drawn if batch is not None]
     batches, num_items = inner(iter(steps), len(steps), device)

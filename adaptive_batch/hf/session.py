@@ -1,6 +1,5 @@
-"""AdaptiveBatch's state for one Trainer, and the order in which things happen to it: made when AdaptiveBatch is
-attached, planned again when `train()` starts ([`core.planning`]). It holds the parts that own the rest: the
-[`assemble.Assembly`], [`status.Status`], [`resume.Resume`] and [`growth.Growth`]."""
+"""AdaptiveBatch's state for one Trainer and the order of what happens to it: made at attach, planned again when
+`train()` starts; it holds the parts that own the rest ([`assemble.Assembly`], `Status`, `Resume`, `Growth`)."""
 
 from __future__ import annotations
 
@@ -50,12 +49,10 @@ class Session:
 
     @property
     def noise(self):
-        """The noise scale's averages (`None` with `measure_noise=False`)."""
         return self.status.noise
 
     @property
     def schedule(self):
-        """The effective batch over training: the user's `per_device x accumulation x world size` by default."""
         args = self.trainer.args
         user_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world_size
         return self.config.resolved_schedule(user_batch)
@@ -67,8 +64,7 @@ class Session:
     # -- planning ------------------------------------------------------------------------------------------------
 
     def prepare(self, checkpoint: StoredCheckpoint | None = None) -> None:
-        """Plan from the current arguments, dataset and checkpoint (if any), then build what runs the plan. Every
-        refusal happens here, before any compute."""
+        """Plan from the arguments, dataset and checkpoint, and build what runs the plan; every refusal comes here."""
         trainer, config, args = self.trainer, self.config, self.trainer.args
         if trainer.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
@@ -123,8 +119,7 @@ class Session:
             self.resume.restore(self.plan, self.identity.shuffle, self.status, self.assembly, self.growth)
 
     def replan(self, schedule) -> StepPlan:
-        """Plan the rest of the run again under a grown `schedule`; the LR clock, the data loader, the controller's
-        row limit, the checkpoint's identity and the Trainer's step count follow the new plan, returned."""
+        """Plan the rest of the run again under a grown `schedule`: everything that reads the plan follows it."""
         plan = self.run.replan(schedule)
         if self.sampler is not None:
             self.sampler.plan = plan
@@ -164,8 +159,8 @@ class Session:
             self.runner.close()
 
     def initial_training_values(self) -> tuple:
-        """What `Trainer.set_initial_training_values` returns: the loop sees one epoch of all steps, each
-        `gradient_accumulation_steps` batches (the step batch in the last); the callback tracks data epochs."""
+        """The loop sees one epoch of all steps, each `gradient_accumulation_steps` batches; the callback tracks data
+        epochs."""
         plan, accumulation = self.plan, self.trainer.args.gradient_accumulation_steps
         return (
             1,  # num_train_epochs of the loop
@@ -225,7 +220,6 @@ class Session:
         return self.status.current(self.run, self.growth)
 
     def state_dict(self) -> dict:
-        """Plain JSON for the checkpoint (see `core/checkpoint.py`)."""
         adoption = self.resume.adoption if self.resume is not None else None
         growth = (
             self.growth.state_dict() if self.growth is not None else {"schedule": None, "step_time": None}
