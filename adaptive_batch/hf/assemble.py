@@ -33,9 +33,8 @@ class Assembly:
         self.row_limit = 0  # the most rows a step of the plan holds on a rank
         # the dataset could not tell its rows' lengths: the first step tells them ([`lengths_from_step`])
         self.lengths_pending = False
-        # evaluation survives an out-of-memory error ([`runtime.evaluation`]), unless adapt_evaluation=False or the
-        # engine's forward gathers parameters from every rank (DeepSpeed, FSDP): there the Trainer's own (None);
-        # under adapt_evaluation="grow" the eval batch grows between evaluations (None: the user's size)
+        # evaluation survives an out-of-memory error unless adapt_evaluation=False or the engine's forward gathers
+        # parameters from every rank (DeepSpeed, FSDP); "grow": the eval batch grows between evaluations
         sharded = any(getattr(trainer, name, False) for name in ("is_deepspeed_enabled", "is_fsdp_enabled"))
         grow = config.adapt_evaluation == "grow"
         self.eval_pieces = self.eval_growth = None
@@ -105,9 +104,9 @@ class Assembly:
             "per_device_eval_batch_size": trainer.args.per_device_eval_batch_size,
         }
         recorded = Tape(run)
-        name = file_name(self.rank, self.world_size)
-        if checkpoint is not None and os.path.isfile(os.path.join(checkpoint.path, name)):
-            recorded.continue_from(read_record(os.path.join(checkpoint.path, name), 0, 1)[0])
+        saved = os.path.join(checkpoint.path, file_name(self.rank, self.world_size)) if checkpoint else ""
+        if os.path.isfile(saved):
+            recorded.continue_from(read_record(saved, 0, 1)[0])
         if config.replay is not None:
             record, path = read_record(config.replay, self.rank, self.world_size)
             changed = differences(record.get("run"), run)
@@ -119,8 +118,6 @@ class Assembly:
 
     def write_tape(self, folder: str) -> None:
         self.runner.tape.write(os.path.join(folder, file_name(self.rank, self.world_size)))
-
-    # -- what the Trainer tells ------------------------------------------------------------------------------------
 
     def layout(self) -> Layout:
         return TrainerFacts(self.trainer, self.config, self.runner.engine).layout
@@ -158,8 +155,6 @@ class Assembly:
         self.runner.flatten = facts.layout.flatten
         self.controller = self.runner.controller = controller_for(self.config, facts, self.row_limit)
         return facts.layout.flatten
-
-    # -- checkpoint ------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         runner = self.runner

@@ -68,8 +68,6 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         self.session = install(trainer, self)
         return self
 
-    # -- reading the plan and the run from Python ------------------------------------------------------------------
-
     @property
     def plan(self) -> StepPlan:
         """The step plan (read it, do not change it): `plan.sizes[k]` samples in step `k` over all GPUs."""
@@ -101,8 +99,6 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             yield
         finally:
             self.training_session = previous
-
-    # -- callback events -------------------------------------------------------------------------------------------
 
     def on_init_end(self, args, state, control, **kwargs):
         trainer = trainer_being_built(self)
@@ -157,8 +153,6 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         """Every process writes its measurements into the output_dir (what `replay=` follows)."""
         if self.training_session is not None and args.output_dir:
             self.training_session.assembly.write_tape(args.output_dir)
-
-    # -- checkpoint ------------------------------------------------------------------------------------------------
 
     def state(self) -> dict:
         session = self.training_session or self.session

@@ -30,8 +30,6 @@ class Growth:
         # a step's micro-batches on a rank, outside the steps cut in two to measure
         self._usual_micro_batches = 1
 
-    # -- before training -------------------------------------------------------------------------------------------
-
     def check(
         self, config, engine: Engine, world_size: int, stream_workers: int, stored: dict | None
     ) -> None:
@@ -73,8 +71,6 @@ class Growth:
             )
         for size in self.schedule.sizes(world_size):
             run.clock.multiplier(size)
-
-    # -- during training -------------------------------------------------------------------------------------------
 
     def before_step(self, step: int, last_step: int, tape) -> None:
         """Time the last step, from its start to this one's (optimizer step, logging, data loading included)."""
@@ -149,8 +145,6 @@ class Growth:
             session.runner.last.micro_batch_size, self._usual_micro_batches
         )
         return StepCosts(self.step_time, session.world_size, self._usual_micro_batches, cap)
-
-    # -- checkpoint ------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         return {"schedule": self.schedule.state_dict(), "step_time": self.step_time.state_dict()}

@@ -31,7 +31,6 @@ class AdaptiveTrainerMixin(KeepsLiveCallbackState):
     callback_state_key = STATE_KEY
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """Read the checkpoint to resume (if any) and plan, then run the Trainer's own loop."""
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
             from transformers.trainer_utils import get_last_checkpoint
 
@@ -95,8 +94,7 @@ class AdaptiveTrainerMixin(KeepsLiveCallbackState):
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
     ):
-        assembly = self._adaptive_batch.assembly
-        pieces, growth = assembly.eval_pieces, assembly.eval_growth
+        pieces, growth = self._adaptive_batch.assembly.eval_pieces, self._adaptive_batch.assembly.eval_growth
         if pieces is not None:
             pieces.begin()
         measured = contextlib.nullcontext()
@@ -137,11 +135,8 @@ def install(trainer, callback) -> Session:
 def _configure_logger(args) -> None:
     """Show the plan table by default: INFO on the main process unless `log_level` says otherwise, on stderr where no
     logging is configured."""
-    if args.should_log:
-        level = logging.INFO if args.log_level == "passive" else args.get_process_log_level()
-    else:
-        level = args.get_process_log_level()
-    logger.setLevel(level)
+    passive = args.should_log and args.log_level == "passive"
+    logger.setLevel(logging.INFO if passive else args.get_process_log_level())
     if not any(isinstance(handler, _ShownWhereUnconfigured) for handler in logger.handlers):
         handler = _ShownWhereUnconfigured()
         handler.setFormatter(logging.Formatter("%(message)s"))

@@ -12,8 +12,7 @@ import torch
 
 logger = logging.getLogger("adaptive_batch")
 
-# where `compute_loss` is defined by these, it normalises by `num_items_in_batch` whenever the Trainer leaves it to
-# the loss (the model's own loss with loss kwargs; TRL's token-summed losses)
+# a `compute_loss` defined by these normalises by `num_items_in_batch` wherever the Trainer leaves it to the loss
 TRUSTED_MODULES = ("transformers.", "trl.")
 
 
@@ -53,8 +52,7 @@ class LossScale:
         """The user's `compute_loss`, its loss weighted where it ignores `num_items_in_batch` in a training step."""
         items = kwargs.get("num_items_in_batch")
         func = getattr(self.trainer, "compute_loss_func", None)
-        # where the Trainer divides the loss itself (as it does without num_items_in_batch or loss kwargs, and no
-        # compute_loss_func), the divisor is the micro-batch's share ([`runtime.step`] sets it)
+        # where the Trainer divides the loss itself, the divisor is the micro-batch's share ([`runtime.step`] sets it)
         divides = (
             items is None or not getattr(self.trainer, "model_accepts_loss_kwargs", False)
         ) and func is None

@@ -16,7 +16,7 @@ from .assemble import Assembly
 from .checks import check_trainer
 from .growth import Growth, growth_for
 from .resume import Resume
-from .status import Status, plan_table, rule_text, schedule_text
+from .status import Status, plan_table, plan_text
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -60,8 +60,6 @@ class Session:
     @property
     def is_stream(self) -> bool:
         return is_stream(self.trainer.train_dataset)
-
-    # -- planning ------------------------------------------------------------------------------------------------
 
     def prepare(self, checkpoint: StoredCheckpoint | None = None) -> None:
         """Plan from the arguments, dataset and checkpoint, and build what runs the plan; every refusal comes here."""
@@ -108,8 +106,8 @@ class Session:
             data_seed=args.data_seed if args.data_seed is not None else args.seed,
             shuffle=not self.is_stream and args.train_sampling_strategy != "sequential",
             adopted_at_step=self.resume.adoption.global_step if self.resume.adoption else 0,
-            schedule=schedule_text(schedule),
-            lr_scaling=rule_text(config.lr_scaling),
+            schedule=plan_text(schedule),
+            lr_scaling=plan_text(config.lr_scaling),
             fingerprint=self.plan.fingerprint(),
         )
         self.resume.check(self.identity)
@@ -127,8 +125,6 @@ class Session:
         self.assembly.follow(plan)
         self.trainer.state.max_steps = plan.num_steps
         return plan
-
-    # -- a run ---------------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def training(self, checkpoint: StoredCheckpoint | None):
@@ -206,8 +202,6 @@ class Session:
             timed = not exploring and not self.controller.exploring and not runner.last.retries
             growth.after_step(self, step, timed, split)
         return loss
-
-    # -- reports and checkpoints ---------------------------------------------------------------------------------
 
     def add_metrics(self, logs: dict) -> None:
         if self.status.last_step >= 0 and self.trainer.is_in_train and "loss" in logs:

@@ -69,8 +69,6 @@ class Status:
                 "the noise scale's averages.",
             )
 
-    # -- reports ---------------------------------------------------------------------------------------------------
-
     def metrics(self, run: RunPlan, growth) -> dict[str, float]:
         """The `adaptive_batch/*` values of a training log (README, "What it logs")."""
         values = self._step_metrics(run, growth)
@@ -138,7 +136,7 @@ class Status:
             plan,
             run.clock,
             run.budget,
-            schedule_text=schedule_text(schedule),
+            schedule_text=plan_text(schedule),
             micro_batch_text=controller.describe()
             + (
                 "; the dataset cannot tell its rows' lengths before training: where the first step's vary, steps are "
@@ -150,7 +148,7 @@ class Status:
             tokens=None
             if total_tokens is None
             else round(total_tokens * run.budget.samples / plan.dataset_size),
-            rule_text=rule_text(config.lr_scaling),
+            rule_text=plan_text(config.lr_scaling),
             accumulation_text=controller.accumulation_text(
                 [effective // plan.world_size for _, _, effective in plan.phases()],
                 args.gradient_accumulation_steps,
@@ -187,13 +185,6 @@ def plan_table(rows: list[tuple[str, str]]) -> str:
     return report.format_rows("AdaptiveBatch plan", rows)
 
 
-# The schedule and the LR rule as the plan table names them, and a checkpoint's plan (a resume under another one is
-# refused naming both)
-
-
-def schedule_text(schedule) -> str:
-    return describe(schedule)  # (a growing one by its settings, not the changes it made)
-
-
-def rule_text(lr_scaling) -> str:
-    return lr_scaling if isinstance(lr_scaling, str) else describe(lr_scaling)
+def plan_text(value) -> str:
+    """The schedule or LR rule as the plan table and a checkpoint's plan name it (a growing schedule by its settings)."""
+    return value if isinstance(value, str) else describe(value)

@@ -45,8 +45,6 @@ class Trial:
 
 @dataclass
 class Search:
-    """What the search found: every trial in order, the largest size that fits, the smallest that does not."""
-
     trials: list[Trial]
     boundary: int
     first_failing: int | None

@@ -73,7 +73,6 @@ def cached_start(setup: dict, seq_len: int) -> CachedStart:
 
 
 def setup_key(setup: dict) -> str:
-    """A stable key of everything that changes memory (the setup without the sequence length)."""
     text = json.dumps({k: v for k, v in setup.items() if k != "seq_len"}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 

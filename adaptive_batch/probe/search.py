@@ -92,8 +92,7 @@ def probe(
     setup_seconds = time.perf_counter() - started
     try:
         warm_up = runner.warm_up()
-        trials: list[Trial] = []
-        eval_trials: list[Trial] = []
+        trials, eval_trials = [], []
 
         def run(size: int, forward_only: bool = False, eval_step: bool = False) -> Trial:
             trial = runner.run(size, forward_only=forward_only, evaluation=eval_step)
