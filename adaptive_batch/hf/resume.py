@@ -37,8 +37,7 @@ def read_checkpoint(path: str) -> StoredCheckpoint:
         )
     with open(file) as handle:
         trainer_state = json.load(handle)
-    attributes = saved_callback_state(trainer_state, STATE_KEY)
-    state = (attributes or {}).get("checkpoint") or None
+    state = (saved_callback_state(trainer_state, STATE_KEY) or {}).get("checkpoint") or None
     if state is not None:
         check_schema(state, path)
     return StoredCheckpoint(

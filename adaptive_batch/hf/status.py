@@ -131,23 +131,21 @@ class Status:
         config, controller, args = self.config, self.assembly.controller, self.trainer.args
         plan = run.plan
         plain = plain_batching(args, plan)
+        plain_steps = plain.total_steps(args.num_train_epochs, args.max_steps)
         total_tokens = lengths.total_tokens(self.trainer.train_dataset)
+        unknown_lengths = (
+            "; the dataset cannot tell its rows' lengths before training: where the first step's vary, steps are "
+            "cut by padded tokens from it on"
+        )
         rows = report.plan_rows(
             plan,
             run.clock,
             run.budget,
             schedule_text=plan_text(schedule),
             micro_batch_text=controller.describe()
-            + (
-                "; the dataset cannot tell its rows' lengths before training: where the first step's vary, steps are "
-                "cut by padded tokens from it on"
-                if self.assembly.lengths_pending
-                else ""
-            ),
-            plain_steps=plain.total_steps(args.num_train_epochs, args.max_steps),
-            tokens=None
-            if total_tokens is None
-            else round(total_tokens * run.budget.samples / plan.dataset_size),
+            + (unknown_lengths if self.assembly.lengths_pending else ""),
+            plain_steps=plain_steps,
+            tokens=total_tokens and round(total_tokens * run.budget.samples / plan.dataset_size),
             rule_text=plan_text(config.lr_scaling),
             accumulation_text=controller.accumulation_text(
                 [effective // plan.world_size for _, _, effective in plan.phases()],
@@ -158,7 +156,7 @@ class Status:
         rows += report.step_strategy_rows(
             plan,
             plain,
-            plain.total_steps(args.num_train_epochs, args.max_steps),
+            plain_steps,
             step_strategies(args),
             may_grow_to=growth.schedule.max_size if growth is not None else None,
         )
@@ -171,10 +169,9 @@ class Status:
 def step_strategies(args) -> list[report.StepStrategy]:
     strategies = []
     if args.eval_strategy == "steps":
+        delay = args.eval_delay or 0
         strategies.append(
-            report.StepStrategy(
-                "evaluation", "eval_steps", "eval_strategy", args.eval_steps, args.eval_delay or 0
-            )
+            report.StepStrategy("evaluation", "eval_steps", "eval_strategy", args.eval_steps, delay)
         )
     if args.save_strategy == "steps":
         strategies.append(report.StepStrategy("saving", "save_steps", "save_strategy", args.save_steps))
