@@ -67,12 +67,22 @@ def run(options: argparse.Namespace) -> dict:
     from ..probe import cache as probe_cache
     from ..probe import load, search
 
-    _check_memory_budget(options.memory_budget)
-    device = _device(options)
+    budget = options.memory_budget
+    if budget is not None and not (math.isfinite(budget) and budget > 0):  # before any model is loaded
+        raise ValueError(
+            f"--memory-budget {budget:g} is not a positive, finite number of GiB (the memory a training step "
+            "may use); pass one such as --memory-budget 8."
+        )
+    if options.cpu and budget is None:
+        raise ValueError("--cpu needs --memory-budget GIB: on the CPU the limit is a stated budget.")
+    if not options.cpu and not torch.cuda.is_available():
+        raise ValueError(
+            "no CUDA device; pass --cpu --memory-budget GIB to probe on the CPU against a budget."
+        )
+    device = torch.device("cpu") if options.cpu else torch.device("cuda", torch.cuda.current_device())
     if not 0 <= options.headroom < 1:
         raise ValueError(f"--headroom {options.headroom} must be in [0, 1), e.g. 0.05.")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[options.dtype]
-    targets = [t.strip() for t in options.lora_target.split(",") if t.strip()]
     gradient_checkpointing = not options.no_gradient_checkpointing
     model = load.load_model(
         options.model_dir,
@@ -80,7 +90,7 @@ def run(options: argparse.Namespace) -> dict:
         options.load_in_4bit,
         options.lora_r,
         options.lora_alpha,
-        targets,
+        [t.strip() for t in options.lora_target.split(",") if t.strip()],
         gradient_checkpointing,
         options.seq_len,
         device,
@@ -94,7 +104,7 @@ def run(options: argparse.Namespace) -> dict:
             optim=optim,
             device=device,
             headroom=options.headroom,
-            memory_budget=options.memory_budget * 2**30 if options.memory_budget is not None else None,
+            memory_budget=budget * 2**30 if budget is not None else None,
             max_size=options.max_size,
             largest=options.max,
             effective_batch_size=options.effective_batch,
@@ -108,30 +118,6 @@ def run(options: argparse.Namespace) -> dict:
     if not options.no_cache:
         result["cache_file"] = str(probe_cache.save_report(report))
     return result
-
-
-def _check_memory_budget(memory_budget: float | None) -> None:
-    """Refuse a budget no step can run under, before any model is loaded."""
-    if memory_budget is not None and not (math.isfinite(memory_budget) and memory_budget > 0):
-        raise ValueError(
-            f"--memory-budget {memory_budget:g} is not a positive, finite number of GiB (the memory a training step "
-            "may use); pass one such as --memory-budget 8."
-        )
-
-
-def _device(options: argparse.Namespace):
-    """The device to probe on: the CPU against a stated budget, else the current CUDA device."""
-    import torch
-
-    if options.cpu:
-        if options.memory_budget is None:
-            raise ValueError("--cpu needs --memory-budget GIB: on the CPU the limit is a stated budget.")
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            "no CUDA device; pass --cpu --memory-budget GIB to probe on the CPU against a budget."
-        )
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def show(result: dict) -> None:
@@ -193,8 +179,7 @@ def devices_text(device: str | None, gpus: int) -> str:
 
 
 def format_gib(value: float | None) -> str:
-    """Bytes as GiB with two decimals below 10 GiB, one above, two significant digits below 0.01 GiB; "-" for no
-    reading."""
+    """Bytes as GiB: two significant digits below 0.01, two decimals below 10, one above; "-" for no reading."""
     if value is None or not math.isfinite(value):
         return "-"
     gib = value / 2**30

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 
 from .training_args import BOOLEANS, script_fields
 
@@ -80,14 +81,9 @@ def sft_defaults() -> dict | None:
         from trl import SFTConfig
     except ImportError:
         return None
-    defaults = {}
-    for field in dataclasses.fields(SFTConfig):
-        if field.default is not dataclasses.MISSING:
-            defaults[field.name] = field.default
-        elif field.default_factory is not dataclasses.MISSING:
-            defaults[field.name] = field.default_factory()
-        else:
-            defaults[field.name] = None
+    fields, missing = dataclasses.fields(SFTConfig), dataclasses.MISSING
+    defaults = {field.name: None if field.default is missing else field.default for field in fields}
+    defaults.update({f.name: f.default_factory() for f in fields if f.default_factory is not missing})
     return defaults
 
 
@@ -97,12 +93,9 @@ def known_fields() -> tuple[set[str], set[str]]:
         from trl import SFTConfig as config
     except ImportError:
         from transformers import TrainingArguments as config
-    names, booleans = set(), set()
-    for field in dataclasses.fields(config):
-        names.add(field.name)
-        if field.type in (bool, "bool") or str(field.type) in ("bool", "bool | None"):
-            booleans.add(field.name)
-    return names, booleans
+    fields = dataclasses.fields(config)
+    booleans = {f.name for f in fields if f.type in (bool, "bool") or str(f.type) in ("bool", "bool | None")}
+    return {field.name for field in fields}, booleans
 
 
 def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) -> SFTArgs:
@@ -126,7 +119,9 @@ def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) 
             if name == "eos_token" and value == "<EOS_TOKEN>" and where.startswith("--args"):
                 result.hidden_eos_token = where.removesuffix(" gives")
                 continue
-            result.given[name] = _checked(name, value, where)
+            result.given[name] = _convert(name, value)
+            if result.given[name] is _BAD:
+                raise ValueError(f"{where} {name}={value!r}, which is not {FIELDS[name]}.")
             if not where.startswith("--args") and name != "seed":
                 result.is_sft = True  # seed is TrainingArguments' too: no sign of an SFT run
     return result
@@ -138,7 +133,10 @@ def unknown_options(argv: list[str]) -> list[str]:
     names, booleans = known_fields()
     unknown = []
     for item in argv:
-        if not item.startswith("-") or _is_number(item):
+        with contextlib.suppress(ValueError):
+            float(item)
+            continue  # a value, such as -1
+        if not item.startswith("-"):
             continue
         name = item.lstrip("-").split("=", 1)[0].replace("-", "_")
         # HfArgumentParser's --no_X for a bool defaulting True
@@ -149,33 +147,16 @@ def unknown_options(argv: list[str]) -> list[str]:
     return unknown
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _checked(field: str, value, where: str):
-    """`value` of `field` as SFTTrainer takes it (a script's text converted as HfArgumentParser would), or a
-    `ValueError` naming the field, where it came from and the rule."""
-    checked = _convert(field, value)
-    if checked is _BAD:
-        raise ValueError(f"{where} {field}={value!r}, which is not {FIELDS[field]}.")
-    return checked
-
-
 _BAD = object()
 
 
 def _convert(field: str, value):
+    """`value` of `field` as SFTTrainer takes it (a script's text converted as HfArgumentParser would), else _BAD."""
     text = value.strip() if isinstance(value, str) else None
     if text is not None and text.lower() in ("none", "null") and field not in ("dataset_text_field",):
         value = None
     if value is None:
-        nullable = {"max_length", "completion_only_loss", "eos_token", "chat_template_path"}
-        return None if field in nullable | {"dataset_kwargs", "dataset_num_proc"} else _BAD
+        return None if FIELDS[field].endswith(" or None") else _BAD
     if field in BOOLEAN_FIELDS:
         if isinstance(value, bool):
             return value
@@ -191,8 +172,6 @@ def _convert(field: str, value):
         return value if value in CHOICES[field] else _BAD
     if field == "dataset_kwargs":
         if isinstance(value, str):
-            import json
-
             with contextlib.suppress(ValueError):
                 value = json.loads(value)
         return value if isinstance(value, dict) else _BAD
