@@ -14,7 +14,7 @@ from ..core.planning import RunSettings, plan_run
 from ..core.schedule import PhaseSchedule, as_schedule, describe
 from ..core.traps import explicit_epochs, run_traps
 from .arguments import integer, number, positive_int, setting_help
-from .dataset_facts import dataset_facts
+from .dataset_facts import DatasetFacts, dataset_facts
 from .sft_args import named, read_sft_args, sft_defaults
 from .training_args import apply_training_args
 
@@ -116,18 +116,30 @@ def run(options: argparse.Namespace) -> dict:
     sft = read_sft_args(
         getattr(options, "script_args", None) or [], options.saved_args, f"--args {options.args} gives"
     )
-    not_used = _unknown_options_line(sft.unknown_options)
-    if options.dataset is None:
-        dataset_size, tokens_per_epoch, dataset_notes = options.dataset_size, None, []
-        not_used += _sft_fields_without_dataset(sft)
-    else:
+    not_used = []  # one line for each setting given that the plan could not follow
+    if unknown := sft.unknown_options:
+        not_used.append(
+            f"{', '.join(unknown)} after --: no field of SFTConfig or TrainingArguments, so plan does not read "
+            f"{'it' if len(unknown) == 1 else 'them'} (a dataset named there is not --dataset)"
+        )
+    if options.dataset is not None:
         facts = dataset_facts(options.dataset, options.tokenizer, sft)
-        dataset_size, tokens_per_epoch, dataset_notes = facts.rows, facts.tokens, facts.notes
-        not_used += facts.not_used
+    else:
+        facts = DatasetFacts(options.dataset_size, None)
+        # the SFT fields that change the rows or tokens, which plan counts only from a --dataset file
+        if given := sft.changed(sft_defaults(), leave_out=("seed", "dataset_num_proc")):
+            facts.not_used.append(
+                f"{named(given)}: they change the rows or tokens SFTTrainer trains on, which plan counts only from "
+                "--dataset (with --tokenizer); --dataset-size is taken as the rows trained on"
+            )
+    not_used += facts.not_used
     schedule = _schedule(options)
     epochs = options.epochs if options.epochs is not None else RunSettings.num_train_epochs  # the Trainer's 3
+    # num_train_epochs where the user set it: a saved TrainingArguments holds 3 whether or not it was set
+    source = options.given.get("epochs")
+    epochs_given = explicit_epochs(options.epochs) if source == "args" else options.epochs if source else None
     settings = RunSettings(
-        dataset_size,
+        facts.rows,
         epochs,
         options.max_steps,
         options.gpus,
@@ -140,7 +152,7 @@ def run(options: argparse.Namespace) -> dict:
     packs = any(sft.given.get(name) is True for name in ("packing", "padding_free"))
     layout = choose_layout(None, packs, options.attention, None)
     budget, plan, clock = planned.budget, planned.plan, planned.clock
-    tokens = round(tokens_per_epoch * budget.samples / dataset_size) if tokens_per_epoch is not None else None
+    tokens = round(facts.tokens * budget.samples / facts.rows) if facts.tokens is not None else None
     return {
         "dataset_size": planned.dataset_size,
         "world_size": plan.world_size,
@@ -168,12 +180,12 @@ def run(options: argparse.Namespace) -> dict:
         ],
         "layout": {"padding_free": layout.flatten, "text": layout.text},
         "notes": list(plan.notes),
-        "dataset_notes": dataset_notes,  # how the rows and tokens were counted, where not as the file holds them
-        "not_used": not_used,  # one line for each setting given that the plan could not follow
+        "dataset_notes": facts.notes,  # how the rows and tokens were counted, where not as the file holds them
+        "not_used": not_used,
         "warnings": run_traps(
             planned,
             schedule,
-            epochs_given=_epochs_given(options),
+            epochs_given=epochs_given,
             # the batch settings defaulted (not given) cannot disagree with the schedule
             schedule_given=options.schedule is not None
             and bool({"per_device", "accumulation"} & set(options.given)),
@@ -209,37 +221,6 @@ def show(result: dict) -> None:
         print(f"not used: {line}", file=sys.stderr)
     for warning in result["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
-
-
-def _unknown_options_line(options: list[str]) -> list[str]:
-    """One line naming the script's options that are no SFTConfig or TrainingArguments field (none: no line)."""
-    if not options:
-        return []
-    return [
-        f"{', '.join(options)} after --: no field of SFTConfig or TrainingArguments, so plan does not read "
-        f"{'it' if len(options) == 1 else 'them'} (a dataset named there is not --dataset)"
-    ]
-
-
-def _sft_fields_without_dataset(sft) -> list[str]:
-    """With --dataset-size: the SFT fields given that change the rows or tokens, which plan counts only from a
-    --dataset file."""
-    given = sft.changed(sft_defaults(), leave_out=("seed", "dataset_num_proc"))
-    if not given:
-        return []
-    return [
-        f"{named(given)}: they change the rows or tokens SFTTrainer trains on, which plan counts only from --dataset "
-        "(with --tokenizer); --dataset-size is taken as the rows trained on"
-    ]
-
-
-def _epochs_given(options: argparse.Namespace) -> float | None:
-    """num_train_epochs where the user set it: the flag, or a saved value other than the Trainer's default 3 (a saved
-    TrainingArguments holds 3 whether or not it was set)."""
-    source = options.given.get("epochs")
-    if source == "args":
-        return explicit_epochs(options.epochs)
-    return options.epochs if source is not None else None
 
 
 def _schedule(options: argparse.Namespace):
