@@ -52,12 +52,8 @@ def positive_int(flag: str, example: int = 8):
     return _typed(flag, example, int, "a positive int", lambda value: value >= 1)
 
 
-def number(flag: str, example: str, positive: bool = False):
-    """A finite number (a positive one where `positive`)."""
-    rule = "a positive number" if positive else "a number"
-    return _typed(
-        flag, example, float, rule, lambda value: math.isfinite(value) and (value > 0 or not positive)
-    )
+def positive_number(flag: str, example: str):
+    return _typed(flag, example, float, "a positive number", lambda value: math.isfinite(value) and value > 0)
 
 
 def integer(flag: str, example: str):

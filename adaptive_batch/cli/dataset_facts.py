@@ -102,7 +102,7 @@ def _sft_facts(facts, rows, tokenized: bool, path: Path, tokenizer_dir, sft: SFT
             "rows with images: SFTTrainer prepares them while training, so their tokens are not known"
         )
         return facts
-    tokenizer = _tokenizer(tokenizer_dir, args, path) if tokenizer_dir is not None else None
+    tokenizer = _tokenizer(tokenizer_dir, args) if tokenizer_dir is not None else None
     _check_first_row(first, tokenizer, args, path)
     padding_free = args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})
     if padding_free and not args.packing and args.max_length is not None:
@@ -182,7 +182,7 @@ def _how(args, sft: SFTArgs, before: list[int], after: list[int], version: str) 
     return text
 
 
-def _tokenizer(tokenizer_dir: Path, args, path: Path):
+def _tokenizer(tokenizer_dir: Path, args):
     """The --tokenizer as SFTTrainer sets it up: its eos_token and a .jinja chat_template_path applied."""
     from transformers import AutoTokenizer
 

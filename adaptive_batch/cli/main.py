@@ -1,10 +1,6 @@
-"""`adaptive-batch`: the command line (probe, plan, plot). See README.md, "Commands", and docs/how-it-works.md,
-"The commands".
-
-Each command is a module ([`probe`], [`plan`], [`plot`]) with its `HELP`, `add_arguments(parser)`,
-`run(options) -> dict` (the result as plain data) and `show(result)` (the result for a human). `--json` prints that
-dict as one JSON object on stdout; a failure is one line on stderr and exit code 1.
-"""
+"""`adaptive-batch`: one module a command, each with `HELP`, `add_arguments(parser)`, `run(options) -> dict` (plain
+data, which `--json` prints) and `show(result)` (for a human); a failure is one line on stderr and exit code 1. See
+docs/how-it-works.md, "The commands"."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from ..core.controllers import choose_layout
 from ..core.planning import RunSettings, plan_run
 from ..core.schedule import PhaseSchedule, as_schedule, describe
 from ..core.traps import explicit_epochs, run_traps
-from .arguments import integer, number, positive_int, setting_help
+from .arguments import integer, positive_int, positive_number, setting_help
 from .dataset_facts import DatasetFacts, dataset_facts
 from .sft_args import named, read_sft_args, sft_defaults
 from .training_args import apply_training_args
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--epochs",
-        type=number("--epochs", "3", positive=True),
+        type=positive_number("--epochs", "3"),
         help="num_train_epochs (default: --args, else the Trainer's 3)",
     )
     parser.add_argument(

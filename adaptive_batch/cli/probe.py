@@ -193,20 +193,14 @@ def _progress():
         from rich.console import Console
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     except ImportError:
-
-        def report(trial):
-            print(f"trial {trial.size}: {_outcome(trial)}", file=sys.stderr)
-
-        yield report
+        yield lambda trial: print(f"trial {trial.size}: {_outcome(trial)}", file=sys.stderr)
         return
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("probing", total=None)
-
-        def report(trial):
-            progress.update(task, description=f"probing: last trial {trial.size} ({_outcome(trial)})")
-
-        yield report
+        yield lambda trial: progress.update(
+            task, description=f"probing: last trial {trial.size} ({_outcome(trial)})"
+        )
 
 
 def _outcome(trial) -> str:

@@ -62,8 +62,7 @@ class SFTArgs:
 
     def config(self, defaults: dict) -> argparse.Namespace:
         """The SFTConfig's fields as the run has them: `defaults` (SFTConfig's), overridden by the given ones."""
-        fields = dict(defaults)
-        fields.update(self.given)
+        fields = {**defaults, **self.given}
         if fields.get("packing_strategy") == "bfd-requeue":  # as SFTConfig.__post_init__ renames it
             fields["packing_strategy"] = "bfd_split"
         return argparse.Namespace(**fields)

@@ -70,9 +70,7 @@ def _valid(field: str, value):
         return float(value) if value >= 0 else None
     if not float(value).is_integer():
         return None
-    if field == "max_steps":
-        return int(value)
-    return int(value) if value >= 1 else None
+    return int(value) if field == "max_steps" or value >= 1 else None
 
 
 def read_training_args(path: Path) -> dict:
