@@ -86,17 +86,6 @@ def sft_defaults() -> dict | None:
     return defaults
 
 
-def known_fields() -> tuple[set[str], set[str]]:
-    """(the fields of SFTConfig, or of TrainingArguments without TRL; those of them that are bools)."""
-    try:
-        from trl import SFTConfig as config
-    except ImportError:
-        from transformers import TrainingArguments as config
-    fields = dataclasses.fields(config)
-    booleans = {f.name for f in fields if f.type in (bool, "bool") or str(f.type) in ("bool", "bool | None")}
-    return {field.name for field in fields}, booleans
-
-
 def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) -> SFTArgs:
     """The SFT fields of the script's arguments (first) and of a saved TrainingArguments/SFTConfig `saved`."""
     result = SFTArgs()
@@ -129,7 +118,13 @@ def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) 
 def unknown_options(argv: list[str]) -> list[str]:
     """The options among a script's arguments that are no field of SFTConfig (TrainingArguments without TRL): the
     script's own (a model or dataset name), or a typo."""
-    names, booleans = known_fields()
+    try:
+        from trl import SFTConfig as config
+    except ImportError:
+        from transformers import TrainingArguments as config
+    fields = dataclasses.fields(config)
+    names = {field.name for field in fields}
+    booleans = {f.name for f in fields if f.type in (bool, "bool") or str(f.type) in ("bool", "bool | None")}
     unknown = []
     for item in argv:
         with contextlib.suppress(ValueError):
@@ -157,21 +152,15 @@ def _convert(field: str, value):
     if value is None:
         return None if FIELDS[field].endswith(" or None") else _BAD
     if field in BOOLEAN_FIELDS:
-        if isinstance(value, bool):
-            return value
-        return BOOLEANS.get(text.lower(), _BAD) if text is not None else _BAD
-    if field in ("max_length", "seed", "dataset_num_proc"):
-        if isinstance(value, str):
-            with contextlib.suppress(ValueError):
-                value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            return _BAD
-        return value if field == "seed" or value >= 1 else _BAD
-    if field in CHOICES:
-        return value if value in CHOICES[field] else _BAD
-    if field == "dataset_kwargs":
-        if isinstance(value, str):
-            with contextlib.suppress(ValueError):
-                value = json.loads(value)
-        return value if isinstance(value, dict) else _BAD
-    return value if isinstance(value, str) else _BAD
+        return value if isinstance(value, bool) else BOOLEANS.get(text.lower(), _BAD) if text else _BAD
+    parse = {"max_length": int, "seed": int, "dataset_num_proc": int, "dataset_kwargs": json.loads}.get(field)
+    if parse is not None and text is not None:
+        with contextlib.suppress(ValueError):
+            value = parse(value)
+    if parse is int:
+        valid = isinstance(value, int) and not isinstance(value, bool) and (field == "seed" or value >= 1)
+    elif field in CHOICES:
+        valid = value in CHOICES[field]
+    else:
+        valid = isinstance(value, dict if field == "dataset_kwargs" else str)
+    return value if valid else _BAD
