@@ -22,6 +22,8 @@ class CommandParser(argparse.ArgumentParser):
         hidden = default is None or default is False or default in ("", argparse.SUPPRESS)
         if help_text not in (None, argparse.SUPPRESS) and not hidden:
             kwargs["help"] = help_text + " (default: %(default)s)"
+        if isinstance(kwargs.get("type"), _Typed) and not kwargs["type"].flag:
+            kwargs["type"].flag = names[0]  # the option a bad value is refused for
         return super().add_argument(*names, **kwargs)
 
 
@@ -32,29 +34,30 @@ def setting_help(name: str, command_line: str) -> str:
     return text.replace("%", "%%")  # argparse formats help with %, so a literal one must be doubled
 
 
-def _typed(flag: str, example, convert, rule: str, accept=lambda value: True):
-    """The argparse type of option `flag`: `convert(text)` where it is accepted, else argparse prints
-    `argument FLAG: 'abc' is not RULE, e.g. FLAG EXAMPLE`."""
+class _Typed:
+    """The argparse type of option `flag` (a [`CommandParser`] sets it to the option's name): `convert(text)` where
+    it is accepted, else argparse prints `argument FLAG: 'abc' is not RULE, e.g. FLAG EXAMPLE`."""
 
-    def parse(text: str):
+    def __init__(self, example, convert, rule: str, accept=lambda value: True, flag: str = ""):
+        self.example, self.convert, self.rule, self.accept, self.flag = example, convert, rule, accept, flag
+
+    def __call__(self, text: str):
         try:
-            value = convert(text)
+            value = self.convert(text)
         except ValueError:
             value = None
-        if value is None or not accept(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}, e.g. {flag} {example}")
+        if value is None or not self.accept(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.rule}, e.g. {self.flag} {self.example}")
         return value
 
-    return parse
+
+def positive_int(example, flag: str = ""):
+    return _Typed(example, int, "a positive int", lambda value: value >= 1, flag)
 
 
-def positive_int(flag: str, example: int = 8):
-    return _typed(flag, example, int, "a positive int", lambda value: value >= 1)
+def positive_number(example):
+    return _Typed(example, float, "a positive number", lambda value: math.isfinite(value) and value > 0)
 
 
-def positive_number(flag: str, example: str):
-    return _typed(flag, example, float, "a positive number", lambda value: math.isfinite(value) and value > 0)
-
-
-def integer(flag: str, example: str):
-    return _typed(flag, example, int, "an int")
+def integer(example):
+    return _Typed(example, int, "an int")

@@ -23,7 +23,7 @@ HELP = "print the steps, samples, tokens and LR of a run before it starts"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_mutually_exclusive_group(required=True)
-    data.add_argument("--dataset-size", type=positive_int("--dataset-size", 1000), help="training samples")
+    data.add_argument("--dataset-size", type=positive_int(1000, "--dataset-size"), help="training samples")
     data.add_argument("--dataset", type=Path, help="a .jsonl/.json file or a datasets.save_to_disk folder")
     parser.add_argument(
         "--tokenizer",
@@ -48,26 +48,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and SFTConfig fields among them override --args; options that are neither are named, not read",
     )
     parser.add_argument(
-        "--per-device",
-        type=positive_int("--per-device", 8),
-        help="per_device_train_batch_size (default: --args, else 8)",
+        "--per-device", type=positive_int(8), help="per_device_train_batch_size (default: --args, else 8)"
     )
     parser.add_argument(
-        "--accumulation",
-        type=positive_int("--accumulation", 4),
-        help="gradient_accumulation_steps (default: --args, else 1)",
+        "--accumulation", type=positive_int(4), help="gradient_accumulation_steps (default: --args, else 1)"
     )
     parser.add_argument(
-        "--gpus", type=positive_int("--gpus", 2), default=1, help="data-parallel processes (world size)"
+        "--gpus", type=positive_int(2), default=1, help="data-parallel processes (world size)"
     )
     parser.add_argument(
-        "--epochs",
-        type=positive_number("--epochs", "3"),
-        help="num_train_epochs (default: --args, else the Trainer's 3)",
+        "--epochs", type=positive_number("3"), help="num_train_epochs (default: --args, else the Trainer's 3)"
     )
     parser.add_argument(
         "--max-steps",
-        type=integer("--max-steps", "500"),
+        type=integer("500"),
         help="max_steps (overrides --epochs, as in the Trainer; default: --args, else -1: not set)",
     )
     parser.add_argument(
