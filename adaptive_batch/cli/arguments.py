@@ -1,6 +1,5 @@
-"""What the commands' options share: the parser that shows defaults in `--help`, the argparse types of numeric
-options (a bad value refused naming the option, the rule and an example), and the help of an option that is an
-`AdaptiveBatch` setting (its meaning from `core.config`, so that `--help` and the docstring agree)."""
+"""What the commands' options share: a parser that shows defaults in `--help`, numeric types that refuse a bad value
+naming the option, and the help of an `AdaptiveBatch` setting (its meaning from `core.config`)."""
 
 from __future__ import annotations
 
@@ -11,10 +10,8 @@ from ..core.config import meaning
 
 
 class CommandParser(argparse.ArgumentParser):
-    """A command's parser: `--help` shows an option's default after its help text, except where there is none to
-    show (`None`, a switch's `False`, an empty string): those options say in their help what happens without them.
-
-    Added here rather than by `ArgumentDefaultsHelpFormatter`, whose only public part is its name."""
+    """A command's parser: `--help` shows a default after its help text where there is one (not `None`, `False`,
+    ''; `ArgumentDefaultsHelpFormatter`'s only public part is its name), and each [`_Typed`] learns its option."""
 
     def add_argument(self, *names, **kwargs):
         default, help_text = kwargs.get("default"), kwargs.get("help")

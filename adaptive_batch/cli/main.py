@@ -15,7 +15,7 @@ from .arguments import CommandParser
 COMMANDS = {"probe": probe, "plan": plan, "plot": plot}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="adaptive-batch", description="Exact, adaptive batch sizes for the HF Trainer."
     )
@@ -25,11 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         subparser = commands.add_parser(name, help=command.HELP)
         command.add_arguments(subparser)
         subparser.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    options = build_parser().parse_args(argv)
+    options = parser.parse_args(argv)
     command = COMMANDS[options.command]
     try:
         result = command.run(options)

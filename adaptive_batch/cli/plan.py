@@ -1,6 +1,5 @@
-"""`adaptive-batch plan`: what a run will do before it starts, planned by the Trainer path's own
-[`~core.planning.plan_run`]: optimizer steps, samples, tokens, epochs and the learning-rate multiplier of every
-phase, with warnings for the classic traps."""
+"""`adaptive-batch plan`: a run's optimizer steps, samples, tokens, epochs and each phase's LR multiplier before it
+starts, by the Trainer path's own [`~core.planning.plan_run`], with warnings for the classic traps."""
 
 from __future__ import annotations
 

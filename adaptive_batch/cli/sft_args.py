@@ -1,6 +1,5 @@
-"""The SFTConfig fields that `adaptive-batch plan` reads (those that change the rows or tokens SFTTrainer trains
-on), from the script's arguments after `--` and from `--args`, each checked as TRL takes it. See docs/how-it-works.md,
-"The commands"."""
+"""The SFTConfig fields that change the rows or tokens SFTTrainer trains on, read by `adaptive-batch plan` from the
+script's arguments after `--` and `--args` and checked as TRL takes them. See docs/how-it-works.md, "The commands"."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class SFTArgs:
     eval_only: dict = dataclasses.field(default_factory=dict)
 
     def changed(self, defaults: dict | None, leave_out: tuple[str, ...] = ("seed",)) -> dict:
-        """The given fields whose value is not SFTConfig's (`defaults`; every given one without TRL), but those of
-        `leave_out`."""
+        """The given fields but `leave_out` whose value is not SFTConfig's `defaults` (all of them without TRL)."""
         return {
             name: value
             for name, value in self.given.items()

@@ -1,6 +1,5 @@
-"""The run's settings that `adaptive-batch plan` reads from the run's own TrainingArguments: a JSON of them, a
-checkpoint's `training_args.bin`, or the script's command line after `--`. See docs/how-it-works.md, "The
-commands"."""
+"""The TrainingArguments that `adaptive-batch plan` reads: a JSON of them, a checkpoint's `training_args.bin`, or
+the script's command line after `--`. See docs/how-it-works.md, "The commands"."""
 
 from __future__ import annotations
 
