@@ -180,7 +180,6 @@ def draw(series: RunSeries):
     tallest = max((size for size in effective + micro if math.isfinite(size)), default=1)
     batch_axes.set_ylim(0, 1.3 * tallest)  # room for the legend above the largest size
     batch_axes.legend(loc="upper left")
-
     noise_axes.step(steps_x, effective, where="pre", color="C0", linestyle="--", label="effective batch")
     if series.noise_measured:
         noise = [value if _plottable(value) else math.nan for value in series.noise_scale]
@@ -194,10 +193,8 @@ def draw(series: RunSeries):
         axis_formatter(LogFormatter(labelOnlyBase=False))  # 20, not 2 x 10^1
     noise_axes.set_ylabel("samples (log)")
     noise_axes.legend(loc="upper left")
-
     lr_axes.plot(x, _numbers(series.learning_rate), color="C3")
     lr_axes.set_ylabel("learning rate")
-
     loss_axes.plot(x, _numbers(series.loss), color="C1", label="training loss")
     if series.eval_loss:
         loss_axes.plot(
@@ -211,7 +208,6 @@ def draw(series: RunSeries):
     loss_axes.set_ylabel("loss")
     loss_axes.set_xlabel("samples seen")
     loss_axes.legend(loc="upper right")
-
     for axes in (batch_axes, noise_axes, lr_axes, loss_axes):
         axes.grid(True, alpha=0.3)
     tokens = f", {series.tokens_seen[-1]:,} tokens" if series.tokens_seen[-1] is not None else ""

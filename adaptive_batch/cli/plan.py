@@ -109,12 +109,6 @@ def run(options: argparse.Namespace) -> dict:
     sft = read_sft_args(
         getattr(options, "script_args", None) or [], options.saved_args, f"--args {options.args} gives"
     )
-    not_used = []  # one line for each setting given that the plan could not follow
-    if unknown := sft.unknown_options:
-        not_used.append(
-            f"{', '.join(unknown)} after --: no field of SFTConfig or TrainingArguments, so plan does not read "
-            f"{'it' if len(unknown) == 1 else 'them'} (a dataset named there is not --dataset)"
-        )
     if options.dataset is not None:
         facts = dataset_facts(options.dataset, options.tokenizer, sft)
     else:
@@ -125,7 +119,12 @@ def run(options: argparse.Namespace) -> dict:
                 f"{named(given)}: they change the rows or tokens SFTTrainer trains on, which plan counts only from "
                 "--dataset (with --tokenizer); --dataset-size is taken as the rows trained on"
             )
-    not_used += facts.not_used
+    if unknown := sft.unknown_options:
+        facts.not_used.insert(
+            0,
+            f"{', '.join(unknown)} after --: no field of SFTConfig or TrainingArguments, so plan does not read "
+            f"{'it' if len(unknown) == 1 else 'them'} (a dataset named there is not --dataset)",
+        )
     schedule = _schedule(options)
     epochs = options.epochs if options.epochs is not None else RunSettings.num_train_epochs  # the Trainer's 3
     # num_train_epochs where the user set it: a saved TrainingArguments holds 3 whether or not it was set
@@ -174,7 +173,7 @@ def run(options: argparse.Namespace) -> dict:
         "layout": {"padding_free": layout.flatten, "text": layout.text},
         "notes": list(plan.notes),
         "dataset_notes": facts.notes,  # how the rows and tokens were counted, where not as the file holds them
-        "not_used": not_used,
+        "not_used": facts.not_used,  # one line for each setting given that the plan could not follow
         "warnings": run_traps(
             planned,
             schedule,

@@ -88,7 +88,6 @@ def run(options: argparse.Namespace) -> dict:
         device,
     )
     optim = options.optim or probe_cache.default_optim()
-    setup = probe_cache.describe_setup(model, optim, gradient_checkpointing)
     with _progress() as on_trial:
         report = search.probe(
             model,
@@ -102,7 +101,7 @@ def run(options: argparse.Namespace) -> dict:
             effective_batch_size=options.effective_batch,
             gpus=options.gpus,
             autocast_dtype=dtype if dtype != torch.float32 else None,
-            setup=setup,
+            setup=probe_cache.describe_setup(model, optim, gradient_checkpointing),
             on_trial=on_trial,
             evaluation=not options.no_eval,
         )

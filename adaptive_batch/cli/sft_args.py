@@ -31,8 +31,7 @@ FIELDS = {
 BOOLEAN_FIELDS = {"packing", "padding_free", "assistant_only_loss", "shuffle_dataset", "completion_only_loss"}
 CHOICES = {
     "truncation_mode": ("keep_start", "keep_end"),
-    # bfd-requeue: TRL's old name of bfd_split
-    "packing_strategy": ("bfd", "bfd_split", "wrapped", "bfd-requeue"),
+    "packing_strategy": ("bfd", "bfd_split", "wrapped", "bfd-requeue"),  # bfd-requeue: bfd_split's old name
 }
 # fields read elsewhere, or that change no train row or token: the plan does not need them
 EVAL_ONLY = {"eval_packing"}
