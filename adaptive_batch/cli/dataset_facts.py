@@ -24,10 +24,9 @@ class DatasetFacts:
     not_used: list = dataclasses.field(default_factory=list)
 
 
-def dataset_facts(path: Path, tokenizer_dir: Path | None = None, sft: SFTArgs | None = None) -> DatasetFacts:
+def dataset_facts(path: Path, tokenizer_dir: Path | None, sft: SFTArgs) -> DatasetFacts:
     """The rows and tokens per epoch of a .jsonl/.json file or a `datasets.save_to_disk` folder, as the run trains
     on them; tokens `None` where they cannot be counted (text without --tokenizer)."""
-    sft = sft or SFTArgs()
     if not path.exists():
         raise ValueError(
             f"--dataset {path} does not exist; pass a .jsonl/.json file or a save_to_disk folder."
@@ -35,7 +34,11 @@ def dataset_facts(path: Path, tokenizer_dir: Path | None = None, sft: SFTArgs | 
     rows = _load(path)
     if len(rows) == 0:
         raise ValueError(f"--dataset {path} holds no records.")
-    tokenized = _all_tokenized(rows)
+    tokenized = (
+        "input_ids" in rows.column_names
+        if hasattr(rows, "column_names")
+        else all(isinstance(row, dict) and isinstance(row.get("input_ids"), list) for row in rows)
+    )
     defaults = sft_defaults()
     given = sft.changed(defaults)
     if tokenized and not sft.is_sft:
@@ -218,12 +221,6 @@ def _tokenizer(first: dict, tokenizer_dir: Path | None, args, path: Path):
 def _row_lengths(dataset) -> list[int]:
     """Each row's number of input_ids, reading the dataset through its indices (a shuffle or filter leaves one)."""
     return lengths.row_lengths(dataset.select_columns(["input_ids"]).flatten_indices())
-
-
-def _all_tokenized(rows) -> bool:
-    if hasattr(rows, "column_names"):
-        return "input_ids" in rows.column_names
-    return all(isinstance(r, dict) and isinstance(r.get("input_ids"), list) for r in rows)
 
 
 def _load(path: Path):

@@ -207,12 +207,9 @@ def show(result: dict) -> None:
         for label, value in result["table"]:
             table.add_row(label, value)
         Console().print(table)
-    for note in result["dataset_notes"]:
-        print(f"note: {note}", file=sys.stderr)
-    for line in result["not_used"]:
-        print(f"not used: {line}", file=sys.stderr)
-    for warning in result["warnings"]:
-        print(f"warning: {warning}", file=sys.stderr)
+    for prefix, key in (("note", "dataset_notes"), ("not used", "not_used"), ("warning", "warnings")):
+        for line in result[key]:
+            print(f"{prefix}: {line}", file=sys.stderr)
 
 
 def _schedule(options: argparse.Namespace):
