@@ -44,9 +44,8 @@ def dataset_facts(path: Path, tokenizer_dir: Path | None, sft: SFTArgs) -> Datas
     if tokenized and not sft.is_sft:
         return DatasetFacts(len(rows), lengths.total_tokens(rows))
     facts = DatasetFacts(len(rows), None)
-    if (
-        defaults is None
-    ):  # no TRL: counted as the rows are (text through the tokenizer, chat through its template)
+    # no TRL: counted as the rows are (text through the tokenizer, chat through its template)
+    if defaults is None:
         if tokenized:
             facts.tokens = lengths.total_tokens(rows)
         elif tokenizer_dir is not None:

@@ -33,10 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"adaptive-batch: error: {error}", file=sys.stderr)
         return 1
     if options.json:
-        # the table is the same numbers laid out for a human
-        print(
-            json.dumps({key: value for key, value in result.items() if key != "table"}, indent=1, default=str)
-        )
+        result.pop("table", None)  # the same numbers laid out for a human
+        print(json.dumps(result, indent=1, default=str))
     else:
         command.show(result)
     return 0
