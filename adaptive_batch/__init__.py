@@ -1,11 +1,5 @@
-"""adaptive-batch: exact, OOM-proof, adaptive batch sizes for the Hugging Face Trainer and TRL's SFTTrainer.
-
-```python
-from adaptive_batch import AdaptiveBatch, PhaseSchedule
-
-trainer = Trainer(..., callbacks=[AdaptiveBatch()])
-```
-"""
+"""adaptive-batch: exact, OOM-proof, adaptive batch sizes for the Hugging Face Trainer and TRL's SFTTrainer:
+`Trainer(..., callbacks=[AdaptiveBatch()])`."""
 
 import logging
 

@@ -1,13 +1,5 @@
-"""Offline helpers for tests, examples and trying a setup without a model hub or a GPU.
-
-- `text_corpus()`: real English text from Python's own documentation (`pydoc_data.topics`), no download.
-- `train_tokenizer(texts)`: a small byte-level BPE tokenizer trained on the spot.
-- `tiny_llama(tokenizer)`: a randomly initialised Llama with a 64-wide hidden layer.
-- `token_dataset(tokenizer, texts)`: tokenised rows of varying length, ready for a causal-LM collator.
-- `FakeOutOfMemory`: makes a model raise the real `torch.OutOfMemoryError` above a number of rows (or tokens) per
-  forward.
-- `eval_pieces(trainer)`: the evaluation in pieces of a Trainer AdaptiveBatch is attached to, for tests to read.
-"""
+"""Offline helpers for tests, examples and trying a setup without a model hub or a GPU: a text corpus, a tokenizer
+trained on the spot, a tiny random Llama, and `FakeOutOfMemory`, which raises the real `torch.OutOfMemoryError`."""
 
 from __future__ import annotations
 
@@ -81,25 +73,9 @@ def token_dataset(tokenizer, texts: list[str], max_length: int = 64) -> list[dic
 
 
 class FakeOutOfMemory:
-    """Raise `torch.OutOfMemoryError` from a model's forward (or backward) when a micro-batch has too many rows or
-    tokens.
-
-    Args:
-        model: the model to watch (any `nn.Module` called with `input_ids`).
-        max_rows: the largest number of rows that "fits" (`None`: any).
-        in_backward: raise during the backward pass instead of the forward.
-        only_after_calls: let this many oversized forwards pass first (an OOM that appears late, e.g. after
-            fragmentation).
-        max_tokens: the largest number of tokens, rows x length as padded, that "fits" (`None`: any).
-        times: raise at most this many times (`None`: every time): a transient error, such as one long step or a
-            fragmented moment gives.
-        in_eval: raise in forwards without gradients too (evaluation, prediction); by default only training's.
-
-    Attributes:
-        sizes: the rows of every forward the model was called with, in order (oversized ones included).
-        tokens: the rows x length of every forward, in the same order.
-        raised: the rows of every forward that raised.
-    """
+    """Raise `torch.OutOfMemoryError` from a model's forward (or backward, `in_backward`) above `max_rows` rows or
+    `max_tokens` padded tokens (`None`: any), after `only_after_calls` oversized forwards, at most `times` times
+    (`None`: every time), in evaluation too with `in_eval`."""
 
     def __init__(
         self,
@@ -111,15 +87,11 @@ class FakeOutOfMemory:
         times: int | None = None,
         in_eval: bool = False,
     ):
-        self.max_rows = max_rows
-        self.in_eval = in_eval
-        self.times_left = times
-        self.max_tokens = max_tokens
-        self.in_backward = in_backward
-        self.passes_left = only_after_calls
-        self.sizes: list[int] = []
-        self.tokens: list[int] = []
-        self.raised: list[int] = []
+        self.max_rows, self.max_tokens, self.in_backward = max_rows, max_tokens, in_backward
+        self.in_eval, self.times_left, self.passes_left = in_eval, times, only_after_calls
+        self.sizes: list[int] = []  # the rows of every forward
+        self.tokens: list[int] = []  # rows x length of every forward
+        self.raised: list[int] = []  # the rows of every forward that raised
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output):
@@ -165,15 +137,13 @@ class FakeOutOfMemory:
 
 
 def eval_pieces(trainer):
-    """The [`runtime.evaluation.EvalPieces`] that runs `trainer`'s eval batches under AdaptiveBatch (`None` where the
-    Trainer's own evaluation runs): tests read its fitted `overhead` and its timed `points`, or set the overhead."""
+    """The [`runtime.evaluation.EvalPieces`] running `trainer`'s eval batches (`None`: the Trainer's own)."""
     return trainer._adaptive_batch.assembly.eval_pieces
 
 
 def example_model(model_dir: str | None, texts: list[str], vocab_size: int = 512, hidden_size: int = 64):
-    """The examples' model and tokenizer: a local model folder (their `--model DIR`, e.g. for a GPU run) or, without
-    one, a tiny random Llama with a tokenizer trained on `texts`. Returns `(tokenizer, make_model)`, where
-    `make_model()` builds a fresh copy each call."""
+    """The examples' `(tokenizer, make_model)`: from a local model folder, or a tiny random Llama with a tokenizer
+    trained on `texts`; `make_model()` builds a fresh copy each call."""
     if model_dir is None:
         tokenizer = train_tokenizer(texts[:1500], vocab_size=vocab_size)
         return tokenizer, lambda: tiny_llama(tokenizer, hidden_size=hidden_size, num_layers=2)
@@ -187,9 +157,8 @@ def example_model(model_dir: str | None, texts: list[str], vocab_size: int = 512
 
 
 def skip_deepspeed_shm_build() -> None:
-    """Keep DeepSpeed from compiling its CPU shared-memory op (about 2 minutes of C++, used only by inference
-    all-reduce, never in training) when it sets up communication on CPU processes. Through `importlib`:
-    `import deepspeed.comm.torch` binds the real `torch` package, which `deepspeed.comm` re-exports."""
+    """Keep DeepSpeed from compiling its CPU shared-memory op (2 minutes of C++, unused in training) on CPU
+    processes. Through `importlib`: `import deepspeed.comm.torch` binds the `torch` `deepspeed.comm` re-exports."""
     import importlib
 
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None

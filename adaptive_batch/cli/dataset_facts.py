@@ -1,10 +1,8 @@
-"""What `adaptive-batch plan` needs of a dataset file: its rows and, where they can be counted, its tokens, as the run
-will train on them: prepared by the installed TRL's own `SFTTrainer._prepare_dataset` where the run is an SFTTrainer
-run, else as the file holds them. See docs/how-it-works.md, "The commands"."""
+"""A dataset file's rows and tokens as the run trains on them, for `adaptive-batch plan`: prepared by the installed
+TRL's `SFTTrainer._prepare_dataset` for an SFTTrainer run. See docs/how-it-works.md, "The commands"."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import types
@@ -26,10 +24,9 @@ class DatasetFacts:
     not_used: list = dataclasses.field(default_factory=list)
 
 
-def dataset_facts(path: Path, tokenizer_dir: Path | None = None, sft: SFTArgs | None = None) -> DatasetFacts:
+def dataset_facts(path: Path, tokenizer_dir: Path | None, sft: SFTArgs) -> DatasetFacts:
     """The rows and tokens per epoch of a .jsonl/.json file or a `datasets.save_to_disk` folder, as the run trains
     on them; tokens `None` where they cannot be counted (text without --tokenizer)."""
-    sft = sft or SFTArgs()
     if not path.exists():
         raise ValueError(
             f"--dataset {path} does not exist; pass a .jsonl/.json file or a save_to_disk folder."
@@ -37,15 +34,21 @@ def dataset_facts(path: Path, tokenizer_dir: Path | None = None, sft: SFTArgs | 
     rows = _load(path)
     if len(rows) == 0:
         raise ValueError(f"--dataset {path} holds no records.")
-    tokenized = _all_tokenized(rows)
+    tokenized = (
+        "input_ids" in rows.column_names
+        if hasattr(rows, "column_names")
+        else all(isinstance(row, dict) and isinstance(row.get("input_ids"), list) for row in rows)
+    )
     defaults = sft_defaults()
     given = sft.changed(defaults)
     if tokenized and not sft.is_sft:
         return DatasetFacts(len(rows), lengths.total_tokens(rows))
+    facts = DatasetFacts(len(rows), None)
     # no TRL: counted as the rows are (text through the tokenizer, chat through its template)
     if defaults is None:
-        facts = DatasetFacts(len(rows), lengths.total_tokens(rows) if tokenized else None)
-        if not tokenized and tokenizer_dir is not None:
+        if tokenized:
+            facts.tokens = lengths.total_tokens(rows)
+        elif tokenizer_dir is not None:
             facts.tokens = _count_tokens(rows, tokenizer_dir, path)
             facts.notes.append(
                 "TRL is not installed: tokens counted without SFTTrainer's preparation (its EOS, truncation, packing)"
@@ -54,48 +57,53 @@ def dataset_facts(path: Path, tokenizer_dir: Path | None = None, sft: SFTArgs | 
             facts.not_used.append(f"{named(given)}: TRL is not installed to prepare the dataset with them")
         return facts
     if not tokenized and tokenizer_dir is None:
-        facts = DatasetFacts(len(rows), None)
         if given:
             facts.not_used.append(
                 f"{named(given)}: the rows are not tokenised without --tokenizer, so their rows and tokens are the "
                 "file's, not SFTTrainer's; pass --tokenizer to prepare them as SFTTrainer does"
             )
         return facts
-    return _sft_facts(rows, path, tokenizer_dir, sft, defaults, given)
+    return _sft_facts(facts, rows, tokenized, path, tokenizer_dir, sft, defaults)
 
 
-def _sft_facts(rows, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict, given: dict) -> DatasetFacts:
+def _sft_facts(facts, rows, tokenized: bool, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict):
     """Rows and tokens as the installed TRL's SFTTrainer prepares `rows`: its `_prepare_dataset` is run twice, first
     to tokenise (no truncation, packing or shuffle), then on the tokenised rows with the run's truncation, packing
     and shuffle, as it goes on from its tokenised rows in one call; the first tells the tokens before truncation."""
+    import datasets
     import trl
-    from datasets import Dataset
     from trl.data_utils import is_conversational
 
     args = sft.config(defaults)
-    facts = DatasetFacts(len(rows), None)
-    for name in ("chat_template_path", "eval_packing"):
-        facts.not_used += _unusable(name, args, sft)
-    if sft.hidden_eos_token and not (_all_tokenized(rows) or is_conversational(rows[0])):
+    template = args.chat_template_path
+    if template is not None and not str(template).endswith((".jinja", ".j2")):
+        facts.not_used.append(
+            f"chat_template_path={template!r}: SFTTrainer clones that tokenizer's template and special tokens into "
+            "the model; plan renders with --tokenizer's own template, so pass --tokenizer a folder that holds it"
+        )
+    if (eval_packing := sft.eval_only.get("eval_packing")) not in (None, "None", "none"):
+        facts.not_used.append(
+            f"eval_packing={eval_packing!r}: the eval set's, and plan counts the train set only"
+        )
+    if sft.hidden_eos_token and not (tokenized or is_conversational(rows[0])):
         facts.not_used.append(
             f"eos_token: {sft.hidden_eos_token} hides it (to_json_string writes '<EOS_TOKEN>'), so the EOS added to "
             "each text row is --tokenizer's own; pass -- --eos_token TOKEN where the run sets one"
         )
     if (args.dataset_kwargs or {}).get("skip_prepare_dataset", False):
-        facts.tokens = lengths.total_tokens(rows) if _all_tokenized(rows) else None
+        facts.tokens = lengths.total_tokens(rows) if tokenized else None
         facts.notes.append(
             "dataset_kwargs skip_prepare_dataset=True: SFTTrainer trains on the rows as they are"
         )
         return facts
-    dataset = rows if isinstance(rows, Dataset) else Dataset.from_list(rows)
+    dataset = rows if isinstance(rows, datasets.Dataset) else datasets.Dataset.from_list(rows)
     first = dataset[0]
     if "image" in first or "images" in first:
         facts.notes.append(
             "rows with images: SFTTrainer prepares them while training, so their tokens are not known"
         )
         return facts
-    tokenizer = _tokenizer(tokenizer_dir, args, path) if tokenizer_dir is not None else None
-    _check_first_row(first, tokenizer, args, path)
+    tokenizer = _tokenizer(first, tokenizer_dir, args, path)
     padding_free = args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})
     if padding_free and not args.packing and args.max_length is not None:
         raise ValueError(
@@ -122,23 +130,27 @@ def _sft_facts(rows, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict, gi
     tokenize_only = types.SimpleNamespace(
         **{**vars(args), "max_length": None, "packing": False, "shuffle_dataset": False}
     )
-    with _quiet():
-        try:
-            tokenized = sft_prepare_dataset(
-                dataset, tokenizer, tokenize_only, False, chat_template, completion_only_loss
-            )
-            before = _row_lengths(tokenized)
-            prepared = sft_prepare_dataset(
-                tokenized, tokenizer, args, args.packing, chat_template, completion_only_loss
-            )
-            after = _row_lengths(prepared)
-        except (AttributeError, TypeError) as error:
-            raise ValueError(
-                f"TRL {trl.__version__}'s SFTTrainer._prepare_dataset could not be run as plan runs it ({error}); "
-                "plan follows TRL 1.16's preparation."
-            ) from None
-        except (KeyError, RuntimeError) as error:
-            raise ValueError(f"SFTTrainer's preparation of --dataset {path} fails: {error!r}.") from None
+    was_quiet = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # (they are not the plan's output)
+    try:
+        prepared = sft_prepare_dataset(
+            dataset, tokenizer, tokenize_only, False, chat_template, completion_only_loss
+        )
+        before = _row_lengths(prepared)
+        prepared = sft_prepare_dataset(
+            prepared, tokenizer, args, args.packing, chat_template, completion_only_loss
+        )
+        after = _row_lengths(prepared)
+    except (AttributeError, TypeError) as error:
+        raise ValueError(
+            f"TRL {trl.__version__}'s SFTTrainer._prepare_dataset could not be run as plan runs it ({error}); "
+            "plan follows TRL 1.16's preparation."
+        ) from None
+    except (KeyError, RuntimeError) as error:
+        raise ValueError(f"SFTTrainer's preparation of --dataset {path} fails: {error!r}.") from None
+    finally:
+        if not was_quiet:
+            datasets.enable_progress_bars()
     facts.rows, facts.tokens = len(after), sum(after)
     facts.notes.append(_how(args, sft, before, after, trl.__version__))
     return facts
@@ -170,26 +182,18 @@ def _how(args, sft: SFTArgs, before: list[int], after: list[int], version: str) 
     return text
 
 
-def _unusable(name: str, args, sft: SFTArgs) -> list[str]:
-    """The line naming field `name` where it is set and the plan cannot follow it."""
-    if name == "chat_template_path":
-        value = args.chat_template_path
-        if value is None or str(value).endswith((".jinja", ".j2")):
-            return []
-        return [
-            f"chat_template_path={value!r}: SFTTrainer clones that tokenizer's template and special tokens into the "
-            "model; plan renders with --tokenizer's own template, so pass --tokenizer a folder that holds it"
-        ]
-    value = sft.eval_only.get(name)
-    if value in (None, "None", "none"):
-        return []
-    return [f"{name}={value!r}: the eval set's, and plan counts the train set only"]
-
-
-def _tokenizer(tokenizer_dir: Path, args, path: Path):
-    """The --tokenizer as SFTTrainer sets it up: its eos_token and a .jinja chat_template_path applied."""
+def _tokenizer(first: dict, tokenizer_dir: Path | None, args, path: Path):
+    """The --tokenizer as SFTTrainer sets it up (its eos_token, a .jinja chat_template_path), or `None`; refuses,
+    naming what is missing, a dataset whose first row (the one SFTTrainer looks at) it cannot prepare."""
     from transformers import AutoTokenizer
+    from trl.data_utils import is_conversational, is_conversational_from_value
 
+    if tokenizer_dir is None:
+        if "input_ids" not in first:
+            raise ValueError(
+                f"--dataset {path} is not tokenised ('input_ids'): pass --tokenizer to count its tokens."
+            )
+        return None
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if args.eos_token is not None:
         if args.eos_token not in tokenizer.get_vocab():
@@ -200,57 +204,22 @@ def _tokenizer(tokenizer_dir: Path, args, path: Path):
     template = args.chat_template_path
     if template is not None and str(template).endswith((".jinja", ".j2")) and Path(template).is_file():
         tokenizer.chat_template = Path(template).read_text(encoding="utf-8")
-    return tokenizer
-
-
-def _check_first_row(first: dict, tokenizer, args, path: Path) -> None:
-    """Refuse, naming what is missing, a dataset SFTTrainer cannot prepare: SFTTrainer looks at the first row."""
-    from trl.data_utils import is_conversational, is_conversational_from_value
-
     if "input_ids" in first:
-        return
-    if tokenizer is None:
-        raise ValueError(
-            f"--dataset {path} is not tokenised ('input_ids'): pass --tokenizer to count its tokens."
-        )
-    conversational = is_conversational(first) or is_conversational_from_value(first)
-    if conversational:
+        return tokenizer
+    if is_conversational(first) or is_conversational_from_value(first):
         _check_chat_template(tokenizer, path, 0)
-    if (
-        not conversational
-        and args.dataset_text_field not in first
-        and not ("prompt" in first and "completion" in first)
-    ):
+    elif args.dataset_text_field not in first and not ("prompt" in first and "completion" in first):
         raise ValueError(
             f"--dataset {path} row 0 holds neither 'input_ids', {args.dataset_text_field!r} (dataset_text_field), "
             "'messages' nor 'prompt' and 'completion', so SFTTrainer has nothing to tokenise (a formatting_func "
             "of the script's is not seen by plan); pass a dataset of those, or leave --tokenizer out (tokens unknown)."
         )
-
-
-@contextlib.contextmanager
-def _quiet():
-    """datasets' progress bars off while the plan prepares the dataset (they are not the plan's output)."""
-    import datasets
-
-    was_off = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not was_off:
-            datasets.enable_progress_bars()
+    return tokenizer
 
 
 def _row_lengths(dataset) -> list[int]:
     """Each row's number of input_ids, reading the dataset through its indices (a shuffle or filter leaves one)."""
     return lengths.row_lengths(dataset.select_columns(["input_ids"]).flatten_indices())
-
-
-def _all_tokenized(rows) -> bool:
-    if hasattr(rows, "column_names"):
-        return "input_ids" in rows.column_names
-    return all(isinstance(r, dict) and isinstance(r.get("input_ids"), list) for r in rows)
 
 
 def _load(path: Path):
@@ -283,22 +252,17 @@ def _count_tokens(rows, tokenizer_dir: Path, path: Path) -> int:
         if isinstance(row, dict) and isinstance(row.get("text"), str):
             total += len(tokenizer(row["text"])["input_ids"])
         elif isinstance(row, dict) and isinstance(row.get("messages"), list):
-            total += _chat_tokens(tokenizer, row["messages"], path, index)
+            # the template's text tokenized without adding special tokens again (the template writes its own); not
+            # len(apply_chat_template(tokenize=True)): in transformers 5 that is a BatchEncoding's number of keys
+            _check_chat_template(tokenizer, path, index)
+            text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+            total += len(tokenizer(text, add_special_tokens=False)["input_ids"])
         else:
             raise ValueError(
                 f"--dataset {path} row {index} holds neither 'input_ids', 'text' nor 'messages', so --tokenizer "
                 "has nothing to count; pass a dataset of those, or leave --tokenizer out (tokens unknown)."
             )
     return total
-
-
-def _chat_tokens(tokenizer, messages: list, path: Path, index: int) -> int:
-    """Tokens of one conversation: the chat template's text, tokenized without adding special tokens again (the
-    template writes its own). Not `len(apply_chat_template(tokenize=True))`: in transformers 5 that returns a
-    `BatchEncoding`, whose `len()` is its number of keys."""
-    _check_chat_template(tokenizer, path, index)
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _check_chat_template(tokenizer, path: Path, index: int) -> None:

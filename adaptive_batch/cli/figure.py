@@ -1,14 +1,6 @@
-"""Pictures of a run: effective batch, micro-batch, noise scale, learning rate and loss against samples seen, from
-the Trainer's own log history (`trainer_state.json`). Reading the series needs the standard library only; drawing
-them needs matplotlib (`pip install "adaptive-batch[plot]"`), through its Agg canvas: no window opens and the caller's
-pyplot backend is left alone. See docs/how-it-works.md, "The commands".
-
-```python
-from adaptive_batch.cli.figure import plot_run
-
-plot_run("out")  # writes out/adaptive_batch.png from the newest trainer_state.json under out/
-```
-"""
+"""A run's batch sizes, noise scale, LR and loss against samples seen, from its `trainer_state.json`, drawn by
+matplotlib's Agg canvas (no window, the caller's pyplot left alone): `plot_run("out")` writes out/adaptive_batch.png.
+See docs/how-it-works.md, "The commands"."""
 
 from __future__ import annotations
 
@@ -28,10 +20,8 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 @dataclass
 class RunSeries:
-    """A run's logged values as series, one entry per training log (`samples_seen` is their x; each series reads
-    the log key [`TRAINING_KEYS`] names, README "What it logs"), plus the evaluations; `eval_samples_seen` is
-    interpolated by step between training logs. A value a log lacks is `None`. `source`: where they were read.
-    """
+    """A run's logged values, one entry per training log (the log key [`TRAINING_KEYS`] names; `None` where a log
+    lacks it), plus the evaluations (`eval_samples_seen` interpolated by step); `source`: where they were read."""
 
     source: str
     step: list[int] = field(default_factory=list)
@@ -65,9 +55,8 @@ TRAINING_KEYS = {
 
 
 def find_trainer_state(run_dir: str | Path) -> Path:
-    """The `trainer_state.json` to read for `run_dir`: the path itself if it is a file, else the one at the output
-    dir's root (written by `trainer.save_state()`) if present, else the one of the checkpoint with the highest
-    step."""
+    """The `trainer_state.json` of `run_dir`: itself if a file, else the output dir's own (`trainer.save_state()`),
+    else its highest checkpoint's."""
     path = Path(run_dir)
     if path.is_file():
         return path
@@ -129,9 +118,8 @@ def read_series(log_history: list[dict], source: str = "the log history") -> Run
 
 
 def _samples_at(step: int, anchors: list[tuple[int, int]], last_log: dict) -> float:
-    """Samples seen at the end of `step`, from (step, samples seen) pairs sorted by step: the pair's own where one
-    has that step, a straight line between the neighbours otherwise, and past the last one its effective batch per
-    step."""
+    """Samples seen at the end of `step`, interpolated between (step, samples seen) `anchors`, past the last by its
+    effective batch per step."""
     for (step_before, samples_before), (step_after, samples_after) in zip(anchors, anchors[1:]):
         if step == step_after:
             return samples_after
@@ -143,8 +131,7 @@ def _samples_at(step: int, anchors: list[tuple[int, int]], last_log: dict) -> fl
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw the run in `run_dir` (a Trainer output_dir or a `trainer_state.json`, see [`find_trainer_state`]) into
-    the PNG `out` (default: [`default_png`]); returns its path."""
+    """Draw the run in `run_dir` ([`find_trainer_state`]) into the PNG `out` (default: [`default_png`])."""
     return write_png(read_run(run_dir), out if out is not None else default_png(run_dir))
 
 
@@ -162,17 +149,22 @@ def default_png(run_dir: str | Path) -> Path:
 
 def write_png(series: RunSeries, out: str | Path) -> Path:
     """Draw the series ([`draw`]) into the PNG `out` (its folder made if missing); returns its path."""
-    out = Path(out)
-    figure = draw(series)
+    figure, out = draw(series), Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, format="png", dpi=DPI)
     return out
 
 
 def draw(series: RunSeries):
-    """A matplotlib `Figure` of the series, four panels sharing the x axis (samples seen), drawn on an Agg canvas
-    (no window, no pyplot)."""
-    Figure, FigureCanvasAgg, LogFormatter = _matplotlib()
+    """A matplotlib `Figure` of the series: four panels sharing the x axis (samples seen), on an Agg canvas."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import LogFormatter
+    except ImportError:
+        raise ImportError(
+            'adaptive-batch plot needs matplotlib, which is not installed; pip install "adaptive-batch[plot]".'
+        ) from None
     figure = Figure(figsize=FIGURE_INCHES, dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     batch_axes, noise_axes, lr_axes, loss_axes = figure.subplots(4, 1, sharex=True)
@@ -188,7 +180,6 @@ def draw(series: RunSeries):
     tallest = max((size for size in effective + micro if math.isfinite(size)), default=1)
     batch_axes.set_ylim(0, 1.3 * tallest)  # room for the legend above the largest size
     batch_axes.legend(loc="upper left")
-
     noise_axes.step(steps_x, effective, where="pre", color="C0", linestyle="--", label="effective batch")
     if series.noise_measured:
         noise = [value if _plottable(value) else math.nan for value in series.noise_scale]
@@ -202,10 +193,8 @@ def draw(series: RunSeries):
         axis_formatter(LogFormatter(labelOnlyBase=False))  # 20, not 2 x 10^1
     noise_axes.set_ylabel("samples (log)")
     noise_axes.legend(loc="upper left")
-
     lr_axes.plot(x, _numbers(series.learning_rate), color="C3")
     lr_axes.set_ylabel("learning rate")
-
     loss_axes.plot(x, _numbers(series.loss), color="C1", label="training loss")
     if series.eval_loss:
         loss_axes.plot(
@@ -219,28 +208,14 @@ def draw(series: RunSeries):
     loss_axes.set_ylabel("loss")
     loss_axes.set_xlabel("samples seen")
     loss_axes.legend(loc="upper right")
-
     for axes in (batch_axes, noise_axes, lr_axes, loss_axes):
         axes.grid(True, alpha=0.3)
-    last_tokens = series.tokens_seen[-1]
-    tokens = f", {last_tokens:,} tokens" if last_tokens is not None else ""
+    tokens = f", {series.tokens_seen[-1]:,} tokens" if series.tokens_seen[-1] is not None else ""
     figure.suptitle(
         f"{series.source}\n{len(x)} logged steps to step {series.step[-1]}: {x[-1]:,} samples{tokens}",
         fontsize="medium",
     )
     return figure
-
-
-def _matplotlib():
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import LogFormatter
-    except ImportError:
-        raise ImportError(
-            'adaptive-batch plot needs matplotlib, which is not installed; pip install "adaptive-batch[plot]".'
-        ) from None
-    return Figure, FigureCanvasAgg, LogFormatter
 
 
 def _numbers(values: list) -> list[float]:

@@ -1,10 +1,6 @@
-"""`adaptive-batch`: the command line (probe, plan, plot). See README.md, "Commands", and docs/how-it-works.md,
-"The commands".
-
-Each command is a module ([`probe`], [`plan`], [`plot`]) with its `HELP`, `add_arguments(parser)`,
-`run(options) -> dict` (the result as plain data) and `show(result)` (the result for a human). `--json` prints that
-dict as one JSON object on stdout; a failure is one line on stderr and exit code 1.
-"""
+"""`adaptive-batch`: one module a command, each with `HELP`, `add_arguments(parser)`, `run(options) -> dict` (plain
+data, which `--json` prints) and `show(result)` (for a human); a failure is one line on stderr and exit code 1. See
+docs/how-it-works.md, "The commands"."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ from .arguments import CommandParser
 COMMANDS = {"probe": probe, "plan": plan, "plot": plot}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="adaptive-batch", description="Exact, adaptive batch sizes for the HF Trainer."
     )
@@ -29,11 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         subparser = commands.add_parser(name, help=command.HELP)
         command.add_arguments(subparser)
         subparser.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    options = build_parser().parse_args(argv)
+    options = parser.parse_args(argv)
     command = COMMANDS[options.command]
     try:
         result = command.run(options)
@@ -41,10 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"adaptive-batch: error: {error}", file=sys.stderr)
         return 1
     if options.json:
-        # the table is the same numbers laid out for a human
-        print(
-            json.dumps({key: value for key, value in result.items() if key != "table"}, indent=1, default=str)
-        )
+        result.pop("table", None)  # the same numbers laid out for a human
+        print(json.dumps(result, indent=1, default=str))
     else:
         command.show(result)
     return 0

@@ -1,6 +1,5 @@
-"""`adaptive-batch plan`: what a run will do before it starts, planned by the Trainer path's own
-[`~core.planning.plan_run`]: optimizer steps, samples, tokens, epochs and the learning-rate multiplier of every
-phase, with warnings for the classic traps."""
+"""`adaptive-batch plan`: a run's optimizer steps, samples, tokens, epochs and each phase's LR multiplier before it
+starts, by the Trainer path's own [`~core.planning.plan_run`], with warnings for the classic traps."""
 
 from __future__ import annotations
 
@@ -13,8 +12,8 @@ from ..core.controllers import choose_layout
 from ..core.planning import RunSettings, plan_run
 from ..core.schedule import PhaseSchedule, as_schedule, describe
 from ..core.traps import explicit_epochs, run_traps
-from .arguments import integer, number, positive_int, setting_help
-from .dataset_facts import dataset_facts
+from .arguments import integer, positive_int, positive_number, setting_help
+from .dataset_facts import DatasetFacts, dataset_facts
 from .sft_args import named, read_sft_args, sft_defaults
 from .training_args import apply_training_args
 
@@ -23,7 +22,7 @@ HELP = "print the steps, samples, tokens and LR of a run before it starts"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_mutually_exclusive_group(required=True)
-    data.add_argument("--dataset-size", type=positive_int("--dataset-size", 1000), help="training samples")
+    data.add_argument("--dataset-size", type=positive_int(1000, "--dataset-size"), help="training samples")
     data.add_argument("--dataset", type=Path, help="a .jsonl/.json file or a datasets.save_to_disk folder")
     parser.add_argument(
         "--tokenizer",
@@ -48,26 +47,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and SFTConfig fields among them override --args; options that are neither are named, not read",
     )
     parser.add_argument(
-        "--per-device",
-        type=positive_int("--per-device", 8),
-        help="per_device_train_batch_size (default: --args, else 8)",
+        "--per-device", type=positive_int(8), help="per_device_train_batch_size (default: --args, else 8)"
     )
     parser.add_argument(
-        "--accumulation",
-        type=positive_int("--accumulation", 4),
-        help="gradient_accumulation_steps (default: --args, else 1)",
+        "--accumulation", type=positive_int(4), help="gradient_accumulation_steps (default: --args, else 1)"
     )
     parser.add_argument(
-        "--gpus", type=positive_int("--gpus", 2), default=1, help="data-parallel processes (world size)"
+        "--gpus", type=positive_int(2), default=1, help="data-parallel processes (world size)"
     )
     parser.add_argument(
-        "--epochs",
-        type=number("--epochs", "3", positive=True),
-        help="num_train_epochs (default: --args, else the Trainer's 3)",
+        "--epochs", type=positive_number("3"), help="num_train_epochs (default: --args, else the Trainer's 3)"
     )
     parser.add_argument(
         "--max-steps",
-        type=integer("--max-steps", "500"),
+        type=integer("500"),
         help="max_steps (overrides --epochs, as in the Trainer; default: --args, else -1: not set)",
     )
     parser.add_argument(
@@ -116,18 +109,29 @@ def run(options: argparse.Namespace) -> dict:
     sft = read_sft_args(
         getattr(options, "script_args", None) or [], options.saved_args, f"--args {options.args} gives"
     )
-    not_used = _unknown_options_line(sft.unknown_options)
-    if options.dataset is None:
-        dataset_size, tokens_per_epoch, dataset_notes = options.dataset_size, None, []
-        not_used += _sft_fields_without_dataset(sft)
-    else:
+    if options.dataset is not None:
         facts = dataset_facts(options.dataset, options.tokenizer, sft)
-        dataset_size, tokens_per_epoch, dataset_notes = facts.rows, facts.tokens, facts.notes
-        not_used += facts.not_used
+    else:
+        facts = DatasetFacts(options.dataset_size, None)
+        # the SFT fields that change the rows or tokens, which plan counts only from a --dataset file
+        if given := sft.changed(sft_defaults(), leave_out=("seed", "dataset_num_proc")):
+            facts.not_used.append(
+                f"{named(given)}: they change the rows or tokens SFTTrainer trains on, which plan counts only from "
+                "--dataset (with --tokenizer); --dataset-size is taken as the rows trained on"
+            )
+    if unknown := sft.unknown_options:
+        facts.not_used.insert(
+            0,
+            f"{', '.join(unknown)} after --: no field of SFTConfig or TrainingArguments, so plan does not read "
+            f"{'it' if len(unknown) == 1 else 'them'} (a dataset named there is not --dataset)",
+        )
     schedule = _schedule(options)
     epochs = options.epochs if options.epochs is not None else RunSettings.num_train_epochs  # the Trainer's 3
+    # num_train_epochs where the user set it: a saved TrainingArguments holds 3 whether or not it was set
+    source = options.given.get("epochs")
+    epochs_given = explicit_epochs(options.epochs) if source == "args" else options.epochs if source else None
     settings = RunSettings(
-        dataset_size,
+        facts.rows,
         epochs,
         options.max_steps,
         options.gpus,
@@ -140,7 +144,7 @@ def run(options: argparse.Namespace) -> dict:
     packs = any(sft.given.get(name) is True for name in ("packing", "padding_free"))
     layout = choose_layout(None, packs, options.attention, None)
     budget, plan, clock = planned.budget, planned.plan, planned.clock
-    tokens = round(tokens_per_epoch * budget.samples / dataset_size) if tokens_per_epoch is not None else None
+    tokens = round(facts.tokens * budget.samples / facts.rows) if facts.tokens is not None else None
     return {
         "dataset_size": planned.dataset_size,
         "world_size": plan.world_size,
@@ -168,12 +172,12 @@ def run(options: argparse.Namespace) -> dict:
         ],
         "layout": {"padding_free": layout.flatten, "text": layout.text},
         "notes": list(plan.notes),
-        "dataset_notes": dataset_notes,  # how the rows and tokens were counted, where not as the file holds them
-        "not_used": not_used,  # one line for each setting given that the plan could not follow
+        "dataset_notes": facts.notes,  # how the rows and tokens were counted, where not as the file holds them
+        "not_used": facts.not_used,  # one line for each setting given that the plan could not follow
         "warnings": run_traps(
             planned,
             schedule,
-            epochs_given=_epochs_given(options),
+            epochs_given=epochs_given,
             # the batch settings defaulted (not given) cannot disagree with the schedule
             schedule_given=options.schedule is not None
             and bool({"per_device", "accumulation"} & set(options.given)),
@@ -203,43 +207,9 @@ def show(result: dict) -> None:
         for label, value in result["table"]:
             table.add_row(label, value)
         Console().print(table)
-    for note in result["dataset_notes"]:
-        print(f"note: {note}", file=sys.stderr)
-    for line in result["not_used"]:
-        print(f"not used: {line}", file=sys.stderr)
-    for warning in result["warnings"]:
-        print(f"warning: {warning}", file=sys.stderr)
-
-
-def _unknown_options_line(options: list[str]) -> list[str]:
-    """One line naming the script's options that are no SFTConfig or TrainingArguments field (none: no line)."""
-    if not options:
-        return []
-    return [
-        f"{', '.join(options)} after --: no field of SFTConfig or TrainingArguments, so plan does not read "
-        f"{'it' if len(options) == 1 else 'them'} (a dataset named there is not --dataset)"
-    ]
-
-
-def _sft_fields_without_dataset(sft) -> list[str]:
-    """With --dataset-size: the SFT fields given that change the rows or tokens, which plan counts only from a
-    --dataset file."""
-    given = sft.changed(sft_defaults(), leave_out=("seed", "dataset_num_proc"))
-    if not given:
-        return []
-    return [
-        f"{named(given)}: they change the rows or tokens SFTTrainer trains on, which plan counts only from --dataset "
-        "(with --tokenizer); --dataset-size is taken as the rows trained on"
-    ]
-
-
-def _epochs_given(options: argparse.Namespace) -> float | None:
-    """num_train_epochs where the user set it: the flag, or a saved value other than the Trainer's default 3 (a saved
-    TrainingArguments holds 3 whether or not it was set)."""
-    source = options.given.get("epochs")
-    if source == "args":
-        return explicit_epochs(options.epochs)
-    return options.epochs if source is not None else None
+    for prefix, key in (("note", "dataset_notes"), ("not used", "not_used"), ("warning", "warnings")):
+        for line in result[key]:
+            print(f"{prefix}: {line}", file=sys.stderr)
 
 
 def _schedule(options: argparse.Namespace):

@@ -15,17 +15,13 @@ HELP = "find the largest micro-batch that fits, and the fastest one"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", help="a folder written by save_pretrained")
-    parser.add_argument(
-        "--seq-len", type=positive_int("--seq-len", 1024), required=True, help="tokens per sample"
-    )
+    parser.add_argument("--seq-len", type=positive_int(1024), required=True, help="tokens per sample")
     parser.add_argument(
         "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weights / compute dtype"
     )
     parser.add_argument("--load-in-4bit", action="store_true", help="NF4 with double quantisation (QLoRA)")
-    parser.add_argument("--lora-r", type=positive_int("--lora-r", 16), help="LoRA rank (no LoRA without it)")
-    parser.add_argument(
-        "--lora-alpha", type=positive_int("--lora-alpha", 32), help="LoRA alpha (default: 2 x r)"
-    )
+    parser.add_argument("--lora-r", type=positive_int(16), help="LoRA rank (no LoRA without it)")
+    parser.add_argument("--lora-alpha", type=positive_int(32), help="LoRA alpha (default: 2 x r)")
     parser.add_argument("--lora-target", default="q_proj,v_proj", help="comma-separated module names")
     parser.add_argument(
         "--no-gradient-checkpointing",
@@ -35,17 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optim", help="a TrainingArguments.optim name (default: the Trainer's default)")
     parser.add_argument(
         "--effective-batch",
-        type=positive_int("--effective-batch", 64),
+        type=positive_int(64),
         help="also print per-device x accumulation for this many samples per step",
     )
-    parser.add_argument(
-        "--gpus", type=positive_int("--gpus", 2), default=1, help="GPUs sharing the effective batch"
-    )
+    parser.add_argument("--gpus", type=positive_int(2), default=1, help="GPUs sharing the effective batch")
     parser.add_argument("--headroom", type=float, default=0.05, help="share of GPU memory to keep free")
     parser.add_argument("--max", action="store_true", help="recommend the largest size that fits")
-    parser.add_argument(
-        "--max-size", type=positive_int("--max-size", 4096), default=4096, help="largest size to try"
-    )
+    parser.add_argument("--max-size", type=positive_int(4096), default=4096, help="largest size to try")
     parser.add_argument("--cpu", action="store_true", help="probe on the CPU (needs --memory-budget)")
     parser.add_argument(
         "--memory-budget",
@@ -67,12 +59,22 @@ def run(options: argparse.Namespace) -> dict:
     from ..probe import cache as probe_cache
     from ..probe import load, search
 
-    _check_memory_budget(options.memory_budget)
-    device = _device(options)
+    budget = options.memory_budget
+    if budget is not None and not (math.isfinite(budget) and budget > 0):  # before any model is loaded
+        raise ValueError(
+            f"--memory-budget {budget:g} is not a positive, finite number of GiB (the memory a training step "
+            "may use); pass one such as --memory-budget 8."
+        )
+    if options.cpu and budget is None:
+        raise ValueError("--cpu needs --memory-budget GIB: on the CPU the limit is a stated budget.")
+    if not options.cpu and not torch.cuda.is_available():
+        raise ValueError(
+            "no CUDA device; pass --cpu --memory-budget GIB to probe on the CPU against a budget."
+        )
+    device = torch.device("cpu") if options.cpu else torch.device("cuda", torch.cuda.current_device())
     if not 0 <= options.headroom < 1:
         raise ValueError(f"--headroom {options.headroom} must be in [0, 1), e.g. 0.05.")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[options.dtype]
-    targets = [t.strip() for t in options.lora_target.split(",") if t.strip()]
     gradient_checkpointing = not options.no_gradient_checkpointing
     model = load.load_model(
         options.model_dir,
@@ -80,13 +82,12 @@ def run(options: argparse.Namespace) -> dict:
         options.load_in_4bit,
         options.lora_r,
         options.lora_alpha,
-        targets,
+        [t.strip() for t in options.lora_target.split(",") if t.strip()],
         gradient_checkpointing,
         options.seq_len,
         device,
     )
     optim = options.optim or probe_cache.default_optim()
-    setup = probe_cache.describe_setup(model, optim, gradient_checkpointing)
     with _progress() as on_trial:
         report = search.probe(
             model,
@@ -94,13 +95,13 @@ def run(options: argparse.Namespace) -> dict:
             optim=optim,
             device=device,
             headroom=options.headroom,
-            memory_budget=options.memory_budget * 2**30 if options.memory_budget is not None else None,
+            memory_budget=budget * 2**30 if budget is not None else None,
             max_size=options.max_size,
             largest=options.max,
             effective_batch_size=options.effective_batch,
             gpus=options.gpus,
             autocast_dtype=dtype if dtype != torch.float32 else None,
-            setup=setup,
+            setup=probe_cache.describe_setup(model, optim, gradient_checkpointing),
             on_trial=on_trial,
             evaluation=not options.no_eval,
         )
@@ -108,30 +109,6 @@ def run(options: argparse.Namespace) -> dict:
     if not options.no_cache:
         result["cache_file"] = str(probe_cache.save_report(report))
     return result
-
-
-def _check_memory_budget(memory_budget: float | None) -> None:
-    """Refuse a budget no step can run under, before any model is loaded."""
-    if memory_budget is not None and not (math.isfinite(memory_budget) and memory_budget > 0):
-        raise ValueError(
-            f"--memory-budget {memory_budget:g} is not a positive, finite number of GiB (the memory a training step "
-            "may use); pass one such as --memory-budget 8."
-        )
-
-
-def _device(options: argparse.Namespace):
-    """The device to probe on: the CPU against a stated budget, else the current CUDA device."""
-    import torch
-
-    if options.cpu:
-        if options.memory_budget is None:
-            raise ValueError("--cpu needs --memory-budget GIB: on the CPU the limit is a stated budget.")
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            "no CUDA device; pass --cpu --memory-budget GIB to probe on the CPU against a budget."
-        )
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def show(result: dict) -> None:
@@ -193,8 +170,7 @@ def devices_text(device: str | None, gpus: int) -> str:
 
 
 def format_gib(value: float | None) -> str:
-    """Bytes as GiB with two decimals below 10 GiB, one above, two significant digits below 0.01 GiB; "-" for no
-    reading."""
+    """Bytes as GiB: two significant digits below 0.01, two decimals below 10, one above; "-" for no reading."""
     if value is None or not math.isfinite(value):
         return "-"
     gib = value / 2**30
@@ -208,20 +184,14 @@ def _progress():
         from rich.console import Console
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     except ImportError:
-
-        def report(trial):
-            print(f"trial {trial.size}: {_outcome(trial)}", file=sys.stderr)
-
-        yield report
+        yield lambda trial: print(f"trial {trial.size}: {_outcome(trial)}", file=sys.stderr)
         return
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("probing", total=None)
-
-        def report(trial):
-            progress.update(task, description=f"probing: last trial {trial.size} ({_outcome(trial)})")
-
-        yield report
+        yield lambda trial: progress.update(
+            task, description=f"probing: last trial {trial.size} ({_outcome(trial)})"
+        )
 
 
 def _outcome(trial) -> str:

@@ -1,12 +1,12 @@
-"""The SFTConfig fields that `adaptive-batch plan` reads (those that change the rows or tokens SFTTrainer trains
-on), from the script's arguments after `--` and from `--args`, each checked as TRL takes it. See docs/how-it-works.md,
-"The commands"."""
+"""The SFTConfig fields that change the rows or tokens SFTTrainer trains on, read by `adaptive-batch plan` from the
+script's arguments after `--` and `--args` and checked as TRL takes them. See docs/how-it-works.md, "The commands"."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import json
 
 from .training_args import BOOLEANS, script_fields
 
@@ -31,8 +31,7 @@ FIELDS = {
 BOOLEAN_FIELDS = {"packing", "padding_free", "assistant_only_loss", "shuffle_dataset", "completion_only_loss"}
 CHOICES = {
     "truncation_mode": ("keep_start", "keep_end"),
-    # bfd-requeue: TRL's old name of bfd_split
-    "packing_strategy": ("bfd", "bfd_split", "wrapped", "bfd-requeue"),
+    "packing_strategy": ("bfd", "bfd_split", "wrapped", "bfd-requeue"),  # bfd-requeue: bfd_split's old name
 }
 # fields read elsewhere, or that change no train row or token: the plan does not need them
 EVAL_ONLY = {"eval_packing"}
@@ -51,8 +50,7 @@ class SFTArgs:
     eval_only: dict = dataclasses.field(default_factory=dict)
 
     def changed(self, defaults: dict | None, leave_out: tuple[str, ...] = ("seed",)) -> dict:
-        """The given fields whose value is not SFTConfig's (`defaults`; every given one without TRL), but those of
-        `leave_out`."""
+        """The given fields but `leave_out` whose value is not SFTConfig's `defaults` (all of them without TRL)."""
         return {
             name: value
             for name, value in self.given.items()
@@ -61,8 +59,7 @@ class SFTArgs:
 
     def config(self, defaults: dict) -> argparse.Namespace:
         """The SFTConfig's fields as the run has them: `defaults` (SFTConfig's), overridden by the given ones."""
-        fields = dict(defaults)
-        fields.update(self.given)
+        fields = {**defaults, **self.given}
         if fields.get("packing_strategy") == "bfd-requeue":  # as SFTConfig.__post_init__ renames it
             fields["packing_strategy"] = "bfd_split"
         return argparse.Namespace(**fields)
@@ -80,29 +77,10 @@ def sft_defaults() -> dict | None:
         from trl import SFTConfig
     except ImportError:
         return None
-    defaults = {}
-    for field in dataclasses.fields(SFTConfig):
-        if field.default is not dataclasses.MISSING:
-            defaults[field.name] = field.default
-        elif field.default_factory is not dataclasses.MISSING:
-            defaults[field.name] = field.default_factory()
-        else:
-            defaults[field.name] = None
+    fields, missing = dataclasses.fields(SFTConfig), dataclasses.MISSING
+    defaults = {field.name: None if field.default is missing else field.default for field in fields}
+    defaults.update({f.name: f.default_factory() for f in fields if f.default_factory is not missing})
     return defaults
-
-
-def known_fields() -> tuple[set[str], set[str]]:
-    """(the fields of SFTConfig, or of TrainingArguments without TRL; those of them that are bools)."""
-    try:
-        from trl import SFTConfig as config
-    except ImportError:
-        from transformers import TrainingArguments as config
-    names, booleans = set(), set()
-    for field in dataclasses.fields(config):
-        names.add(field.name)
-        if field.type in (bool, "bool") or str(field.type) in ("bool", "bool | None"):
-            booleans.add(field.name)
-    return names, booleans
 
 
 def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) -> SFTArgs:
@@ -126,7 +104,9 @@ def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) 
             if name == "eos_token" and value == "<EOS_TOKEN>" and where.startswith("--args"):
                 result.hidden_eos_token = where.removesuffix(" gives")
                 continue
-            result.given[name] = _checked(name, value, where)
+            result.given[name] = _convert(name, value)
+            if result.given[name] is _BAD:
+                raise ValueError(f"{where} {name}={value!r}, which is not {FIELDS[name]}.")
             if not where.startswith("--args") and name != "seed":
                 result.is_sft = True  # seed is TrainingArguments' too: no sign of an SFT run
     return result
@@ -135,10 +115,19 @@ def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) 
 def unknown_options(argv: list[str]) -> list[str]:
     """The options among a script's arguments that are no field of SFTConfig (TrainingArguments without TRL): the
     script's own (a model or dataset name), or a typo."""
-    names, booleans = known_fields()
+    try:
+        from trl import SFTConfig as config
+    except ImportError:
+        from transformers import TrainingArguments as config
+    fields = dataclasses.fields(config)
+    names = {field.name for field in fields}
+    booleans = {f.name for f in fields if f.type in (bool, "bool") or str(f.type) in ("bool", "bool | None")}
     unknown = []
     for item in argv:
-        if not item.startswith("-") or _is_number(item):
+        with contextlib.suppress(ValueError):
+            float(item)
+            continue  # a value, such as -1
+        if not item.startswith("-"):
             continue
         name = item.lstrip("-").split("=", 1)[0].replace("-", "_")
         # HfArgumentParser's --no_X for a bool defaulting True
@@ -149,51 +138,26 @@ def unknown_options(argv: list[str]) -> list[str]:
     return unknown
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _checked(field: str, value, where: str):
-    """`value` of `field` as SFTTrainer takes it (a script's text converted as HfArgumentParser would), or a
-    `ValueError` naming the field, where it came from and the rule."""
-    checked = _convert(field, value)
-    if checked is _BAD:
-        raise ValueError(f"{where} {field}={value!r}, which is not {FIELDS[field]}.")
-    return checked
-
-
 _BAD = object()
 
 
 def _convert(field: str, value):
+    """`value` of `field` as SFTTrainer takes it (a script's text converted as HfArgumentParser would), else _BAD."""
     text = value.strip() if isinstance(value, str) else None
     if text is not None and text.lower() in ("none", "null") and field not in ("dataset_text_field",):
         value = None
     if value is None:
-        nullable = {"max_length", "completion_only_loss", "eos_token", "chat_template_path"}
-        return None if field in nullable | {"dataset_kwargs", "dataset_num_proc"} else _BAD
+        return None if FIELDS[field].endswith(" or None") else _BAD
     if field in BOOLEAN_FIELDS:
-        if isinstance(value, bool):
-            return value
-        return BOOLEANS.get(text.lower(), _BAD) if text is not None else _BAD
-    if field in ("max_length", "seed", "dataset_num_proc"):
-        if isinstance(value, str):
-            with contextlib.suppress(ValueError):
-                value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            return _BAD
-        return value if field == "seed" or value >= 1 else _BAD
-    if field in CHOICES:
-        return value if value in CHOICES[field] else _BAD
-    if field == "dataset_kwargs":
-        if isinstance(value, str):
-            import json
-
-            with contextlib.suppress(ValueError):
-                value = json.loads(value)
-        return value if isinstance(value, dict) else _BAD
-    return value if isinstance(value, str) else _BAD
+        return value if isinstance(value, bool) else BOOLEANS.get(text.lower(), _BAD) if text else _BAD
+    parse = {"max_length": int, "seed": int, "dataset_num_proc": int, "dataset_kwargs": json.loads}.get(field)
+    if parse is not None and text is not None:
+        with contextlib.suppress(ValueError):
+            value = parse(value)
+    if parse is int:
+        valid = isinstance(value, int) and not isinstance(value, bool) and (field == "seed" or value >= 1)
+    elif field in CHOICES:
+        valid = value in CHOICES[field]
+    else:
+        valid = isinstance(value, dict if field == "dataset_kwargs" else str)
+    return value if valid else _BAD

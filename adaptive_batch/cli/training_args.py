@@ -1,6 +1,5 @@
-"""The run's settings that `adaptive-batch plan` reads from the run's own TrainingArguments: a JSON of them, a
-checkpoint's `training_args.bin`, or the script's command line after `--`. See docs/how-it-works.md, "The
-commands"."""
+"""The TrainingArguments that `adaptive-batch plan` reads: a JSON of them, a checkpoint's `training_args.bin`, or
+the script's command line after `--`. See docs/how-it-works.md, "The commands"."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ FIELDS = (
     ("drop_last", "dataloader_drop_last", False, "false", "true or false"),
 )
 # a bool's texts as HfArgumentParser's string_to_bool takes them
-BOOLEANS = {"true": True, "t": True, "yes": True, "y": True, "1": True}
-BOOLEANS.update({"false": False, "f": False, "no": False, "n": False, "0": False})
+BOOLEANS = dict(zip("true t yes y 1 false f no n 0".split(), [True] * 5 + [False] * 5))
 
 
 def apply_training_args(options: argparse.Namespace) -> None:
@@ -31,7 +29,10 @@ def apply_training_args(options: argparse.Namespace) -> None:
     sources = []
     script_args = getattr(options, "script_args", None) or []
     if script_args:
-        sources.append(("script", "the script arguments after -- give", read_script_args(script_args)))
+        # as HfArgumentParser takes them; a value that is not a number (or a bool) kept as given, to be refused below
+        texts = script_fields(script_args, [row[1] for row in FIELDS], switches={"dataloader_drop_last"})
+        values = {field: _script_value(field, text) for field, text in texts.items()}
+        sources.append(("script", "the script arguments after -- give", values))
     options.saved_args = None
     if options.args is not None:
         options.saved_args = read_training_args(options.args)
@@ -45,24 +46,17 @@ def apply_training_args(options: argparse.Namespace) -> None:
         value = default
         for source, where, fields in sources:
             if field in fields:
-                value = _checked(field, fields[field], where, flag, example, rule)
+                value = _valid(field, fields[field])
+                if value is None:
+                    fix = f'"{field}": {example}' if where.startswith("--args") else f"--{field} {example}"
+                    raise ValueError(
+                        f"{where} {field}={fields[field]!r}, which is not {rule}; use e.g. {fix}, or override it with "
+                        f"--{flag.replace('_', '-')} {example if flag != 'drop_last' else ''}".rstrip()
+                        + "."
+                    )
                 options.given[flag] = source
                 break
         setattr(options, flag, value)
-
-
-def _checked(field: str, value, where: str, flag: str, example, rule: str):
-    """`value` of `field` as the plan takes it, or a `ValueError` naming the field, where it came from, the rule and
-    a fix."""
-    checked = _valid(field, value)
-    if checked is None:
-        fix = f'"{field}": {example}' if where.startswith("--args") else f"--{field} {example}"
-        raise ValueError(
-            f"{where} {field}={value!r}, which is not {rule}; use e.g. {fix}, or override it with "
-            f"--{flag.replace('_', '-')} {example if flag != 'drop_last' else ''}".rstrip()
-            + "."
-        )
-    return checked
 
 
 def _valid(field: str, value):
@@ -75,9 +69,7 @@ def _valid(field: str, value):
         return float(value) if value >= 0 else None
     if not float(value).is_integer():
         return None
-    if field == "max_steps":
-        return int(value)
-    return int(value) if value >= 1 else None
+    return int(value) if field == "max_steps" or value >= 1 else None
 
 
 def read_training_args(path: Path) -> dict:
@@ -108,24 +100,13 @@ def read_training_args(path: Path) -> dict:
     return fields
 
 
-def read_script_args(argv: list[str]) -> dict:
-    """The TrainingArguments fields the plan reads from a script's command line, as HfArgumentParser takes them
-    (`--per_device_train_batch_size 4`, `--per-device-train-batch-size=4`, a bool bare or with a value); a value
-    that is not a number (or a bool) is kept as given, for [`apply_training_args`] to refuse naming its field."""
-    texts = script_fields(argv, [field for _, field, *_ in FIELDS], switches={"dataloader_drop_last"})
-    return {field: _script_value(field, text) for field, text in texts.items()}
-
-
 def script_fields(argv: list[str], fields, switches) -> dict[str, str]:
-    """The text of each of `fields` among a script's arguments (HfArgumentParser style: `--a_b` or `--a-b`); one of
+    """The text of each of `fields` among a script's arguments (HfArgumentParser style: `--a_b`, `--a-b=1`); one of
     `switches` given bare reads 'true'. Every other argument is ignored."""
     parser = _ScriptParser(add_help=False, allow_abbrev=False)
     for field in fields:
-        names = [f"--{field}", f"--{field.replace('_', '-')}"]
-        if field in switches:
-            parser.add_argument(*names, dest=field, nargs="?", const="true")
-        else:
-            parser.add_argument(*names, dest=field)
+        switch = {"nargs": "?", "const": "true"} if field in switches else {}
+        parser.add_argument(f"--{field}", f"--{field.replace('_', '-')}", dest=field, **switch)
     known, _ = parser.parse_known_args(argv)
     return {field: text for field, text in vars(known).items() if text is not None}
 

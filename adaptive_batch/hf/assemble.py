@@ -1,5 +1,5 @@
-"""What runs a session's plan, and owns it: the controller that cuts the steps (chosen from what the Trainer tells,
-[`facts.TrainerFacts`]), the step runner, the record of measurements and the evaluation's pieces."""
+"""What runs a session's plan: the controller that cuts the steps, the step runner, the record of measurements and
+the evaluation's pieces."""
 
 from __future__ import annotations
 
@@ -33,9 +33,8 @@ class Assembly:
         self.row_limit = 0  # the most rows a step of the plan holds on a rank
         # the dataset could not tell its rows' lengths: the first step tells them ([`lengths_from_step`])
         self.lengths_pending = False
-        # evaluation survives an out-of-memory error ([`runtime.evaluation`]), unless adapt_evaluation=False or the
-        # engine's forward gathers parameters from every rank (DeepSpeed, FSDP): there the Trainer's own (None);
-        # under adapt_evaluation="grow" the eval batch grows between evaluations (None: the user's size)
+        # evaluation survives an out-of-memory error unless adapt_evaluation=False or the engine's forward gathers
+        # parameters from every rank (DeepSpeed, FSDP); "grow": the eval batch grows between evaluations
         sharded = any(getattr(trainer, name, False) for name in ("is_deepspeed_enabled", "is_fsdp_enabled"))
         grow = config.adapt_evaluation == "grow"
         self.eval_pieces = self.eval_growth = None
@@ -57,8 +56,8 @@ class Assembly:
         checkpoint: StoredCheckpoint | None,
         growing: bool,
     ) -> None:
-        """The controller ([`core.controllers.controller_for`]; kept unless there is none yet or a checkpoint is
-        resumed), the step runner and the record of measurements, for `plan`."""
+        """The controller (kept unless there is none yet or a checkpoint is resumed), the step runner and the record of
+        measurements, for `plan`."""
         facts = TrainerFacts(self.trainer, self.config, engine)
         if self.controller is None or checkpoint is not None:
             self.lengths_pending = waits_for_lengths(self.config, facts)
@@ -81,13 +80,12 @@ class Assembly:
         self.follow(plan)
 
     def follow(self, plan: StepPlan) -> None:
-        """The controller's row limit from `plan` (the first, or one a growing schedule made)."""
         self.row_limit = plan.max_rows_per_rank
         self.controller.set_row_limit(self.row_limit)
 
     def _tape(self, identity: PlanIdentity, checkpoint: StoredCheckpoint | None, growing: bool) -> Tape:
-        """What the decisions read of time and memory ([`core.replay`]): a resumed run's continues its checkpoint's;
-        with `replay=PATH` the measurements come from that record, refused where another run made it."""
+        """What the decisions read of time and memory: a resumed run's continues its checkpoint's; `replay=PATH` reads
+        that record's, refused where another run made it."""
         trainer, config = self.trainer, self.config
         plan = asdict(identity)
         if growing:  # (its changes are restored from a checkpoint: compared by its settings)
@@ -106,9 +104,9 @@ class Assembly:
             "per_device_eval_batch_size": trainer.args.per_device_eval_batch_size,
         }
         recorded = Tape(run)
-        name = file_name(self.rank, self.world_size)
-        if checkpoint is not None and os.path.isfile(os.path.join(checkpoint.path, name)):
-            recorded.continue_from(read_record(os.path.join(checkpoint.path, name), 0, 1)[0])
+        saved = os.path.join(checkpoint.path, file_name(self.rank, self.world_size)) if checkpoint else ""
+        if os.path.isfile(saved):
+            recorded.continue_from(read_record(saved, 0, 1)[0])
         if config.replay is not None:
             record, path = read_record(config.replay, self.rank, self.world_size)
             changed = differences(record.get("run"), run)
@@ -119,29 +117,22 @@ class Assembly:
         return recorded
 
     def write_tape(self, folder: str) -> None:
-        """This process's record of measurements into `folder` (a checkpoint's, or the output_dir at the end)."""
         self.runner.tape.write(os.path.join(folder, file_name(self.rank, self.world_size)))
 
-    # -- what the Trainer tells ------------------------------------------------------------------------------------
-
     def layout(self) -> Layout:
-        """How a padding collator's steps run, as the Trainer tells before training (the plan table's)."""
         return TrainerFacts(self.trainer, self.config, self.runner.engine).layout
 
     def probed_traps(self) -> list[str]:
-        """A stated micro-batch or eval batch above what `adaptive-batch probe` found to fit for this setup."""
         return TrainerFacts(self.trainer, self.config, self.runner.engine).probed_traps()
 
     def check_longest_row(self) -> None:
-        """Warn before any compute where a row is longer than the token budget (it will run alone); a packed row is
-        cut between its sequences."""
+        """Warn before any compute where a row is longer than the token budget (a packed row is cut, not warned of)."""
         if self.controller.max_tokens is None or getattr(self.trainer.args, "packing", False):
             return
         self.controller.check_longest_row(lengths.longest(self.trainer.train_dataset))
 
     def lengths_from_step(self, inputs) -> None:
-        """Where the dataset could not tell, the first step's rows do: rows that vary run from this step on as the
-        dataset's lengths would have chosen (every rank alike: they agree on the longest row, and whether any varies)."""
+        """Where the dataset could not tell, the first step's rows do (every rank alike: they agree on them)."""
         row_lengths = lengths.step_row_lengths(inputs) or [0]
         varies, longest = self.runner.agree(
             [float(min(row_lengths) != max(row_lengths)), float(max(row_lengths))]
@@ -157,15 +148,13 @@ class Assembly:
         self.lengths_pending = False
 
     def _choose_from_lengths(self, longest_row: int) -> bool:
-        """Rows of varying length from now on: padding-free where the layout says so, else cut by padded tokens with a
-        budget starting at the starting size x `longest_row`. Returns whether steps are flattened."""
+        """Rows of varying length from now on: padding-free where the layout says so, else cut by padded tokens.
+        Returns whether steps are flattened."""
         facts = TrainerFacts(self.trainer, self.config, self.runner.engine)
         facts.observe(True, longest_row)
         self.runner.flatten = facts.layout.flatten
         self.controller = self.runner.controller = controller_for(self.config, facts, self.row_limit)
         return facts.layout.flatten
-
-    # -- checkpoint ------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         runner = self.runner
@@ -177,7 +166,6 @@ class Assembly:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """The checkpoint's last step sizes, and what its run learned of the cut where the settings still apply."""
         self.runner.last = replace(
             self.runner.last,
             micro_batch_size=int(state["last_micro_batch_size"]),

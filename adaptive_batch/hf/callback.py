@@ -22,7 +22,7 @@ logger = logging.getLogger("adaptive_batch")
 
 
 class _attach_method:
-    """`AdaptiveBatch.attach(trainer, **config)` on the class, `AdaptiveBatch(**config).attach(trainer)` on one."""
+    """A method called on the class or on an instance, given both (the instance `None` on the class)."""
 
     def __init__(self, function):
         self.function = function
@@ -55,14 +55,8 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
 
     @_attach_method
     def attach(cls, self, trainer: Trainer, **config) -> AdaptiveBatch:
-        """Attach to a Trainer that is already built. Returns the attached callback.
-
-        Example:
-            ```python
-            AdaptiveBatch.attach(trainer)  # the user's effective batch
-            AdaptiveBatch(schedule=PhaseSchedule([8, 16, 32], [0.1, 0.3])).attach(trainer)
-            ```
-        """
+        """Attach to a Trainer that is already built: `AdaptiveBatch.attach(trainer, **config)` or
+        `AdaptiveBatch(**config).attach(trainer)`. Returns the attached callback."""
         if self is None:
             self = cls(**config)
         elif config:
@@ -74,12 +68,9 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         self.session = install(trainer, self)
         return self
 
-    # -- reading the plan and the run from Python ------------------------------------------------------------------
-
     @property
     def plan(self) -> StepPlan:
-        """The step plan (read it, do not change it; [`core.steps.StepPlan`]): `plan.sizes[k]` samples in step `k`
-        over all GPUs. Known once the Trainer is built; a `NoiseScaleSchedule` replaces it when it grows the batch."""
+        """The step plan (read it, do not change it): `plan.sizes[k]` samples in step `k` over all GPUs."""
         return self._session("plan").plan
 
     def plan_table(self) -> list[tuple[str, str]]:
@@ -87,10 +78,8 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         return self._session("plan_table()").plan_rows()
 
     def current(self) -> dict:
-        """Where the run stands after its last optimizer step (before training: what step 0 will run): the logged
-        values without their prefix, the noise scale's averages as they stand, how the micro-batch is cut and when it
-        settled, and the batch changes a `NoiseScaleSchedule` made (README, "Reading the plan and the run from
-        Python", lists the keys)."""
+        """Where the run stands after its last optimizer step (before training: what step 0 will run); README,
+        "Reading the plan and the run from Python", lists the keys."""
         return self._session("current()").current()
 
     def _session(self, what: str) -> Session:
@@ -110,8 +99,6 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             yield
         finally:
             self.training_session = previous
-
-    # -- callback events -------------------------------------------------------------------------------------------
 
     def on_init_end(self, args, state, control, **kwargs):
         trainer = trainer_being_built(self)
@@ -152,8 +139,7 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             control.should_log = control.should_evaluate = control.should_save = False
 
     def on_save(self, args, state, control, **kwargs):
-        """A checkpoint a Trainer without AdaptiveBatch would resume elsewhere says so; every process writes its
-        record of measurements into it."""
+        """Guard the checkpoint against a plain Trainer's resume; every process writes its measurements into it."""
         session = self.training_session
         if session is None:
             return
@@ -164,11 +150,9 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             session.assembly.write_tape(folder)
 
     def on_train_end(self, args, state, control, **kwargs):
-        """Every process writes its record of measurements into the output_dir (what `replay=` follows)."""
+        """Every process writes its measurements into the output_dir (what `replay=` follows)."""
         if self.training_session is not None and args.output_dir:
             self.training_session.assembly.write_tape(args.output_dir)
-
-    # -- checkpoint ------------------------------------------------------------------------------------------------
 
     def state(self) -> dict:
         session = self.training_session or self.session

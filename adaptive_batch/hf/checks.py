@@ -10,7 +10,6 @@ from ..runtime.stream import is_stream
 
 
 def check_trainer(trainer: Trainer) -> None:
-    """Raise, before any compute, for setups whose batches AdaptiveBatch cannot keep exact."""
     args = trainer.args
     if args.auto_find_batch_size:
         raise ValueError(
@@ -36,10 +35,8 @@ def check_trainer(trainer: Trainer) -> None:
             f"{args.n_gpu} GPUs in one process (torch.nn.DataParallel) are not supported: launch one process per "
             "GPU with torchrun or accelerate launch, or set CUDA_VISIBLE_DEVICES to one GPU."
         )
-    accelerator_config = args.accelerator_config
-    if getattr(accelerator_config, "dispatch_batches", None) or getattr(
-        accelerator_config, "split_batches", False
-    ):
+    accelerate = args.accelerator_config
+    if getattr(accelerate, "dispatch_batches", None) or getattr(accelerate, "split_batches", False):
         raise ValueError(
             "accelerator_config dispatch_batches/split_batches change who loads which samples; AdaptiveBatch gives "
             "every rank its own share of each step. Leave both unset."

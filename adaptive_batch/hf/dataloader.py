@@ -1,9 +1,9 @@
-"""The training dataloader: one batch per optimizer step per rank, as the plan cuts the sample stream, yielded as
-`gradient_accumulation_steps` slots (the step batch last, empty slots before it) so that the loop's counts are the
-plain Trainer's. See docs/how-it-works.md, "What happens inside" (2. Data)."""
+"""The training dataloader: one batch per optimizer step per rank, yielded as `gradient_accumulation_steps` slots
+(the step batch last) so that the loop's counts are the plain Trainer's. See docs/how-it-works.md, "What happens inside"."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -17,8 +17,7 @@ from ..runtime.stream import StepStream, is_stream
 
 
 def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: bool):
-    """The DataLoader `Trainer.get_train_dataloader` returns, and what draws its steps ([`StepBatchSampler`], or a
-    [`StepStream`] over a stream): a growing schedule replaces its `plan`; its `issued` tells the last step drawn."""
+    """The DataLoader `Trainer.get_train_dataloader` returns, and what draws its steps (its `issued`: the last drawn)."""
     args = trainer.args
     dataset, collator = train_dataset_and_collator(trainer, trainer.train_dataset, trainer.data_collator)
     slots = args.gradient_accumulation_steps
@@ -30,7 +29,7 @@ def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: boo
         steps = StepBatchSampler(plan, seed=seed, rank=rank, shuffle=shuffle)
         params = {"batch_sampler": _SlottedSteps(steps, slots)}
     params |= {
-        "collate_fn": _EmptySlotsCollator(collator),
+        "collate_fn": functools.partial(_collate_step, collator),
         "num_workers": args.dataloader_num_workers,
         "pin_memory": args.dataloader_pin_memory,
     }
@@ -39,7 +38,9 @@ def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: boo
 
         params["persistent_workers"] = args.dataloader_persistent_workers
         params["prefetch_factor"] = args.dataloader_prefetch_factor
-        params["worker_init_fn"] = _WorkerInit(seed_worker, args.dataloader_num_workers, rank)
+        params["worker_init_fn"] = functools.partial(
+            seed_worker, num_workers=args.dataloader_num_workers, rank=rank
+        )
     return DataLoader(dataset, **params), steps
 
 
@@ -73,39 +74,24 @@ class _SlottedStream(IterableDataset):
         return _slotted(self.steps, self.slots)
 
 
-class _EmptySlotsCollator:
+def _collate_step(collator, samples):
     """The user's collator for the step batches; `None` for an empty slot (no samples to collate)."""
-
-    def __init__(self, collator):
-        self.collator = collator
-
-    def __call__(self, samples):
-        return self.collator(samples) if len(samples) else None
-
-
-class _WorkerInit:
-    """Picklable `worker_init_fn` seeding dataloader workers as the Trainer does."""
-
-    def __init__(self, seed_worker, num_workers: int, rank: int):
-        self.seed_worker, self.num_workers, self.rank = seed_worker, num_workers, rank
-
-    def __call__(self, worker_id: int) -> None:
-        self.seed_worker(worker_id, num_workers=self.num_workers, rank=self.rank)
+    return collator(samples) if len(samples) else None
 
 
 class EmptySlot(dict):
     """An empty slot as the loop sees it: the step batch's tensors with no rows (its tokens and FLOPs count nothing)."""
 
 
-def empty_slot(batch) -> EmptySlot:
+def _empty_slot(batch) -> EmptySlot:
     return EmptySlot({key: value[:0] for key, value in batch.items() if isinstance(value, torch.Tensor)})
 
 
 def batch_samples(inner, epoch_iterator, slots: int, device) -> tuple[list, object]:
-    """`Trainer.get_batch_samples` over one step's slots: `num_items_in_batch` counted over the step batch alone, the
-    empty slots before it (the loop synchronises gradients at a step's last batch)."""
+    """`Trainer.get_batch_samples` over one step's slots: `num_items_in_batch` the step batch's, the empty slots before
+    it (the loop synchronises gradients at a step's last batch)."""
     drawn = list(itertools.islice(epoch_iterator, slots))
     steps = [batch for batch in drawn if batch is not None]
     batches, num_items = inner(iter(steps), len(steps), device)
-    empty = [empty_slot(batches[0]) for _ in range(len(drawn) - len(steps))] if batches else []
+    empty = [_empty_slot(batches[0]) for _ in range(len(drawn) - len(steps))] if batches else []
     return empty + batches, num_items

@@ -31,14 +31,12 @@ class TrainerFacts:
         return None if row_lengths is None else min(row_lengths) != max(row_lengths)
 
     def observe(self, lengths_vary: bool, longest_row: int) -> None:
-        """What the first step's rows told, where the dataset could not."""
         self.lengths_vary = lengths_vary
         max_length = getattr(self.trainer.args, "max_length", None)
         self.longest_row = min(longest_row, max_length) if max_length else longest_row
 
     @property
     def layout(self) -> Layout:
-        """How a padding collator's steps run ([`core.controllers.choose_layout`])."""
         return choose_layout(
             self.config.padding_free,
             padding_free(self.trainer),
@@ -69,7 +67,6 @@ class TrainerFacts:
 
     @cached_property
     def probed(self):
-        """The probe cache's entry for this setup at the run's length (`None`: length or model config unknown)."""
         trainer, args = self.trainer, self.trainer.args
         seq_len = getattr(args, "max_length", None) or lengths.longest(trainer.train_dataset)
         if seq_len is None or not hasattr(trainer.model, "config"):
@@ -79,8 +76,7 @@ class TrainerFacts:
 
     @cached_property
     def start(self) -> int:
-        """Where "auto" starts: a cached probe result for this setup, else the per-device size (one line says which
-        field differs where the cache holds another setup)."""
+        """Where "auto" starts: a cached probe result for this setup, else the per-device size."""
         probed, per_device = self.probed, self.trainer.args.per_device_train_batch_size
         if probed is None:
             return per_device
@@ -89,7 +85,6 @@ class TrainerFacts:
         return probed.size if probed.size is not None else per_device
 
     def probed_traps(self) -> list[str]:
-        """A stated micro-batch or eval batch above what the probe found to fit ([`core.traps.probed_traps`])."""
         probed = self.probed
         if probed is None or probed.seq_len is None:
             return []

@@ -15,13 +15,12 @@ logger = logging.getLogger("adaptive_batch")
 
 
 def growth_for(schedule) -> Growth | None:
-    """The driver of a schedule that grows by goodput; `None` for any other schedule."""
     return Growth(schedule) if isinstance(schedule, NoiseScaleSchedule) else None
 
 
 class Growth:
     """Times each step, cuts one in two now and then so that one process measures the noise scale, and asks the
-    schedule whether a larger batch pays: from the first step not drawn yet ([`session.Session.replan`])."""
+    schedule whether a larger batch pays."""
 
     def __init__(self, schedule: NoiseScaleSchedule):
         self.schedule = schedule
@@ -31,13 +30,10 @@ class Growth:
         # a step's micro-batches on a rank, outside the steps cut in two to measure
         self._usual_micro_batches = 1
 
-    # -- before training -------------------------------------------------------------------------------------------
-
     def check(
         self, config, engine: Engine, world_size: int, stream_workers: int, stored: dict | None
     ) -> None:
-        """The schedule's requirements (`stream_workers`: the data loader's workers reading a training stream); its
-        changes: none, or the checkpoint's (`stored`)."""
+        """The schedule's requirements; its changes: none, or the checkpoint's (`stored`)."""
         schedule = self.schedule
         if not config.measure_noise:
             raise ValueError(
@@ -66,7 +62,6 @@ class Growth:
             schedule.load_state_dict(stored)
 
     def check_sizes(self, run: RunPlan, world_size: int) -> None:
-        """Every size the schedule may grow to fits the dataset and gives a valid learning rate, before any compute."""
         largest = self.schedule.sizes(world_size)[-1]
         if largest > run.dataset_size:
             raise ValueError(
@@ -77,11 +72,8 @@ class Growth:
         for size in self.schedule.sizes(world_size):
             run.clock.multiplier(size)
 
-    # -- during training -------------------------------------------------------------------------------------------
-
     def before_step(self, step: int, last_step: int, tape) -> None:
-        """Time the last step, from its start to this one's (optimizer step, logging, data loading included); `tape`
-        records it, or gives the recorded run's ([`core.replay.Tape.keyed`])."""
+        """Time the last step, from its start to this one's (optimizer step, logging, data loading included)."""
         now, measured = time.perf_counter(), None
         if self._timing is not None and self._timing[1] is not None and step == last_step + 1:
             rows, micro_batches = self._timing[1]
@@ -92,7 +84,6 @@ class Growth:
         self._timing = (now, None)
 
     def split(self, session, step: int) -> bool:
-        """Whether to cut this step in two so that one process measures the noise scale (`cut_every`)."""
         schedule = self.schedule
         if session.world_size != 1:
             return False
@@ -103,7 +94,6 @@ class Growth:
         return bool(schedule.cut_every(current, self._costs(session)))
 
     def after_step(self, session, step: int, timed: bool, split: bool) -> None:
-        """Record what the step ran (`timed`: nothing was measured or retried in it), then grow where it pays."""
         last = session.runner.last
         self._timing = (
             self._timing[0],
@@ -121,7 +111,6 @@ class Growth:
         return first
 
     def _maybe_grow(self, session, step: int) -> None:
-        """Ask the schedule whether a larger effective batch pays; if so, plan again from the first undrawn step."""
         schedule, plan, runner = self.schedule, session.plan, session.runner
         first = self._first_undrawn(session, step)
         # the size decided last: steps drawn before it took effect still run the one before
@@ -152,13 +141,10 @@ class Growth:
             )
 
     def _costs(self, session) -> StepCosts:
-        """What prices a larger step: the step times, and the most rows a micro-batch may hold there."""
         cap = session.controller.larger_step_cap(
             session.runner.last.micro_batch_size, self._usual_micro_batches
         )
         return StepCosts(self.step_time, session.world_size, self._usual_micro_batches, cap)
-
-    # -- checkpoint ------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         return {"schedule": self.schedule.state_dict(), "step_time": self.step_time.state_dict()}

@@ -1,6 +1,5 @@
-"""Wiring into `transformers.Trainer` and subclasses: [`AdaptiveTrainerMixin`], put in front of the Trainer's class,
-hands the loop's steps, data, scheduler, loss, logs and evaluation to the [`session.Session`]; the rest is the
-Trainer's own."""
+"""Wiring into `transformers.Trainer`: [`AdaptiveTrainerMixin`], put in front of the Trainer's class, hands the loop's
+steps, data, scheduler, loss, logs and evaluation to the [`session.Session`]."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ logger = logging.getLogger("adaptive_batch")
 
 
 class AdaptiveTrainerMixin(KeepsLiveCallbackState):
-    """Placed in front of the user's Trainer class. It keeps AdaptiveBatch's live callback when a checkpoint's callback
+    """Placed in front of the user's Trainer class; keeps AdaptiveBatch's live callback when a checkpoint's callback
     states are restored (its state was read when `train` started)."""
 
     _adaptive_batch: Session
@@ -32,8 +31,6 @@ class AdaptiveTrainerMixin(KeepsLiveCallbackState):
     callback_state_key = STATE_KEY
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """Read the checkpoint to resume (if any) and plan, then run the Trainer's own loop (reading past the key that
-        makes a Trainer without AdaptiveBatch refuse a checkpoint, [`resume.guard_plain_resume`])."""
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
             from transformers.trainer_utils import get_last_checkpoint
 
@@ -52,14 +49,12 @@ class AdaptiveTrainerMixin(KeepsLiveCallbackState):
         return self._adaptive_batch.train_dataloader()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The loop's batches of one step: the empty slots first, `num_items_in_batch` the step's ([`dataloader`])."""
         return dataloader.batch_samples(super().get_batch_samples, epoch_iterator, num_batches, device)
 
     def set_initial_training_values(self, args, train_dataloader):
         return self._adaptive_batch.initial_training_values()
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        """The user's scheduler, built for the budget in steps of the starting batch, driven by the sample clock."""
         session = self._adaptive_batch
         super().create_scheduler(num_training_steps=session.run.clock.nominal_steps, optimizer=optimizer)
         self.lr_scheduler = follow_sample_clock(
@@ -68,7 +63,6 @@ class AdaptiveTrainerMixin(KeepsLiveCallbackState):
         return self.lr_scheduler
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """The step batch cut into micro-batches, each through the user's class's `training_step`."""
         if isinstance(inputs, dataloader.EmptySlot):
             return torch.zeros((), device=self.args.device)
         return self._adaptive_batch.training_step(super().training_step, model, inputs, num_items_in_batch)
@@ -100,8 +94,7 @@ class AdaptiveTrainerMixin(KeepsLiveCallbackState):
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
     ):
-        assembly = self._adaptive_batch.assembly
-        pieces, growth = assembly.eval_pieces, assembly.eval_growth
+        pieces, growth = self._adaptive_batch.assembly.eval_pieces, self._adaptive_batch.assembly.eval_growth
         if pieces is not None:
             pieces.begin()
         measured = contextlib.nullcontext()
@@ -121,8 +114,8 @@ class AdaptiveTrainerMixin(KeepsLiveCallbackState):
 
 
 def install(trainer, callback) -> Session:
-    """Check the Trainer's setup, then put `AdaptiveTrainerMixin` in front of its class; the session is planned at
-    once where the Trainer has a training dataset, so that bad schedules and sizes fail before any compute."""
+    """Check the Trainer, put `AdaptiveTrainerMixin` in front of its class, and plan at once where it has a training
+    dataset, so that bad schedules and sizes fail before any compute."""
     if isinstance(trainer, AdaptiveTrainerMixin):
         raise ValueError(
             "This Trainer already has an AdaptiveBatch attached; pass AdaptiveBatch() once, either in "
@@ -140,13 +133,10 @@ def install(trainer, callback) -> Session:
 
 
 def _configure_logger(args) -> None:
-    """Show the plan table by default: INFO on the main process unless `log_level` says otherwise; where no handler
-    would receive the records (no logging configured), [`_ShownWhereUnconfigured`] writes them to stderr."""
-    if args.should_log:
-        level = logging.INFO if args.log_level == "passive" else args.get_process_log_level()
-    else:
-        level = args.get_process_log_level()
-    logger.setLevel(level)
+    """Show the plan table by default: INFO on the main process unless `log_level` says otherwise, on stderr where no
+    logging is configured."""
+    passive = args.should_log and args.log_level == "passive"
+    logger.setLevel(logging.INFO if passive else args.get_process_log_level())
     if not any(isinstance(handler, _ShownWhereUnconfigured) for handler in logger.handlers):
         handler = _ShownWhereUnconfigured()
         handler.setFormatter(logging.Formatter("%(message)s"))

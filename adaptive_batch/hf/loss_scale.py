@@ -1,8 +1,6 @@
-"""Custom losses at the plain Trainer's scale: a `compute_loss` (or `compute_loss_func`) that ignores
-`num_items_in_batch` returns each micro-batch's mean, so each is weighted by its share of the step's label tokens times
-the plain Trainer's micro-batches in the step, whatever the cut. Whether the loss reads it is seen on the first
-micro-batch (a tensor that notes any torch operation on it). See docs/how-it-works.md, "What it refuses, and why"
-(known limits)."""
+"""Custom losses at the plain Trainer's scale: a `compute_loss` that ignores `num_items_in_batch` returns each
+micro-batch's mean, so each is weighted as the plain Trainer's steps weigh it. See docs/how-it-works.md, "What it
+refuses, and why"."""
 
 from __future__ import annotations
 
@@ -14,13 +12,12 @@ import torch
 
 logger = logging.getLogger("adaptive_batch")
 
-# where `compute_loss` is defined by these, it normalises by `num_items_in_batch` whenever the Trainer leaves it to
-# the loss (the model's own loss with loss kwargs; TRL's token-summed losses)
+# a `compute_loss` defined by these normalises by `num_items_in_batch` wherever the Trainer leaves it to the loss
 TRUSTED_MODULES = ("transformers.", "trl.")
 
 
 def _watched(tensor: torch.Tensor):
-    """`tensor` as a tensor that notes whether any torch operation read it, and the function that tells."""
+    """`tensor` as one that notes whether any torch operation read it, and the function that tells."""
 
     class Watched(torch.Tensor):
         was_read = False
@@ -41,14 +38,10 @@ class LossScale:
     def __init__(self, trainer):
         self.trainer = trainer
         self.reads_items: bool | None = None  # whether the loss reads num_items_in_batch (None: not seen yet)
-        self.plain_micro_batches: int | None = (
-            None  # while a step runs: the plain Trainer's micro-batches in it
-        )
+        self.plain_micro_batches: int | None = None  # while a step runs: the plain Trainer's in it
 
     @contextlib.contextmanager
     def step(self, step_size: int, per_device_train_batch_size: int, world_size: int):
-        """Around a step of `step_size` samples (all ranks): the plain Trainer runs it as this many micro-batches on
-        each rank."""
         self.plain_micro_batches = math.ceil(step_size / (per_device_train_batch_size * world_size))
         try:
             yield
@@ -59,8 +52,7 @@ class LossScale:
         """The user's `compute_loss`, its loss weighted where it ignores `num_items_in_batch` in a training step."""
         items = kwargs.get("num_items_in_batch")
         func = getattr(self.trainer, "compute_loss_func", None)
-        # where the Trainer divides the loss itself (as it does without num_items_in_batch or loss kwargs, and no
-        # compute_loss_func), the divisor is the micro-batch's share ([`runtime.step`] sets it)
+        # where the Trainer divides the loss itself, the divisor is the micro-batch's share ([`runtime.step`] sets it)
         divides = (
             items is None or not getattr(self.trainer, "model_accepts_loss_kwargs", False)
         ) and func is None
@@ -102,7 +94,6 @@ class LossScale:
 
 
 def _user_class(trainer) -> type:
-    """The class whose `compute_loss` the Trainer calls (past AdaptiveBatch's own, placed in front)."""
     return next(
         cls
         for cls in type(trainer).__mro__

@@ -1,5 +1,5 @@
-"""Resuming: a checkpoint read before the Trainer does, a plain Trainer's taken over, what a run learned restored
-([`core.checkpoint`]'s rules). See README, "Interrupt and resume"."""
+"""Resuming: a checkpoint read before the Trainer does, a plain Trainer's taken over, what a run learned restored.
+See README, "Interrupt and resume"."""
 
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ PLAIN_RESUME_KEY = "AdaptiveBatch:"
 
 
 def read_checkpoint(path: str) -> StoredCheckpoint:
-    """A checkpoint folder's `trainer_state.json`, read before the Trainer does so that the plan is built first
-    (`ValueError` where there is none, or it holds AdaptiveBatch state of another layout)."""
+    """A checkpoint folder's `trainer_state.json`, read before the Trainer does so that the plan is built first."""
     file = os.path.join(path, TRAINER_STATE_NAME)
     if not os.path.isdir(path):
         raise ValueError(f"resume_from_checkpoint={path!r} is not a folder; pass a checkpoint-N folder.")
@@ -38,8 +37,7 @@ def read_checkpoint(path: str) -> StoredCheckpoint:
         )
     with open(file) as handle:
         trainer_state = json.load(handle)
-    attributes = saved_callback_state(trainer_state, STATE_KEY)
-    state = (attributes or {}).get("checkpoint") or None
+    state = (saved_callback_state(trainer_state, STATE_KEY) or {}).get("checkpoint") or None
     if state is not None:
         check_schema(state, path)
     return StoredCheckpoint(
@@ -51,8 +49,7 @@ def read_checkpoint(path: str) -> StoredCheckpoint:
 
 
 class Resume:
-    """The checkpoint a train() resumes (`None`: a new run) and how the plan takes over a plain Trainer's: the
-    `adoption` (one a resumed AdaptiveBatch checkpoint took over from, too) and the steps it counts as done."""
+    """The checkpoint a train() resumes (`None`: a new run) and the plain Trainer's it takes over (`adoption`)."""
 
     def __init__(self, checkpoint: StoredCheckpoint | None, args, world_size: int, stream: bool):
         self.checkpoint, self.args = checkpoint, args
@@ -76,7 +73,6 @@ class Resume:
             )
 
     def done_steps(self, dataset_size: int | None) -> DoneSteps | None:
-        """The plain Trainer's steps of an adopted checkpoint, as the plan's already-trained prefix."""
         adopted = self.adoption
         if adopted is None:
             return None
@@ -90,7 +86,6 @@ class Resume:
         return plain.done_steps(adopted.global_step)
 
     def check(self, identity: PlanIdentity) -> None:
-        """Refuse, before any compute, a checkpoint written under another step plan (each changed field named)."""
         if self.checkpoint is None or self.checkpoint.state is None:
             return
         differences = identity.differences(self.checkpoint.state["plan"])
@@ -98,7 +93,6 @@ class Resume:
             raise ValueError(identity_error(differences))
 
     def restore(self, plan: StepPlan, shuffle: bool, status, assembly, growth) -> None:
-        """Counters and what the run learned, from the checkpoint, each into the part that owns it."""
         checkpoint, state = self.checkpoint, self.checkpoint.state
         if state is None:  # written by the plain Trainer: its steps are the plan's done steps
             status.adopt(checkpoint.global_step)
@@ -112,7 +106,6 @@ class Resume:
 
 
 def plain_batching(args, plan: StepPlan) -> PlainBatching:
-    """The plain Trainer at the user's batch settings, over the plan's dataset."""
     return PlainBatching(
         plan.dataset_size,
         args.per_device_train_batch_size,
@@ -123,8 +116,7 @@ def plain_batching(args, plan: StepPlan) -> PlainBatching:
 
 
 def adoption_message(plan, checkpoint: StoredCheckpoint, same_order: bool) -> str:
-    """What taking over a plain Trainer's checkpoint means for the samples (`same_order`: it drew the epochs'
-    permutations as AdaptiveBatch does, with accelerate's seedable sampler)."""
+    """What taking over a plain Trainer's checkpoint means for the samples (`same_order`: the seedable sampler's)."""
     steps = checkpoint.global_step
     position = plan.starts[steps] if steps < plan.num_steps else plan.budget
     samples = plan.samples_before_step[steps]
@@ -147,9 +139,9 @@ def adoption_message(plan, checkpoint: StoredCheckpoint, same_order: bool) -> st
 
 
 def guard_plain_resume(checkpoint_dir: str, global_step: int, run: RunPlan, args) -> None:
-    """Make a Trainer without AdaptiveBatch refuse the checkpoint just saved where it would resume at another sample
-    or learning rate (`plain_resume_mismatch`): a top-level key of `trainer_state.json` that is the refusal's text,
-    which `TrainerState(**json)` names in its `TypeError`. AdaptiveBatch reads past it ([`readable_by_the_trainer`])."""
+    """Make a Trainer without AdaptiveBatch refuse the checkpoint where it would resume at another sample or learning
+    rate: a top-level key of `trainer_state.json` that is the refusal's text, which `TrainerState(**json)` names in its
+    `TypeError`."""
     file = os.path.join(checkpoint_dir, TRAINER_STATE_NAME)
     if not os.path.isfile(file):  # (saved elsewhere: a hyperparameter search's trial folder)
         return
@@ -179,9 +171,8 @@ def guard_plain_resume(checkpoint_dir: str, global_step: int, run: RunPlan, args
 
 @contextlib.contextmanager
 def readable_by_the_trainer(path: str | None) -> Iterator[str | None]:
-    """The checkpoint folder to give the Trainer's `train`: `path`, or where it carries [`guard_plain_resume`]'s key, a
-    temporary view of it: `trainer_state.json` without the key, every other entry linked (or copied). Nothing of the
-    checkpoint is changed."""
+    """`path`, or where it carries [`guard_plain_resume`]'s key, a temporary view of it without the key (every other
+    entry linked or copied)."""
     if path is None:
         yield path
         return

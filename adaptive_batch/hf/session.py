@@ -1,6 +1,5 @@
-"""AdaptiveBatch's state for one Trainer, and the order in which things happen to it: made when AdaptiveBatch is
-attached, planned again when `train()` starts ([`core.planning`]). It holds the parts that own the rest: the
-[`assemble.Assembly`], [`status.Status`], [`resume.Resume`] and [`growth.Growth`]."""
+"""AdaptiveBatch's state for one Trainer and the order of what happens to it: made at attach, planned again when
+`train()` starts; it holds the parts that own the rest ([`assemble.Assembly`], `Status`, `Resume`, `Growth`)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from .assemble import Assembly
 from .checks import check_trainer
 from .growth import Growth, growth_for
 from .resume import Resume
-from .status import Status, plan_table, rule_text, schedule_text
+from .status import Status, plan_table, plan_text
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -50,12 +49,10 @@ class Session:
 
     @property
     def noise(self):
-        """The noise scale's averages (`None` with `measure_noise=False`)."""
         return self.status.noise
 
     @property
     def schedule(self):
-        """The effective batch over training: the user's `per_device x accumulation x world size` by default."""
         args = self.trainer.args
         user_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world_size
         return self.config.resolved_schedule(user_batch)
@@ -64,11 +61,8 @@ class Session:
     def is_stream(self) -> bool:
         return is_stream(self.trainer.train_dataset)
 
-    # -- planning ------------------------------------------------------------------------------------------------
-
     def prepare(self, checkpoint: StoredCheckpoint | None = None) -> None:
-        """Plan from the current arguments, dataset and checkpoint (if any), then build what runs the plan. Every
-        refusal happens here, before any compute."""
+        """Plan from the arguments, dataset and checkpoint, and build what runs the plan; every refusal comes here."""
         trainer, config, args = self.trainer, self.config, self.trainer.args
         if trainer.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
@@ -112,8 +106,8 @@ class Session:
             data_seed=args.data_seed if args.data_seed is not None else args.seed,
             shuffle=not self.is_stream and args.train_sampling_strategy != "sequential",
             adopted_at_step=self.resume.adoption.global_step if self.resume.adoption else 0,
-            schedule=schedule_text(schedule),
-            lr_scaling=rule_text(config.lr_scaling),
+            schedule=plan_text(schedule),
+            lr_scaling=plan_text(config.lr_scaling),
             fingerprint=self.plan.fingerprint(),
         )
         self.resume.check(self.identity)
@@ -123,8 +117,7 @@ class Session:
             self.resume.restore(self.plan, self.identity.shuffle, self.status, self.assembly, self.growth)
 
     def replan(self, schedule) -> StepPlan:
-        """Plan the rest of the run again under a grown `schedule`; the LR clock, the data loader, the controller's
-        row limit, the checkpoint's identity and the Trainer's step count follow the new plan, returned."""
+        """Plan the rest of the run again under a grown `schedule`: everything that reads the plan follows it."""
         plan = self.run.replan(schedule)
         if self.sampler is not None:
             self.sampler.plan = plan
@@ -132,8 +125,6 @@ class Session:
         self.assembly.follow(plan)
         self.trainer.state.max_steps = plan.num_steps
         return plan
-
-    # -- a run ---------------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def training(self, checkpoint: StoredCheckpoint | None):
@@ -164,8 +155,8 @@ class Session:
             self.runner.close()
 
     def initial_training_values(self) -> tuple:
-        """What `Trainer.set_initial_training_values` returns: the loop sees one epoch of all steps, each
-        `gradient_accumulation_steps` batches (the step batch in the last); the callback tracks data epochs."""
+        """The loop sees one epoch of all steps, each `gradient_accumulation_steps` batches; the callback tracks data
+        epochs."""
         plan, accumulation = self.plan, self.trainer.args.gradient_accumulation_steps
         return (
             1,  # num_train_epochs of the loop
@@ -212,8 +203,6 @@ class Session:
             growth.after_step(self, step, timed, split)
         return loss
 
-    # -- reports and checkpoints ---------------------------------------------------------------------------------
-
     def add_metrics(self, logs: dict) -> None:
         if self.status.last_step >= 0 and self.trainer.is_in_train and "loss" in logs:
             logs.update(self.status.metrics(self.run, self.growth))
@@ -225,7 +214,6 @@ class Session:
         return self.status.current(self.run, self.growth)
 
     def state_dict(self) -> dict:
-        """Plain JSON for the checkpoint (see `core/checkpoint.py`)."""
         adoption = self.resume.adoption if self.resume is not None else None
         growth = (
             self.growth.state_dict() if self.growth is not None else {"schedule": None, "step_time": None}

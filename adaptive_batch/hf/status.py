@@ -1,5 +1,4 @@
-"""What a session reports, from the counters its [`Status`] keeps: the `adaptive_batch/*` metrics of every training
-log, `AdaptiveBatch.current()` and the plan table logged when training starts."""
+"""What a session reports from its counters: the `adaptive_batch/*` metrics, `AdaptiveBatch.current()`, the plan table."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from .resume import plain_batching
 
 
 class Status:
-    """A run's counters (tokens seen, the last step, where the micro-batch settled) and the noise scale's averages,
-    and what they report with the plan and the [`assemble.Assembly`] they describe."""
+    """A run's counters (tokens seen, the last step, where the micro-batch settled) and the noise scale's averages."""
 
     def __init__(self, trainer, config: AdaptiveBatchConfig, assembly: Assembly):
         self.trainer, self.config, self.assembly = trainer, config, assembly
@@ -29,14 +27,12 @@ class Status:
         self.start(resumed=False)
 
     def start(self, resumed: bool) -> None:
-        """A train() starts: new noise averages, and new counters unless a checkpoint's are restored."""
         if not resumed:
             self.tokens_seen, self.last_step, self.settled_at_step = 0, -1, None
         config = self.config
         self.noise = NoiseScale(config.noise_time_constant_samples) if config.measure_noise else None
 
     def adopt(self, global_step: int) -> None:
-        """A plain Trainer's checkpoint is resumed: its steps count as done (their tokens unknown)."""
         self.tokens_seen, self.last_step = 0, global_step - 1
 
     def state_dict(self) -> dict:
@@ -54,8 +50,7 @@ class Status:
             self.noise.load_state_dict(state["noise"])
 
     def after_step(self, step: int, plan: StepPlan, exploring: bool) -> None:
-        """Count the step just run (`exploring`: the controller was measuring before it) and average in its
-        tr(Sigma) per sample, where it measured the noise scale."""
+        """Count the step just run (`exploring`: the controller was measuring before it); average in its noise."""
         runner = self.assembly.runner
         self.tokens_seen += runner.last.real_tokens
         self.last_step = step
@@ -74,11 +69,8 @@ class Status:
                 "the noise scale's averages.",
             )
 
-    # -- reports ---------------------------------------------------------------------------------------------------
-
     def metrics(self, run: RunPlan, growth) -> dict[str, float]:
-        """The `adaptive_batch/*` values of a training log: the last step's, and the noise scale's averages where that
-        step measured it, the finite ones (README, "What it logs")."""
+        """The `adaptive_batch/*` values of a training log (README, "What it logs")."""
         values = self._step_metrics(run, growth)
         noise, measured = self.noise, self.assembly.runner.last.noise
         if noise is None or measured is None or not noise.last_averaged:
@@ -106,7 +98,6 @@ class Status:
         return values
 
     def current(self, run: RunPlan, growth) -> dict:
-        """Where the run stands after its last optimizer step (before the first: what step 0 will run)."""
         plan, controller, noise = run.plan, self.assembly.controller, self.noise
         if self.last_step < 0:
             first = plan.done_steps
@@ -137,28 +128,25 @@ class Status:
         return values
 
     def plan_rows(self, run: RunPlan, growth, schedule) -> list[tuple[str, str]]:
-        """The plan as (label, value) rows: what the log shows when training starts."""
         config, controller, args = self.config, self.assembly.controller, self.trainer.args
         plan = run.plan
         plain = plain_batching(args, plan)
+        plain_steps = plain.total_steps(args.num_train_epochs, args.max_steps)
         total_tokens = lengths.total_tokens(self.trainer.train_dataset)
+        unknown_lengths = (
+            "; the dataset cannot tell its rows' lengths before training: where the first step's vary, steps are "
+            "cut by padded tokens from it on"
+        )
         rows = report.plan_rows(
             plan,
             run.clock,
             run.budget,
-            schedule_text=schedule_text(schedule),
+            schedule_text=plan_text(schedule),
             micro_batch_text=controller.describe()
-            + (
-                "; the dataset cannot tell its rows' lengths before training: where the first step's vary, steps are "
-                "cut by padded tokens from it on"
-                if self.assembly.lengths_pending
-                else ""
-            ),
-            plain_steps=plain.total_steps(args.num_train_epochs, args.max_steps),
-            tokens=None
-            if total_tokens is None
-            else round(total_tokens * run.budget.samples / plan.dataset_size),
-            rule_text=rule_text(config.lr_scaling),
+            + (unknown_lengths if self.assembly.lengths_pending else ""),
+            plain_steps=plain_steps,
+            tokens=total_tokens and round(total_tokens * run.budget.samples / plan.dataset_size),
+            rule_text=plan_text(config.lr_scaling),
             accumulation_text=controller.accumulation_text(
                 [effective // plan.world_size for _, _, effective in plan.phases()],
                 args.gradient_accumulation_steps,
@@ -168,7 +156,7 @@ class Status:
         rows += report.step_strategy_rows(
             plan,
             plain,
-            plain.total_steps(args.num_train_epochs, args.max_steps),
+            plain_steps,
             step_strategies(args),
             may_grow_to=growth.schedule.max_size if growth is not None else None,
         )
@@ -179,13 +167,11 @@ class Status:
 
 
 def step_strategies(args) -> list[report.StepStrategy]:
-    """Evaluation and saving by steps, where the Trainer's arguments ask for them."""
     strategies = []
     if args.eval_strategy == "steps":
+        delay = args.eval_delay or 0
         strategies.append(
-            report.StepStrategy(
-                "evaluation", "eval_steps", "eval_strategy", args.eval_steps, args.eval_delay or 0
-            )
+            report.StepStrategy("evaluation", "eval_steps", "eval_strategy", args.eval_steps, delay)
         )
     if args.save_strategy == "steps":
         strategies.append(report.StepStrategy("saving", "save_steps", "save_strategy", args.save_steps))
@@ -193,17 +179,9 @@ def step_strategies(args) -> list[report.StepStrategy]:
 
 
 def plan_table(rows: list[tuple[str, str]]) -> str:
-    """The plan table as logged when training starts."""
     return report.format_rows("AdaptiveBatch plan", rows)
 
 
-# The schedule and the LR rule as the plan table names them, and a checkpoint's plan (a resume under another one is
-# refused naming both)
-
-
-def schedule_text(schedule) -> str:
-    return describe(schedule)  # (a growing one by its settings, not the changes it made)
-
-
-def rule_text(lr_scaling) -> str:
-    return lr_scaling if isinstance(lr_scaling, str) else describe(lr_scaling)
+def plan_text(value) -> str:
+    """The schedule or LR rule as the plan table and a checkpoint's plan name it (a growing schedule by its settings)."""
+    return value if isinstance(value, str) else describe(value)

@@ -1,9 +1,6 @@
-"""The probe's search: the largest micro-batch that fits in memory, in few trials, and a size chosen by throughput.
-
-Peak memory and step time are both close to affine in the size, so a few trials predict the boundary and the
-smallest size near the best tokens/s; see docs/how-it-works.md, "The commands". Pure Python: the trials are run by a
-callable the caller provides.
-"""
+"""The probe's search, pure Python over a callable that runs trials: peak memory and step time are close to affine
+in the size, so a few trials predict the largest micro-batch that fits and the smallest near the best tokens/s
+(docs/how-it-works.md, "The commands")."""
 
 from __future__ import annotations
 
@@ -48,8 +45,6 @@ class Trial:
 
 @dataclass
 class Search:
-    """What the search found: every trial in order, the largest size that fits, the smallest that does not."""
-
     trials: list[Trial]
     boundary: int
     first_failing: int | None
@@ -70,6 +65,9 @@ def find_boundary(
     trials: list[Trial] = []
     largest_fitting, smallest_failing, predicted = 0, None, None
 
+    def above(size: int) -> int:  # at least `tolerance` above `size`
+        return max(size + 1, math.ceil(size * (1 + tolerance)))
+
     def attempt(size: int) -> bool:
         nonlocal largest_fitting, smallest_failing
         trial = run(size)
@@ -84,7 +82,9 @@ def find_boundary(
         if size > max_size or not attempt(size):
             break
     while len(trials) < max_trials and largest_fitting < max_size:
-        if _bracketed(largest_fitting, smallest_failing, tolerance) or smallest_failing == 1:
+        if smallest_failing is not None and (
+            smallest_failing == 1 or largest_fitting > 0 and smallest_failing <= above(largest_fitting)
+        ):
             break
         estimate = predict_boundary(trials, limit)
         if smallest_failing is None:  # growing: the prediction first, then steps of at least `tolerance`
@@ -93,9 +93,7 @@ def find_boundary(
             elif estimate is None and (limit is None or not math.isfinite(limit)):
                 candidate = 2 * max(largest_fitting, 1)  # no memory limit to aim at: double until it fails
             else:
-                candidate = max(
-                    largest_fitting + 1, math.ceil(largest_fitting * (1 + tolerance)), estimate or 0
-                )
+                candidate = max(above(largest_fitting), estimate or 0)
             candidate = min(candidate, max_size)
         else:  # bracketed: the secant through the two largest readings, kept to the middle half of the bracket
             estimate = predict_boundary(trials, limit, secant=True)
@@ -114,12 +112,6 @@ def find_boundary(
             "shorten the sequences."
         )
     return Search(trials, largest_fitting, smallest_failing, predicted, limit)
-
-
-def _bracketed(largest_fitting: int, smallest_failing: int | None, tolerance: float) -> bool:
-    if smallest_failing is None or largest_fitting == 0:
-        return False
-    return smallest_failing <= max(largest_fitting + 1, math.ceil(largest_fitting * (1 + tolerance)))
 
 
 def predict_boundary(trials: list[Trial], limit: float | None, secant: bool = False) -> int | None:
@@ -174,13 +166,9 @@ def recommend(trials: list[Trial], limit: float | None, within: float = 0.02, la
 def next_throughput_size(
     trials: list[Trial], limit: float | None, within: float = 0.02, granule: int = 8
 ) -> int | None:
-    """The next size to time so that [`recommend`] finds a small size within `within` of the best, or `None` once
-    one smaller than the largest timed is within (each trial near the boundary costs a large step).
-
-    An affine fit of step time predicts the smallest size within `within / 2` (the middle of the band, so that the
-    fit's error rarely leaves it outside), rounded to a multiple of `granule` (sizes an effective batch splits
-    evenly); one outside the gap between the largest size short of the band and the smallest in it halves the gap.
-    """
+    """The next size to time so that [`recommend`] finds a small size within `within` of the best (`None` once one
+    below the largest timed is): the affine fit's size for `within / 2`, the middle of the band, rounded to a multiple
+    of `granule`; one outside the gap between the sizes short of the band and in it halves the gap."""
     fitting = _timed_and_fitting(trials, limit)
     if not fitting:
         return None
@@ -230,9 +218,7 @@ def split_effective_batch(micro_batch_size: int, effective_batch_size: int, gpus
 
 
 def split_reason(micro_batch_size: int, effective_batch_size: int, gpus: int) -> str | None:
-    """Why [`split_effective_batch`] gives a per-device size below `micro_batch_size` (`None` where it does not),
-    e.g. '8 x 2: 8 is the largest size up to the recommended 13 that divides the 16 samples per device evenly (13
-    would leave a remainder of 3)'."""
+    """Why [`split_effective_batch`] gives a per-device size below `micro_batch_size` (`None` where it does not)."""
     per_device, accumulation = split_effective_batch(micro_batch_size, effective_batch_size, gpus)
     if per_device >= micro_batch_size:
         return None

@@ -1,13 +1,5 @@
-"""The probe's cache: a setup's key ([`describe_setup`]: everything read off a live model that changes memory), the
-report stored under it per sequence length, and the lookup a run starts from ([`cached_start`]). On the Trainer's
-path, so it imports neither the trial runner nor model loading. See docs/how-it-works.md, "The commands".
-
-Example:
-    ```python
-    start = cached_start(describe_setup(model, "paged_adamw_8bit", gradient_checkpointing=True), seq_len=1024)
-    start.size  # 13: adaptive-batch probe's choice at 1,024 tokens (`start.message` says so)
-    ```
-"""
+"""The probe's cache: reports stored per setup ([`describe_setup`]: what changes memory) and sequence length, and
+the lookup a run starts from ([`cached_start`]). On the Trainer's path: it imports no trial runner or model loading."""
 
 from __future__ import annotations
 
@@ -32,9 +24,8 @@ MAX_NAMED_DIFFERENCES = 4
 
 @dataclass(frozen=True)
 class CachedStart:
-    """What the cache says for a setup and a sequence length: the recommended `size` probed at `seq_len` (`None`:
-    no entry), one line for the log (`None` where nothing was probed for this model), and the largest micro-batch
-    and eval batch found to fit where a larger one failed (`None`: none failed, or not searched)."""
+    """The recommended `size` probed at `seq_len` (`None`: no entry), a line for the log, and the largest micro-batch
+    and eval batch found to fit where a larger one failed."""
 
     size: int | None
     seq_len: int | None
@@ -44,8 +35,7 @@ class CachedStart:
 
 
 def cached_start(setup: dict, seq_len: int) -> CachedStart:
-    """The cached recommendation for `setup` at `seq_len` tokens, from the shortest probed length >= `seq_len` (a
-    size that fits longer sequences fits shorter ones), or why there is none."""
+    """The recommendation at the shortest probed length >= `seq_len` (what fits longer sequences fits shorter ones)."""
     path = _cache_file(setup)
     try:
         entries = json.loads(path.read_text()) if path.exists() else {}
@@ -83,18 +73,15 @@ def cached_start(setup: dict, seq_len: int) -> CachedStart:
 
 
 def setup_key(setup: dict) -> str:
-    """A stable key of everything that changes memory (the setup without the sequence length)."""
     text = json.dumps({k: v for k, v in setup.items() if k != "seq_len"}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def cache_dir() -> Path:
-    """`$ADAPTIVE_BATCH_CACHE`, else `~/.cache/adaptive-batch/probe`."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "adaptive-batch" / "probe")
 
 
 def save_report(report: ProbeReport) -> Path:
-    """Store the report under its setup key, one entry per sequence length."""
     path = _cache_file(report.setup)
     path.parent.mkdir(parents=True, exist_ok=True)
     entries = json.loads(path.read_text()) if path.exists() else {}
@@ -151,8 +138,7 @@ def _cache_file(setup: dict) -> Path:
 
 
 def _no_entry_message(setup: dict) -> str | None:
-    """One line naming what differs from the nearest cached setup of the same model (fewest differing top-level
-    fields); `None` when the cache holds no setup of this model (a cache for other models is not news)."""
+    """What differs from the nearest cached setup of the same model; `None` where none is of this model."""
     # the cache holds the setup as JSON: compare this one as JSON too, or a tuple would differ from its list
     now = json.loads(json.dumps({k: v for k, v in setup.items() if k != "seq_len"}, default=str))
     cached = [other for other in _cached_setups() if other.get("model") == now.get("model")]
@@ -194,8 +180,7 @@ def _top_level_differences(cached: dict, now: dict) -> int:
 
 
 def _differences(cached, now, keys: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
-    """`(dotted key, cached value, value now)` of every leaf that differs; dicts on both sides are compared key by
-    key, anything else as a whole."""
+    """`(dotted key, cached value, value now)` of every leaf that differs."""
     if isinstance(cached, dict) and isinstance(now, dict):
         found = []
         for key in sorted(cached.keys() | now.keys()):

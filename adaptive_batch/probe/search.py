@@ -1,13 +1,5 @@
-"""`probe`: the largest micro-batch that fits a model and setup, and a fast one, before a run; also the largest
-eval batch. Real training steps ([`trials.TrialRunner`]) searched by [`boundary.find_boundary`]; the probe leaves no
-trace. See docs/how-it-works.md, "The commands".
-
-Example:
-    ```python
-    report = probe(model, seq_len=1024, optim="paged_adamw_8bit", effective_batch_size=64)
-    report.boundary, report.recommended, report.per_device_train_batch_size, report.gradient_accumulation_steps
-    ```
-"""
+"""`probe`: the largest micro-batch that fits a model and setup, a fast one, and the largest eval batch, found by real
+training steps ([`trials.TrialRunner`]) that leave no trace. See docs/how-it-works.md, "The commands"."""
 
 from __future__ import annotations
 
@@ -35,11 +27,8 @@ THROUGHPUT_TRIALS = 3  # trials after the search, to find the smallest size near
 
 @dataclass
 class ProbeReport:
-    """What a probe found. Sizes are samples per micro-batch on one device; tokens are `size x seq_len`.
-
-    `seconds` = `warm_up_seconds` + `trial_seconds` + `overhead_seconds` (of which `setup_seconds` before the warm-up,
-    `cleanup_seconds` after the last trial, and the input batches and memory released between trials).
-    """
+    """What a probe found: sizes in samples per micro-batch on one device; `seconds` = `warm_up_seconds` +
+    `trial_seconds` + `overhead_seconds` (`setup_seconds` and `cleanup_seconds` among it)."""
 
     setup: dict
     seq_len: int
@@ -91,20 +80,9 @@ def probe(
     on_trial: Callable[[Trial], None] | None = None,
     evaluation: bool = True,
 ) -> ProbeReport:
-    """Find the boundary and a recommended micro-batch for `model` (as the run will train it) on full-length
-    sequences of `seq_len` tokens, with the optimizer `optim` (a `TrainingArguments.optim` name) built as the Trainer
-    builds it.
-
-    Args:
-        headroom: on a GPU, the share of device memory to keep free.
-        memory_budget: the bytes a step may use (required on the CPU, a cap on a GPU).
-        largest: recommend the boundary instead of the fastest size.
-        effective_batch_size, gpus: also give the `per_device x accumulation` pair for this effective batch.
-        autocast_dtype: run forward and backward under `torch.autocast` with this dtype (as `bf16=True` does).
-        setup: what identifies the setup (for the report and the cache).
-        on_trial: called after every trial (for a progress bar).
-        evaluation: search the largest eval batch too, for `per_device_eval_batch_size`.
-    """
+    """The boundary and a recommended micro-batch for `model` (as the run will train it) on full-length sequences of
+    `seq_len` tokens, with the Trainer's optimizer `optim`; `memory_budget` is required on the CPU, `setup` names the
+    setup for the report and the cache, `on_trial` is called after every trial, `evaluation` also finds the eval batch."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
     limit = trial_limit(device, headroom, memory_budget)
     started = time.perf_counter()
@@ -114,8 +92,7 @@ def probe(
     setup_seconds = time.perf_counter() - started
     try:
         warm_up = runner.warm_up()
-        trials: list[Trial] = []
-        eval_trials: list[Trial] = []
+        trials, eval_trials = [], []
 
         def run(size: int, forward_only: bool = False, eval_step: bool = False) -> Trial:
             trial = runner.run(size, forward_only=forward_only, evaluation=eval_step)

@@ -1,7 +1,5 @@
-"""The probe's trials: one real training step at a given size, its time and its peak memory (on a GPU the caching
-allocator's reserved bytes, on the CPU a meter of the bytes every op allocates against a stated budget), and the
-[`Snapshot`] that puts back what the trials change. See docs/how-it-works.md, "The commands".
-"""
+"""The probe's trials: one real training step at a given size, its time and peak memory (a GPU's reserved bytes, or
+on the CPU a meter of what every op allocates), and the [`Snapshot`] that puts back what the trials change."""
 
 from __future__ import annotations
 
@@ -24,13 +22,9 @@ WARM_UP_TOKENS = 64
 
 
 class TrialRunner:
-    """Runs one training step of `optimizer` on `model` at a given size, on random token ids below `vocab_size`,
-    and reads its time and peak memory.
-
-    A step whose memory passes `limit` bytes is stopped there (the rest would only confirm that it does not fit): on
-    a GPU a forward pre-hook on every module reads the reserved bytes (with gradient checkpointing the backward runs
-    the forwards again), on the CPU the byte meter checks every op. `close` puts the model's training mode back.
-    """
+    """Runs one training step on random token ids at a given size and reads its time and peak memory. A step whose
+    memory passes `limit` is stopped there: on a GPU by a forward pre-hook on every module (gradient checkpointing
+    runs the forwards again in the backward), on the CPU by the byte meter."""
 
     def __init__(self, model, optimizer, seq_len, vocab_size, device, autocast_dtype, limit):
         self.model, self.optimizer = model, optimizer
@@ -42,8 +36,7 @@ class TrialRunner:
         self.was_training = model.training
 
     def warm_up(self) -> Trial:
-        """One step on one short sample, for the one-time costs (kernels, allocator, the optimizer's state, lazy
-        initialisation): their time and memory are not readings. Its time is the trial's `seconds`."""
+        """One step on one short sample, for the one-time costs (kernels, allocator, optimizer state): not a reading."""
         trial = self.run(1, seq_len=min(self.seq_len, WARM_UP_TOKENS))
         # the optimizer's state exists from the first step on, and the CPU meter only sees what a step allocates
         self.held = self._held()
@@ -52,9 +45,8 @@ class TrialRunner:
     def run(
         self, size: int, seq_len: int | None = None, forward_only: bool = False, evaluation: bool = False
     ) -> Trial:
-        """One training step on `size` samples of `seq_len` tokens (default: the runner's), or its forward pass
-        alone (its time read too); with `evaluation`, an eval step instead: the forward in eval mode without
-        gradients, its logits held as `Trainer.prediction_step` returns them, its time the trial's `seconds`."""
+        """One training step on `size` samples, or its forward pass alone; with `evaluation`, an eval step: the forward
+        in eval mode without gradients, its logits held as `Trainer.prediction_step` returns them."""
         model = self.model
         model.train(not evaluation)
         seq_len = seq_len or self.seq_len
@@ -156,8 +148,7 @@ class PeakMeter(TorchDispatchMode):
         self.budget = budget
         self.held = frozenset(held)
         self.live: dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
+        self.current = self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -183,8 +174,7 @@ class PeakMeter(TorchDispatchMode):
 
 
 def held_storages(model: torch.nn.Module, optimizer) -> dict[int, int]:
-    """`{address: bytes}` of the storages held before a step: parameters, buffers, gradients, optimizer state (a
-    storage shared by several tensors, such as tied weights, once)."""
+    """`{address: bytes}` of the storages held before a step: parameters, buffers, gradients, optimizer state."""
     tensors = list(model.parameters()) + list(model.buffers())
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     for state in optimizer.state.values():
@@ -202,8 +192,7 @@ def trial_limit(device: torch.device, headroom: float, memory_budget: float | No
 
 
 def make_optimizer(model: torch.nn.Module, optim: str, learning_rate: float):
-    """The optimizer the Trainer would build for `optim`, from the Trainer's own lookup rather than a copy of its
-    table (it takes a `TrainingArguments`, which costs well under a millisecond to build)."""
+    """The optimizer the Trainer would build for `optim`, by the Trainer's own lookup."""
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -218,9 +207,7 @@ def make_optimizer(model: torch.nn.Module, optim: str, learning_rate: float):
 
 
 def vocab_size(model: torch.nn.Module) -> int:
-    """The number of token ids the model's embedding takes, from its config."""
-    config = getattr(model, "config", None)
-    size = getattr(config, "vocab_size", None)
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
     if not size:
         raise ValueError(
             "The model's config has no vocab_size, so the probe cannot make token batches for it."

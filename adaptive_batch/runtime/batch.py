@@ -1,11 +1,6 @@
-"""Cutting one collated step batch into micro-batches without changing the step's gradient.
-
-Rows are taken longest first, so each micro-batch holds rows of similar length, and trailing padding that no row
-of a micro-batch uses is cut off. Both are exact: the gradient of a step is a sum over its rows (order does not
-matter), and with right padding a position never depends on the padding after it (causal attention looks back,
-bidirectional attention masks padding out) while padded labels are ignored by the loss. Padding is cut only where
-that holds: right padding, every sequence tensor shaped `[rows, length]`, and labels ignored (-100) beyond the cut.
-"""
+"""Cutting one collated step batch into micro-batches without changing the step's gradient: rows longest first,
+trailing padding no row of a micro-batch uses cut off (only where exact: right padding, every sequence tensor
+`[rows, length]`, labels ignored beyond the cut). See docs/how-it-works.md, "Data, cuts and measurements"."""
 
 from __future__ import annotations
 
@@ -23,9 +18,7 @@ PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")  # wha
 
 
 def is_packed(batch: Mapping[str, Any]) -> bool:
-    """Whether a collated batch is padding-free: it carries the sequences' boundaries (`cu_seq_lens_q`, ...), or it
-    is one row whose `position_ids` start again. Such a batch is cut between its sequences
-    ([`packed.PackedStepBatch`]), not by rows."""
+    """Whether a collated batch is padding-free: sequence boundaries, or one row whose `position_ids` start again."""
     if any(key in batch for key in PACKED_KEYS):
         return True
     position_ids = batch.get("position_ids")
@@ -35,15 +28,7 @@ def is_packed(batch: Mapping[str, Any]) -> bool:
 
 
 class StepBatch:
-    """One rank's share of an optimizer step's batch, as collated, ready to be cut into micro-batches.
-
-    Args:
-        batch: the collated step batch (a mapping of tensors and per-row lists).
-
-    Raises:
-        ValueError: if the batch cannot be cut by rows (a padding-free batch, or a value whose first dimension is
-            not the rows), naming the key and a fix.
-    """
+    """One rank's share of an optimizer step's collated batch, to be cut into micro-batches by rows."""
 
     packed = False  # rows of their own, not sequences flattened into one row
 
@@ -59,6 +44,7 @@ class StepBatch:
             self.order = torch.argsort(self.lengths, descending=True, stable=True)
         else:
             self.order = torch.arange(self.rows)
+
         self.trimmable = self._can_trim()
 
     def take(self, start: int, size: int) -> dict[str, Any]:
@@ -68,12 +54,8 @@ class StepBatch:
         return {key: _take(value, index, self.rows, length) for key, value in self.batch.items()}
 
     def dummy(self, count_items: bool) -> dict[str, Any]:
-        """One row that adds exactly nothing to the gradient, for a rank that has fewer micro-batches than others.
-
-        Args:
-            count_items: whether the loss is normalised by the step's `num_items_in_batch` (then all labels are
-                ignored, giving a zero sum); otherwise the caller scales this row's loss to zero.
-        """
+        """One row that adds nothing to the gradient, for a rank with fewer micro-batches: labels ignored where the
+        loss is normalised by `num_items_in_batch` (`count_items`), else the caller scales its loss to zero."""
         chunk = self.take(self.rows - 1, 1)
         return labels_ignored(chunk) if count_items else chunk
 
@@ -87,8 +69,7 @@ class StepBatch:
         return real, padded
 
     def label_counts(self, shifted: bool) -> torch.Tensor | None:
-        """Labelled tokens of each row (after the shift a causal LM's loss makes, if `shifted`), or `None` without
-        per-row labels."""
+        """Labelled tokens of each row (after a causal LM's shift, if `shifted`), or `None` without labels."""
         for key in LABEL_KEYS:
             labels = self.batch.get(key)
             if isinstance(labels, torch.Tensor) and labels.dim() == 2:
@@ -98,28 +79,17 @@ class StepBatch:
         return None
 
     def token_chunks(self, budget: int, row_cap: int | None = None, overhead: int | None = None) -> list[int]:
-        """Micro-batch sizes that cut the step's rows (longest first) into runs of at most `budget` padded tokens
-        and `row_cap` rows (a row longer than `budget` alone): the least `overhead` x micro-batches + padded tokens
-        ([`cut.cheapest_chunks`]), or with no `overhead` the fewest micro-batches with the lowest peak
-        ([`cut.fewest_chunks`]).
-
-        A micro-batch's padded tokens are its rows x the length `take` pads them to (its longest row's kept length,
-        or `seq_len` when padding cannot be cut).
-
-        Example: rows of 30, 20, 20, 10, 10 and 10 tokens with a budget of 60 and no overhead give 1, 2, 3 (30, 40
-        and 30 padded tokens), where taking as many rows as fit gives 2, 3, 1 (60, 60 and 10).
-        """
+        """Micro-batch sizes cutting the rows (longest first) into runs of at most `budget` padded tokens and
+        `row_cap` rows ([`cut.cheapest_chunks`] given an `overhead`, else [`cut.fewest_chunks`])."""
         if overhead is None:
             return fewest_chunks(self.padded_lengths, budget, row_cap)
         return cheapest_chunks(self.padded_lengths, budget, row_cap, overhead)
 
     def longest_row(self) -> int:
-        """Padded tokens of a micro-batch holding only the longest row."""
         return max(self.padded_lengths)
 
     def padded_tokens(self, start: int, size: int) -> int:
-        """Padded tokens of the micro-batch `take(start, size)`, from the lengths computed once per step (no device
-        work per micro-batch): its rows x the longest of them, the first in longest-first order."""
+        """Padded tokens of `take(start, size)`: its rows x its first (longest) row's, no device work."""
         return size * self.padded_lengths[start] if size > 0 else 0
 
     def real_tokens(self) -> int:
@@ -130,8 +100,7 @@ class StepBatch:
     def _can_trim(self) -> bool:
         if self.mask is None or self.seq_len is None:
             return False
-        right_padded = bool((self.mask[:, :-1] >= self.mask[:, 1:]).all())
-        if not right_padded:
+        if not bool((self.mask[:, :-1] >= self.mask[:, 1:]).all()):  # not right-padded
             return False
         for value in self.batch.values():
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == self.rows:
@@ -141,8 +110,7 @@ class StepBatch:
 
     @cached_property
     def padded_lengths(self) -> list[int]:
-        """The length `take` pads each row to when it runs alone, in longest-first order; a micro-batch's is the
-        largest of its rows'. Computed once per step batch (each cut and each retry reads it)."""
+        """The length `take` pads each row to alone, longest first (a micro-batch's is its rows' largest)."""
         if self.seq_len is None:
             return [1] * self.rows
         if not self.trimmable:
@@ -174,11 +142,7 @@ def labels_ignored(chunk: dict[str, Any]) -> dict[str, Any]:
 
 
 def _count_rows(batch: Mapping[str, Any]) -> int:
-    for key in ("input_ids", "inputs_embeds", "labels"):
-        value = batch.get(key)
-        if isinstance(value, torch.Tensor) and value.dim() >= 1:
-            return value.shape[0]
-    for value in batch.values():
+    for value in [*(batch.get(key) for key in ("input_ids", "inputs_embeds", "labels")), *batch.values()]:
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
             return value.shape[0]
     raise ValueError(f"The step batch holds no tensor to cut into micro-batches (keys: {sorted(batch)}).")

@@ -1,11 +1,5 @@
-"""What each training engine needs around the micro-batches of a step: one [`Engine`] object per engine.
-
-The step runner ([`step.MicroBatchRunner`]) runs micro-batches the same way under every engine; an engine gives the
-context each runs in (`micro_batch`), what makes the step's gradient whole (`finish_step`), what undoes a failed
-attempt (`forget`), and whether an out-of-memory error can be retried at all (`retries`: not where a forward or
-backward holds collectives, since a rank failing in the middle would leave the others waiting; it raises
-[`EngineOutOfMemoryError`] at once instead of a hang). See docs/how-it-works.md, "Several processes".
-"""
+"""What each training engine needs around the micro-batches of a step, one [`Engine`] per engine; an out-of-memory
+error is not retried where a backward holds collectives (a hang). See docs/how-it-works.md, "Several processes"."""
 
 from __future__ import annotations
 
@@ -34,11 +28,8 @@ class Engine(Protocol):
     measures_noise: bool  # each micro-batch's own gradient reaches the parameters' hooks ([`noise_hooks`])
 
     def micro_batch(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager: ...
-
     def finish_step(self, model: torch.nn.Module) -> None: ...
-
     def forget(self, model: torch.nn.Module, optimizer) -> None: ...
-
     def out_of_memory(self, error: BaseException, world_size: int) -> EngineOutOfMemoryError: ...
 
 
@@ -62,7 +53,6 @@ class SingleProcess:
             optimizer.zero_grad(set_to_none=True)
 
     def out_of_memory(self, error: BaseException, world_size: int) -> EngineOutOfMemoryError:
-        """The error to raise where an out-of-memory error cannot be retried."""
         why = self.no_retry_because or (
             "its forward and backward passes hold collectives that the other ranks are already waiting in, so the "
             "step cannot be run again smaller on every rank"
@@ -76,14 +66,9 @@ class SingleProcess:
 
 
 class DataParallel(SingleProcess):
-    """DDP (or several processes without a wrapper): gradients stay local during every micro-batch of the step
-    (`no_sync`), the last one too, then are averaged once over the ranks with DDP's numbers ([`average_gradients`]).
-
-    Not DDP's reducer for the last micro-batch: it launches bucket all-reduces from inside the backward, so a rank
-    that ran out of memory there would have launched some buckets and not the rest, and its next collective (the
-    ranks' agreement, [`ranks`]) would be matched with another rank's bucket: a hang or a wrong gradient. One
-    all-reduce after the step keeps an out-of-memory error anywhere in a step retryable.
-    """
+    """DDP (or several processes without a wrapper): every micro-batch under `no_sync`, then one average over the
+    ranks ([`average_gradients`]). Not DDP's reducer for the last one: an OOM amid its in-backward bucket
+    all-reduces would mismatch the ranks' next collective (a hang or a wrong gradient)."""
 
     name = "DDP"
 
@@ -104,9 +89,7 @@ class DataParallel(SingleProcess):
 
 
 class FullyShardedV2(SingleProcess):
-    """FSDP2 (`fully_shard`): every micro-batch reduce-scatters its gradient into the sharded `.grad`, so the step's
-    end has nothing to do. A failed attempt is undone by FSDP's `reset_iter_state` (it reshards and drops the failed
-    pass's gradients); with several processes, or a torch without it, an out-of-memory error is not retried."""
+    """FSDP2: micro-batches reduce-scatter into the sharded `.grad`; `reset_iter_state` undoes a failed attempt."""
 
     name = "FSDP2"
     measures_noise = False  # the hooks would see the sharded gradient, already averaged over the ranks
@@ -126,11 +109,8 @@ class FullyShardedV2(SingleProcess):
 
 
 class DeepSpeed(SingleProcess):
-    """DeepSpeed ZeRO-0 to 3, with or without offload, through accelerate. Each micro-batch runs `engine.backward`
-    alone, told whether it is the step's last (`set_gradient_accumulation_boundary`), so that backward does the
-    boundary's work as in accelerate's own accumulation; the step's end runs `engine.step()` once. A failed attempt is
-    undone by [`deepspeed_reset`]; with several processes an out-of-memory error is not retried (ZeRO-2 and 3 reduce
-    or gather inside every backward)."""
+    """DeepSpeed ZeRO-0 to 3 through accelerate: each micro-batch runs `engine.backward` alone, the last marked as
+    the accumulation boundary; the step's end runs `engine.step()` once."""
 
     name = "DeepSpeed"
     measures_noise = False  # ZeRO reduces and partitions the gradients the hooks would read
@@ -150,8 +130,7 @@ class DeepSpeed(SingleProcess):
 
 
 def prepare(trainer) -> None:
-    """Before the Trainer builds the engine: refuse a DeepSpeed setup that cannot follow AdaptiveBatch's steps, and
-    give DeepSpeed back the accumulation boundary where the config took it away."""
+    """Before the Trainer builds DeepSpeed's engine: refuse a setup AdaptiveBatch cannot drive, fix its boundary."""
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return
     import deepspeed
@@ -196,9 +175,8 @@ def engine_for(trainer, world_size: int) -> Engine:
 
 
 def average_gradients(model: torch.nn.Module, world_size: int, bucket_bytes: int = 64 << 20) -> None:
-    """Average the trainable parameters' gradients over the ranks, as DDP's reducer does. One that no rank made a
-    gradient for keeps `grad=None` (the optimizer skips it, as under DDP with `find_unused_parameters`); one that
-    only some ranks made is averaged with zeros from the others."""
+    """Average the trainable parameters' gradients over the ranks, as DDP's reducer does; one no rank made keeps
+    `grad=None` (as under `find_unused_parameters`), one some ranks made is averaged with zeros."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return

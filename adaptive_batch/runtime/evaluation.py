@@ -1,12 +1,5 @@
-"""Evaluation and prediction that survive an out-of-memory error.
-
-Through [`EvalPieces`], an eval batch that runs out of memory runs again in pieces of half its rows (a quarter, ...),
-put back together as the whole batch's output (the loss weighted by what each piece averages over, logits and labels
-concatenated), so `evaluation_loop` goes on as if nothing happened. Under `adapt_evaluation="grow"` ([`EvalGrowth`])
-the eval batch also grows between evaluations, and a loss-only batch of ragged rows runs in pieces of similar lengths
-([`token_pieces`]). Under DDP the ranks agree after every piece ([`ranks.Ranks`]). See docs/how-it-works.md,
-"Evaluation".
-"""
+"""Evaluation and prediction that survive an out-of-memory error ([`EvalPieces`]), the eval batch grown between
+evaluations under `adapt_evaluation="grow"` ([`EvalGrowth`]). See docs/how-it-works.md, "Evaluation"."""
 
 from __future__ import annotations
 
@@ -39,8 +32,7 @@ MIN_POINTS, MAX_POINTS = 4, 64
 
 
 class EvalPieces:
-    """Runs eval batches through the Trainer's `prediction_step`, in pieces after an out-of-memory error;
-    `cut_by_tokens`: loss-only batches of ragged rows run in pieces of similar lengths."""
+    """Runs eval batches through `prediction_step`, in pieces after an OOM (`cut_by_tokens`: by row lengths)."""
 
     def __init__(self, trainer, world_size: int, cut_by_tokens: bool = False):
         self.trainer = trainer
@@ -59,12 +51,11 @@ class EvalPieces:
         self._pieces_at: tuple[int, int] = (-1, 0)  # (step, pieces run at it): names a piece's measurements
 
     def begin(self) -> None:
-        """A new evaluation starts: its counters from zero (the cap stays: the memory is the same)."""
+        """A new evaluation starts: its counters from zero (the cap stays)."""
         self.largest, self.retried, self.rows, self.cut_batches = 0, 0, 0, 0
 
     def run(self, prediction_step, model, inputs, prediction_loss_only: bool, ignore_keys):
-        """The Trainer's `prediction_step(model, inputs, prediction_loss_only, ignore_keys)` of the whole batch,
-        in pieces of at most `cap` rows where one ran out of memory before."""
+        """The Trainer's `prediction_step` of the whole batch, in pieces of at most `cap` rows after an OOM."""
         rows = batch_rows(inputs)
         if rows is None:  # nothing to cut by rows: the Trainer's own step
             return prediction_step(model, inputs, prediction_loss_only, ignore_keys)
@@ -121,8 +112,7 @@ class EvalPieces:
             )
 
     def metrics(self, prefix: str) -> dict[str, int]:
-        """The evaluation's keys: the largest piece that ran (the eval batch itself where nothing failed), the
-        batches run again in pieces, and with `cut_by_tokens` the batches run in pieces of similar lengths."""
+        """The evaluation's metrics: the largest piece that ran, the batches retried (and cut by tokens)."""
         metrics = {
             f"{prefix}_adaptive_batch/micro_batch_size": self.largest,
             f"{prefix}_adaptive_batch/batches_retried": self.retried,
@@ -132,8 +122,7 @@ class EvalPieces:
         return metrics
 
     def _attempt(self, prediction_step, model, inputs, rows, pieces, prediction_loss_only, ignore_keys):
-        """The batch's (loss, logits, labels) from `pieces` (each its rows and the width it runs at), or `None` where
-        one ran out of memory on any rank. Pieces out of the batch's row order are only run loss-only."""
+        """The batch's (loss, logits, labels) from `pieces` (rows, width), or `None` after an OOM on any rank."""
         # (every rank has the same cap: they failed together)
         if self.cap is not None and self.ranks.distributed:
             most, fewest = self.ranks.max([rows, -rows])
@@ -180,19 +169,17 @@ class EvalPieces:
 
     @property
     def step(self) -> int:
-        """The optimizer steps trained when this evaluation runs (the key of its measurements)."""
         return self.trainer.state.global_step
 
     def _piece_name(self) -> str:
-        """The piece's number among those run at this step (all evaluations at it together)."""
+        """The piece's number among those run at this step (the key of its measurements)."""
         step, count = self._pieces_at
         count = count + 1 if step == self.step else 0
         self._pieces_at = (self.step, count)
         return str(count)
 
     def _timed(self, inputs, rows: int, index, width: int | None, seconds: float) -> None:
-        """A forward of rows `index` at `width` took `seconds`: a point of the line whose intercept over its slope is a
-        forward's fixed time in padded tokens (over the last `MAX_POINTS`; `None` until they give a rising line)."""
+        """A forward of rows `index` at `width` took `seconds`: a point for fitting a forward's fixed time."""
         full = _width(inputs, rows)
         if full is None or seconds <= 0:
             return
@@ -202,8 +189,7 @@ class EvalPieces:
             self.overhead = fitted_overhead(self.points)
 
     def _units(self, inputs, rows: int, pieces: list) -> list[float]:
-        """What each piece's loss is averaged over on this rank, as the Trainer counts it (label tokens, shifted
-        where it shifts them; rows where the batch has no labels)."""
+        """What each piece's loss is averaged over on this rank, as the Trainer counts it (label tokens, or rows)."""
         labels = inputs.get("shift_labels")
         if labels is None:
             labels = inputs.get("labels")
@@ -221,9 +207,7 @@ class EvalPieces:
 
 
 class EvalGrowth:
-    """`adapt_evaluation="grow"`: every evaluation runs at the per-device eval batch an [`EvalSizer`] chose (one
-    sizer per metric prefix: each eval set has its own rows), and tells it what the evaluation measured (`pieces`:
-    its rows, and the cap an out-of-memory error left)."""
+    """`adapt_evaluation="grow"`: each evaluation runs at the eval batch its prefix's [`EvalSizer`] chose."""
 
     def __init__(self, trainer, pieces: EvalPieces, growth_margin: float, memory_headroom: float):
         self.trainer, self.pieces = trainer, pieces
@@ -240,7 +224,7 @@ class EvalGrowth:
 
     @contextlib.contextmanager
     def sized(self, prefix: str):
-        """Around `evaluate` and `predict`: the data loader and the loop's loss weighting use the chosen size."""
+        """Around `evaluate` and `predict`: the data loader and the loop use the chosen size."""
         args = self.trainer.args
         size = self.sizer(prefix).batch_size(self.rows.get(prefix))
         if size != self.built_at:  # loaders kept for persistent workers were built at another size
@@ -254,11 +238,8 @@ class EvalGrowth:
 
     @contextlib.contextmanager
     def measured(self, prefix: str, dataset):
-        """Around `evaluation_loop` over `dataset`: its seconds and peak memory, over all ranks, told to the prefix's
-        sizer with the dataset's rows per rank (or, for a dataset without a length, the rows run, which count the
-        rows even batches repeat)."""
-        ranks = self.pieces.ranks
-        device = ranks.device
+        """Around `evaluation_loop`: its seconds, peak memory and rows, over all ranks, told to the prefix's sizer."""
+        ranks, device = self.pieces.ranks, self.pieces.ranks.device
         size = self.trainer.args.per_device_eval_batch_size
         base = float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
         with Stopwatch(device) as watch:
@@ -292,22 +273,18 @@ class EvalGrowth:
 
 
 def _combine(outputs: list, units: list[float]):
-    """The whole batch's (loss, logits, labels) from its pieces': the losses weighted by what each is averaged
-    over, the rest concatenated along the rows."""
-    losses = [loss for loss, _, _ in outputs]
+    """The whole batch's (loss, logits, labels) from its pieces': losses weighted by `units`, the rest joined."""
+    losses, logits, labels = ([*parts] for parts in zip(*outputs))
     loss = None
     if all(piece is not None for piece in losses):
         total = sum(units)
         weights = [u / total for u in units] if total > 0 else [1.0 / len(units)] * len(units)
         loss = sum(piece.double() * weight for piece, weight in zip(losses, weights)).to(losses[0].dtype)
-    logits = _concat([piece_logits for _, piece_logits, _ in outputs])
-    labels = _concat([piece_labels for _, _, piece_labels in outputs])
-    return loss, logits, labels
+    return loss, _concat(logits), _concat(labels)
 
 
 def batch_rows(inputs) -> int | None:
-    """The rows of an eval batch (its `input_ids`, or the first tensor's first dimension), or `None` where it has
-    no tensor to cut. (A padding-free batch is one row: its sequences are not cut here.)"""
+    """The rows of an eval batch, or `None` where it has no tensor to cut (a padding-free batch is one row)."""
     if not isinstance(inputs, Mapping):
         return None
     tensor = inputs.get("input_ids")
@@ -319,8 +296,7 @@ def batch_rows(inputs) -> int | None:
 
 
 def halves(rows: int, size: int) -> list[tuple[slice, None]]:
-    """The batch's rows in order, in near-equal pieces of at most `size`, each at the batch's padded width (so the
-    pieces' outputs line up with the whole batch's)."""
+    """The batch's rows in order, in near-equal pieces of at most `size`, each at the batch's width."""
     pieces, start = [], 0
     while start < rows:
         piece = even_chunk(rows - start, size)
@@ -330,10 +306,8 @@ def halves(rows: int, size: int) -> list[tuple[slice, None]]:
 
 
 def token_pieces(inputs: Mapping, rows: int, overhead: int) -> list[tuple[torch.Tensor, int]] | None:
-    """A right-padded batch's rows grouped by length, longest first, each group run at its own longest row: the cut
-    of [`core.cut.cheapest_chunks`] within the batch's own tokens (rows x width, so no piece needs more than the
-    batch), a forward's fixed time taken as `overhead` padded tokens. `None` where it has no attention mask to read
-    lengths from, is not right-padded, holds a tensor of more than two dimensions, or one piece is best."""
+    """A right-padded batch's rows grouped by length ([`core.cut.cheapest_chunks`]), each at its longest row's
+    width; `None` where the batch cannot be cut so or one piece is best."""
     mask = inputs.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != rows or rows < 2:
         return None
@@ -359,8 +333,7 @@ def token_pieces(inputs: Mapping, rows: int, overhead: int) -> list[tuple[torch.
 
 
 def as_many_pieces(pieces: list, count: int, rows: int) -> list:
-    """`pieces` split until there are `count` of them, the one of most rows halved each time (keeping its width), so
-    that ranks whose cuts differ run as many forwards; raises where this rank's rows cannot make `count`."""
+    """`pieces` split until there are `count`, the largest halved each time, so that every rank runs as many."""
     pieces = list(pieces)
     while len(pieces) < count:
         sizes = [len(range(rows)[index]) if isinstance(index, slice) else len(index) for index, _ in pieces]
@@ -380,8 +353,7 @@ def as_many_pieces(pieces: list, count: int, rows: int) -> list:
 
 
 def take(inputs: Mapping, rows: int, index, width: int | None = None) -> dict:
-    """Rows `index` (a slice or a tensor of row numbers) of every tensor whose first dimension is the batch's rows,
-    cut to the first `width` columns where given (a two-dimensional tensor of the batch's width); the rest as is."""
+    """Rows `index` of every per-row tensor, its columns cut to `width` where given (2-D ones of the batch's)."""
     full = _width(inputs, rows)
     piece = {}
     for key, value in inputs.items():
@@ -399,7 +371,7 @@ def _width(inputs: Mapping, rows: int) -> int | None:
 
 
 def _concat(parts: list):
-    """The pieces' outputs (tensors, or nested tuples and lists of them) concatenated along the rows."""
+    """The pieces' outputs (tensors, or nested tuples, lists, dicts of them) concatenated along the rows."""
     first = parts[0]
     if first is None:
         return None

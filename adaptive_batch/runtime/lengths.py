@@ -1,6 +1,4 @@
-"""Token counts of a training dataset, read without running its transforms: the Arrow `input_ids` column of a
-`datasets.Dataset`, or the `input_ids` of a list of mappings. Other datasets (one that tokenises in `__getitem__`, a
-`set_transform` dataset, a stream) give `None`; for those the first collated step tells ([`step_row_lengths`])."""
+"""Token counts of a training dataset, read without running its transforms; `None` where they cannot be."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ def is_hf_dataset(dataset) -> bool:
 
 
 def row_lengths(dataset) -> list[int] | None:
-    """The length of every row's `input_ids`, or `None` when they cannot be read cheaply. A `datasets.Dataset` is
-    read from its underlying table: after `select` or `shuffle`, over all the table's rows."""
+    """The length of every row's `input_ids` (a `datasets.Dataset`'s whole table), or `None` where not cheap."""
     if is_hf_dataset(dataset):
         if "input_ids" not in dataset.column_names or len(dataset) == 0:
             return None
@@ -41,8 +38,7 @@ def longest(dataset) -> int | None:
 
 
 def step_row_lengths(batch) -> list[int] | None:
-    """The tokens of each row of a collated, padded step batch (its `attention_mask`'s ones); `None` for a batch
-    without one (padding-free, or unpadded rows of one length)."""
+    """The tokens of each row of a collated, padded step batch (its `attention_mask`'s ones), or `None`."""
     import torch
 
     mask = batch.get("attention_mask") if hasattr(batch, "get") else None

@@ -12,8 +12,8 @@ from .compat.torch import lambda_lr_state
 
 
 class SampleClockLR(LambdaLR):
-    """A `LambdaLR` giving, at step `k`, `base_lr * base_lambda(clock.virtual_step(k)) * clock.scale(k)`. Its state
-    is plain data in `LambdaLR`'s layout (the lambdas are rebuilt from the plan), so a plain Trainer can resume it."""
+    """A `LambdaLR` giving, at step `k`, `base_lr * base_lambda(clock.virtual_step(k)) * clock.scale(k)`; its state
+    is plain data in `LambdaLR`'s layout, so a plain Trainer can resume it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, base_lambdas: list[Callable], clock: SampleClock):
         self.clock = clock
@@ -21,8 +21,7 @@ class SampleClockLR(LambdaLR):
 
     def state_dict(self) -> dict:
         state = lambda_lr_state(self, leave_out=("optimizer", "lr_lambdas", "clock"))
-        # as LambdaLR writes it for lambdas that are plain functions, so that a plain Trainer (a LambdaLR of its own
-        # lambdas) can load it and go on from this step
+        # as LambdaLR writes plain functions' state, so that a plain Trainer can load it and go on from this step
         state["lr_lambdas"] = [None] * len(self.lr_lambdas)
         return state
 
@@ -40,8 +39,7 @@ def _clocked(base_lambda: Callable[[float], float], clock: SampleClock) -> Calla
 def follow_sample_clock(
     scheduler, optimizer: torch.optim.Optimizer, clock: SampleClock, batch_changes: bool
 ) -> SampleClockLR | object:
-    """Wrap `scheduler` (a `LambdaLR`, as every `get_scheduler` builds but `reduce_lr_on_plateau` and `greedy`) so
-    that it follows the sample clock and the LR rule; keep another where `batch_changes` is False, else raise."""
+    """Make a `LambdaLR` follow the sample clock and the LR rule; keep another where the batch never changes."""
     if isinstance(scheduler, SampleClockLR):
         return scheduler
     if isinstance(scheduler, LambdaLR):

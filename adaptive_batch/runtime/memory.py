@@ -27,8 +27,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def release_memory(device: torch.device, collect: bool = True) -> None:
-    """Return cached blocks to the device, after collecting the garbage a failed step leaves (unless `collect` is
-    False: a step that ended normally freed its tensors already, and collecting a large model's objects is slow)."""
+    """Return cached blocks to the device, after collecting the garbage a failed step leaves (`collect`)."""
     if collect:
         gc.collect()
     if device.type == "cuda":
@@ -47,8 +46,7 @@ def synchronize(device: torch.device) -> None:
 
 
 class Stopwatch:
-    """Wall time and peak allocated (and reserved) memory of a block, synchronised with the device at both ends;
-    when the block raises, nothing is read (`seconds` stays 0, the peaks `None`)."""
+    """Wall time and peak allocated (and reserved) memory of a block, synchronised at both ends (none on error)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -58,8 +56,7 @@ class Stopwatch:
 
     def __enter__(self) -> Stopwatch:
         synchronize(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        reset_peak(self.device)
         self._start = time.perf_counter()
         return self
 
@@ -77,13 +74,11 @@ def memory_limit(device: torch.device, headroom: float) -> float | None:
     """Bytes a micro-batch's peak may use on `device`, leaving `headroom` of the whole device free; `None` on CPU."""
     if device.type != "cuda":
         return None
-    total = torch.cuda.get_device_properties(device).total_memory
-    return total * (1.0 - headroom)
+    return torch.cuda.get_device_properties(device).total_memory * (1.0 - headroom)
 
 
 def alloc_retries(device: torch.device) -> int:
-    """How often the caching allocator has freed its cache to retry a failed allocation (`num_alloc_retries`): a
-    count that rises when memory is nearly full, before an allocation fails outright. 0 off CUDA."""
+    """The caching allocator's `num_alloc_retries` (it rises when memory is nearly full); 0 off CUDA."""
     if device.type != "cuda":
         return 0
     return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
@@ -95,5 +90,5 @@ def reset_peak(device: torch.device) -> None:
 
 
 def peak_allocated(device: torch.device) -> float | None:
-    """Bytes allocated at most since the last reset; `None` off CUDA (not measured)."""
+    """Bytes allocated at most since the last reset; `None` off CUDA."""
     return float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None

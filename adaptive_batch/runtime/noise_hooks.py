@@ -1,10 +1,5 @@
-"""Each micro-batch's contribution to the step gradient, for the noise scale: a hook on each parameter
-(`Tensor.register_hook`) sees the gradient a backward computed before it is added into `.grad`, and keeps only its
-norm. The first micro-batch of a step is read from `.grad` (empty before it), so a step of one micro-batch costs
-nothing. A gradient delivered in several parts (reentrant checkpointing of a shared weight) cannot be measured so:
-such steps go unmeasured, with a warning. See docs/how-it-works.md, "Data, cuts and measurements" (Gradient noise
-scale).
-"""
+"""Each micro-batch's contribution to the step gradient, for the noise scale, read by a hook on each parameter. See
+docs/how-it-works.md, "Data, cuts and measurements" (Gradient noise scale)."""
 
 from __future__ import annotations
 
@@ -23,15 +18,9 @@ SPLIT = (
 
 
 class GradientNoiseMeter:
-    """Squared norms of every micro-batch's contribution to the step gradient, and of the step gradient.
-
-    `preconditioner="adam"` divides each gradient element by Adam's denominator sqrt(v / (1 - beta2^t)) + eps (from
-    the optimizer's `exp_avg_sq`, `step`, `betas`, `eps`); steps before that state exists go unmeasured. The sums
-    are in the scale of the ranks' averaged gradient, still times an fp16 GradScaler's factor squared.
-
-    Per step: `begin_step`, then per attempt `begin_attempt`, around each micro-batch with rows `begin_micro_batch`
-    and `end_micro_batch`, then `step_sums` before the ranks' average and `step_norm_sq` after; `remove()` at the end.
-    """
+    """Squared norms of every micro-batch's contribution to the step gradient, and of the step gradient. Per step:
+    `begin_step`, per attempt `begin_attempt`, around each micro-batch `begin_micro_batch` and `end_micro_batch`,
+    then `step_sums` before the ranks' average and `step_norm_sq` after; `remove()` at the end."""
 
     def __init__(self, preconditioner: str = "none", device: torch.device | str = "cpu"):
         if preconditioner not in PRECONDITIONERS:
@@ -46,7 +35,7 @@ class GradientNoiseMeter:
         self.begin_attempt()
 
     def begin_step(self, model: torch.nn.Module, optimizer=None) -> None:
-        """Hooks on `model`'s trainable parameters (at the first step); Adam's denominators for this step."""
+        """Hooks on the trainable parameters (at the first step); Adam's denominators for this step."""
         if not self.handles:
             self.params = [p for p in model.parameters() if p.requires_grad]
             self.handles = [p.register_hook(self._hook(index)) for index, p in enumerate(self.params)]
@@ -67,7 +56,7 @@ class GradientNoiseMeter:
         self.grads_empty = all(p.grad is None for p in self.params)
 
     def begin_micro_batch(self, units: float, share: float) -> None:
-        """Before a micro-batch of `units` units (label tokens or rows) weighing `share` in the step gradient."""
+        """Before a micro-batch of `units` (label tokens or rows) weighing `share` in the step gradient."""
         if not self.available:
             return
         if self.grads_empty and self.first is None and not self.micro_batches:
@@ -87,8 +76,7 @@ class GradientNoiseMeter:
         self.norms = []
 
     def step_sums(self, world_size: int, every_rank: bool) -> MicroBatchSums:
-        """This rank's sums for the step, each d_j divided by `world_size` (the ranks' gradients are averaged); call
-        before they are. Without `every_rank` (one process) a step of one micro-batch gives empty sums unread."""
+        """This rank's sums for the step, each d_j divided by `world_size`, before the ranks' average."""
         if self.split:
             self.warn_once("split", f"The gradient noise scale is not measured in such steps: {SPLIT}.")
         if self.split or not self.available:  # (Adam's state comes with the first optimizer step: no warning)
@@ -100,17 +88,17 @@ class GradientNoiseMeter:
         if not self.micro_batches:
             return sums
         norms_sq = torch.stack([norm_sq for _, _, norm_sq in self.micro_batches]).tolist()
-        divisor = world_size**2
         for (units, share, _), norm_sq in zip(self.micro_batches, norms_sq):
-            sums.add(units, share, norm_sq / divisor)
+            sums.add(units, share, norm_sq / world_size**2)
         return sums
 
     def step_norm_sq(self) -> float:
         """S_big, |G_step|^2 of the parameters' `.grad` (after the ranks' average, before clipping)."""
+        return self._grad_norm_sq().item()
+
+    def _grad_norm_sq(self) -> torch.Tensor:
         norms = [self._norm(index, p.grad) for index, p in enumerate(self.params) if p.grad is not None]
-        if not norms:
-            return 0.0
-        return _sum_of_squares(norms, self.device).item()
+        return _sum_of_squares(norms, self.device) if norms else torch.zeros((), device=self.device)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -134,7 +122,7 @@ class GradientNoiseMeter:
         return hook
 
     def _norm(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        """The norm of a gradient in fp32 at least (divided by Adam's denominator with that preconditioner)."""
+        """The norm of a gradient in fp32 at least (divided by Adam's denominator under that preconditioner)."""
         dtype = torch.promote_types(grad.dtype, torch.float32)
         if self.denominators is not None:
             exp_avg_sq, correction, eps = self.denominators[index]
@@ -143,14 +131,11 @@ class GradientNoiseMeter:
         return torch.linalg.vector_norm(grad, dtype=dtype)
 
     def _read_first(self) -> None:
-        """The first micro-batch's |d_1|^2 from `.grad`, which held nothing before it."""
-        if self.first is None:
+        if self.first is None:  # the first micro-batch's |d_1|^2, from `.grad` (empty before it)
             return
         units, share = self.first
         self.first = None
-        norms = [self._norm(index, p.grad) for index, p in enumerate(self.params) if p.grad is not None]
-        norm_sq = _sum_of_squares(norms, self.device) if norms else torch.zeros((), device=self.device)
-        self.micro_batches.insert(0, (units, share, norm_sq))
+        self.micro_batches.insert(0, (units, share, self._grad_norm_sq()))
 
     def _adam_denominators(self, optimizer) -> list[tuple[torch.Tensor, float, float]] | None:
         """(exp_avg_sq, sqrt(1 - beta2^t), eps) for every parameter, or `None` until the optimizer holds them."""

@@ -1,22 +1,6 @@
-"""Cutting a padding-free step batch (sequences flattened into one row) at sequence boundaries.
-
-`DataCollatorWithFlattening`, TRL's `padding_free=True` and TRL's `packing=True` (the "bfd" strategy) give one row
-of all the step's sequences laid end to end, the sequences told apart by `position_ids` that start again at each
-one (and by `cu_seq_lens_q/k` and `seq_idx` when the collator adds them). Such a row is cut between sequences: a
-micro-batch is a run of whole sequences, with every per-sequence field rebuilt for it. That is exact as long as no
-loss term pairs the last token of one sequence with the first of the next, which the collators ensure by ignoring
-(-100) the label at every sequence's first position; a cut anywhere else is refused.
-
-Attention stays within each sequence only where the model reads the sequences from `position_ids` (or
-`cu_seq_lens`): transformers' eager, sdpa and flex attention build a block-diagonal mask from them when there is no
-`attention_mask` and no cache, and flash attention reads them itself. A batch that carries an `attention_mask`, or a
-model that would build a cache (`use_cache=True`), attends across sequences: [`check_packed_inputs`] refuses both.
-
-The sequences play the part of rows: [`PackedStepBatch`] has the interface of [`StepBatch`], with no padding.
-
-[`flatten_padded`] turns a padding collator's step batch into such a row (`AdaptiveBatch(padding_free=True)`): the
-same loss terms, no padding computed.
-"""
+"""Cutting a padding-free step batch (sequences flattened into one row) between its sequences: exact because the
+collators ignore (-100) each sequence's first label; [`flatten_padded`] makes such a row from a padded batch. See
+docs/how-it-works.md, "Padding-free and packed data"."""
 
 from __future__ import annotations
 
@@ -34,16 +18,7 @@ SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k
 
 
 class PackedStepBatch:
-    """One rank's share of a padding-free step batch, cut between sequences; the sequences are its "rows".
-
-    Args:
-        batch: the collated step batch: per-token tensors shaped `[1, tokens]`, `position_ids` among them, and
-            optionally `cu_seq_lens_q/k`, `max_length_q/k` and `seq_idx`.
-
-    Raises:
-        ValueError: if the sequences cannot be told apart, a cut between them would split a loss term, or a value
-            is neither per-token nor per-sequence; naming the key and a fix.
-    """
+    """One rank's share of a padding-free step batch (`[1, tokens]`), cut between its sequences, its "rows"."""
 
     packed = True  # its "rows" are sequences flattened into one row
 
@@ -65,14 +40,11 @@ class PackedStepBatch:
         """The micro-batch of sequences `start` to `start + size`, its per-sequence fields rebuilt."""
         first, last = self.starts[start], self.ends[start + size - 1]
         lengths = self.lengths_list[start : start + size]
-        taken = {}
-        for key, value in self.batch.items():
-            if key in SEQUENCE_KEYS:
-                continue
-            if isinstance(value, torch.Tensor) and value.dim() == 2:
-                taken[key] = value[:, first:last]
-            else:
-                taken[key] = value
+        taken = {
+            key: value[:, first:last] if isinstance(value, torch.Tensor) and value.dim() == 2 else value
+            for key, value in self.batch.items()
+            if key not in SEQUENCE_KEYS
+        }
         cumulative = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
             if key in self.batch:
@@ -89,21 +61,17 @@ class PackedStepBatch:
         return taken
 
     def dummy(self, count_items: bool) -> dict[str, Any]:
-        """The shortest sequence, adding nothing: its labels ignored (or, for a mean loss, scaled to zero by the
-        caller), for a rank that has fewer micro-batches than another."""
+        """The shortest sequence, adding nothing (see `StepBatch.dummy`)."""
         shortest = min(range(self.rows), key=lambda i: self.lengths_list[i])
         chunk = self.take(shortest, 1)
         return labels_ignored(chunk) if count_items else chunk
 
     def tokens(self, start: int, size: int) -> tuple[int, int]:
-        """(real tokens, tokens as run) of `take(start, size)`: the same, there is no padding."""
-        count = sum(self.lengths_list[start : start + size])
+        count = self.padded_tokens(start, size)  # no padding: real tokens are the tokens run
         return count, count
 
     def token_chunks(self, budget: int, row_cap: int | None = None, overhead: int | None = None) -> list[int]:
-        """Sequences per micro-batch: as few micro-batches of at most `budget` tokens as the lengths allow, in order
-        (a sequence longer than `budget` alone), with the lowest peak that keeps that count. Without padding every
-        cut runs the same tokens, so the fewest micro-batches are also the cheapest whatever the `overhead`."""
+        """The fewest micro-batches of at most `budget` tokens, in order: without padding also the cheapest."""
         return fewest_chunks(self.lengths_list, budget, row_cap, packed=True)
 
     def longest_row(self) -> int:
@@ -127,17 +95,8 @@ class PackedStepBatch:
 
 
 def flatten_padded(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """A right-padded step batch as one padding-free row: each row's tokens (where its `attention_mask` is 1) laid
-    end to end, `position_ids` starting again at each, and the label at each row's first token ignored (-100).
-
-    The loss terms are those of the padded batch: a causal LM scores position t against the label at t + 1 within a
-    row, a row's first label is never a target, and nothing pairs the last token of one row with the next row's
-    first. `num_items_in_batch` counted on the padded batch stays right.
-
-    Raises:
-        ValueError: if the batch is not right-padded with an `attention_mask`, a label lies outside it, or a value is
-            neither per token (`[rows, length]`) nor the `attention_mask`; naming it and a fix.
-    """
+    """A right-padded step batch as one padding-free row: each row's real tokens end to end, `position_ids` starting
+    again at each, each row's first label ignored (never a target), so the loss terms are the padded batch's."""
     mask = batch.get("attention_mask")
     fix = "use a right-padding collator, or pass AdaptiveBatch(padding_free=False) to keep the padded rows"
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
@@ -174,12 +133,7 @@ def flatten_padded(batch: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_packed_inputs(batch: Mapping[str, Any], model: torch.nn.Module) -> None:
-    """Refuse a padding-free batch whose sequences the model would let attend to each other.
-
-    Raises:
-        ValueError: if the batch carries an `attention_mask` (transformers then builds no block-diagonal mask), or
-            the model would build a cache (`use_cache=True`, under which the packed sequences are not detected).
-    """
+    """Refuse a padding-free batch whose sequences would attend to each other (`attention_mask`, `use_cache`)."""
     if batch.get("attention_mask") is not None:
         raise ValueError(
             "The padding-free step batch carries an attention_mask, so eager and sdpa attention let its packed "
@@ -187,9 +141,8 @@ def check_packed_inputs(batch: Mapping[str, Any], model: torch.nn.Module) -> Non
             "without one). Leave attention_mask out of the collated batch (DataCollatorWithFlattening and TRL's "
             "padding_free collator do), or pad the sequences instead of flattening them."
         )
-    config = getattr(model, "config", None)
-    inner = getattr(model, "module", model)  # DDP
-    config = getattr(inner, "config", config)
+    inner = getattr(model, "module", model)  # (DDP wraps the model)
+    config = getattr(inner, "config", getattr(model, "config", None))
     if batch.get("use_cache") is not False and getattr(config, "use_cache", False):
         raise ValueError(
             "The model would run with use_cache=True, and with a cache transformers does not tell packed "
@@ -213,8 +166,7 @@ def _token_count(batch: Mapping[str, Any]) -> int:
 
 
 def _sequence_starts(batch: Mapping[str, Any], total: int) -> list[int]:
-    """Where each sequence starts: from `position_ids` (a position that does not follow the one before), checked
-    against `cu_seq_lens_q` when the collator gives it."""
+    """Where each sequence starts: from `position_ids`, checked against `cu_seq_lens_q` where given."""
     position_ids = batch.get("position_ids")
     from_positions = None
     if isinstance(position_ids, torch.Tensor) and position_ids.shape == (1, total):
@@ -247,12 +199,7 @@ def _sequence_starts(batch: Mapping[str, Any], total: int) -> list[int]:
 def _check_cuts(batch: Mapping[str, Any], starts: list[int], total: int) -> None:
     """Every sequence start is a possible cut: its label must be ignored, and every tensor must be per token."""
     for key, value in batch.items():
-        if (
-            key in SEQUENCE_KEYS
-            or key == "cu_seqlens"
-            or not isinstance(value, torch.Tensor)
-            or value.dim() == 0
-        ):
+        if key in (*SEQUENCE_KEYS, "cu_seqlens") or not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
         if value.dim() != 2 or value.shape != (1, total):
             raise ValueError(

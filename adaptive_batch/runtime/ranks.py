@@ -1,8 +1,5 @@
-"""The rank-agreement protocol, one for training and evaluation: after each micro-batch (or eval piece), and before
-each collective of the Trainer or TRL inside one, the ranks exchange a [`Report`], so that one rank's out-of-memory
-error makes every rank run it again together, and none waits in a collective the failed rank will never reach.
-See docs/how-it-works.md, "Several processes".
-"""
+"""The rank-agreement protocol: after each micro-batch (or eval piece), and before each collective inside one, the
+ranks exchange a [`Report`]. See docs/how-it-works.md, "Several processes"."""
 
 from __future__ import annotations
 
@@ -21,9 +18,8 @@ from .memory import is_out_of_memory
 
 @dataclass
 class Report:
-    """What the ranks exchange, combined by MAX: whether a rank ran out of memory; a timed micro-batch's seconds,
-    peak bytes (-inf where not measured: the CPU), real and padded tokens; and the rows and padded tokens of the
-    smallest micro-batch that ran out of memory (sent negated, so that MAX gives the smallest; `None`: none did)."""
+    """What the ranks exchange, combined by MAX: an out-of-memory error, a timed micro-batch's measurements (peak
+    -inf where not measured), and the size of the smallest that failed (sent negated, so that MAX gives it)."""
 
     out_of_memory: bool = False
     seconds: float = 0.0
@@ -58,8 +54,7 @@ class PeerOutOfMemory(Exception):
 
 
 class Ranks:
-    """The processes that train (or evaluate) together with one Trainer, and the exchanges between them; in one
-    process every exchange gives this rank's own values."""
+    """The processes that train (or evaluate) together, and the exchanges between them (in one process, no-ops)."""
 
     def __init__(self, trainer, world_size: int):
         self.trainer = trainer
@@ -92,9 +87,8 @@ class Ranks:
         key: tuple[str, int, str],
         fatal: Callable[[BaseException], Exception] | None = None,
     ) -> Report:
-        """Run `work` (which returns this rank's report) on every rank; returns the report they agree on. Where this
-        rank runs out of memory, or the run `tape` replays did at `key` (then `work` is not run), its report is
-        `failed()`; where another rank did first, that rank's. `fatal`: the error to raise instead of retrying."""
+        """Run `work` on every rank; returns the report they agree on (`failed()` where this rank ran out of memory,
+        or the replayed run did at `key`). `fatal`: the error to raise instead of retrying."""
         if tape.recorded_failure(*key):
             return self.exchange(failed())
         try:
@@ -124,7 +118,6 @@ class Ranks:
         return before_collectives(self.trainer.accelerator, check)
 
     def _all_reduce(self, values: list[float], op) -> list[float]:
-        """`values` reduced by `op` over every rank (one float64 collective)."""
         if not self.distributed:
             return values
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)

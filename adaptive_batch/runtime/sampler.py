@@ -11,23 +11,13 @@ from ..core.steps import StepPlan
 
 
 class StepBatchSampler(Sampler[list[int]]):
-    """Yields, for each planned optimizer step, the dataset indices this rank trains on.
-
-    Epochs (permutations seeded with `seed + epoch`, or in order without `shuffle`) are laid end to end and step `k`
-    takes positions `plan.starts[k]` to `plan.starts[k] + plan.sizes[k]`; rank `r` takes every `world_size`-th from
-    the `r`-th. A step's indices are a pure function of (seed, plan, step), so a resume needs only the step. The plan
-    may be replaced while iterated (a growing batch): each step reads it when drawn, and `issued`, the last step
-    drawn, tells what a new plan must leave as it was.
-    """
+    """Yields, for each planned optimizer step, this rank's dataset indices, a pure function of (seed, plan, step).
+    The plan may be replaced while iterated; `issued`, the last step drawn, tells what it must leave as it was."""
 
     def __init__(self, plan: StepPlan, seed: int, rank: int = 0, shuffle: bool = True, start_step: int = 0):
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank={rank} is outside world_size={plan.world_size}.")
-        self.plan = plan
-        self.seed = seed
-        self.rank = rank
-        self.shuffle = shuffle
-        self.start_step = start_step
+        self.plan, self.seed, self.rank, self.shuffle, self.start_step = plan, seed, rank, shuffle, start_step
         self._permutation: tuple[int, torch.Tensor] | None = None
         self.issued = start_step - 1
 
@@ -42,7 +32,6 @@ class StepBatchSampler(Sampler[list[int]]):
             step += 1
 
     def indices(self, step: int, rank: int | None = None) -> list[int]:
-        """Dataset indices of `step` on `rank` (this sampler's rank by default)."""
         rank = self.rank if rank is None else rank
         offset = self.plan.offset(step)
         order = self.permutation(self.plan.epoch(step))
@@ -52,8 +41,7 @@ class StepBatchSampler(Sampler[list[int]]):
         if self._permutation is None or self._permutation[0] != epoch:
             size = self.plan.dataset_size
             if self.shuffle:
-                generator = torch.Generator().manual_seed(self.seed + epoch)
-                order = torch.randperm(size, generator=generator)
+                order = torch.randperm(size, generator=torch.Generator().manual_seed(self.seed + epoch))
             else:
                 order = torch.arange(size)
             self._permutation = (epoch, order)

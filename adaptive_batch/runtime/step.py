@@ -1,8 +1,5 @@
-"""One optimizer step's forward and backward passes: the step batch cut into micro-batches, each through the user's
-own `Trainer.training_step` as in gradient accumulation, out-of-memory errors survived; the ranks agree after each
-micro-batch ([`ranks.Ranks`]), and the engine's part is its [`engines.Engine`]'s. See docs/how-it-works.md, "Data,
-cuts and measurements" (3. Micro-batches) and "Several processes".
-"""
+"""One optimizer step as micro-batches through the user's own `training_step`, out-of-memory errors survived. See
+docs/how-it-works.md, "Data, cuts and measurements" (3. Micro-batches) and "Several processes"."""
 
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ InnerStep = Callable[[torch.nn.Module, dict, object], torch.Tensor]
 
 @dataclass
 class StepNoise:
-    """What the last step measured for the gradient noise scale, unscaled: the micro-batches' sums (all ranks) and
-    S_big, the squared norm of the step gradient."""
+    """The last step's noise measurement, unscaled: the micro-batches' sums (all ranks) and S_big, |G_step|^2."""
 
     sums: MicroBatchSums
     step_norm_sq: float
@@ -53,9 +49,7 @@ class StepStats:
 
 
 class MicroBatchRunner:
-    """Runs optimizer steps as micro-batches for one Trainer, cut by `controller`. `packed`: the collator flattens
-    every batch into one padding-free row (cut between its sequences); `flatten`: flatten a padding collator's step
-    batches so ([`flatten_padded`]); `noise`: the noise scale's meter (`None`: off)."""
+    """Runs optimizer steps as micro-batches for one Trainer, cut by `controller` (`noise`: `None` for off)."""
 
     def __init__(
         self,
@@ -67,14 +61,11 @@ class MicroBatchRunner:
         flatten: bool = False,
         noise: GradientNoiseMeter | None = None,
     ):
-        self.trainer = trainer
-        self.controller = controller
-        self.world_size = world_size
+        self.trainer, self.controller, self.world_size, self.engine = trainer, controller, world_size, engine
         self.ranks = Ranks(trainer, world_size)
         self.packed = packed  # the collator flattens every batch (a step of one sequence looks unpacked)
         self.flatten = flatten
         self.device = trainer.args.device
-        self.engine = engine
         self.noise = noise  # None where the engine cannot measure it (the session says so)
         self.tape = Tape()  # what decisions read of time and memory: measured, or replayed (the session's)
         self.last = StepStats()
@@ -84,7 +75,6 @@ class MicroBatchRunner:
         return self.ranks.distributed
 
     def agree(self, values: list[float]) -> list[float]:
-        """The largest of each value over the ranks."""
         return self.ranks.max(values)
 
     def run(
@@ -96,9 +86,8 @@ class MicroBatchRunner:
         max_rows: int,
         split: bool = False,
     ) -> torch.Tensor:
-        """Forward and backward of this rank's share of one step batch through `inner_step` (the user's Trainer
-        class's `training_step`); returns the step's loss (detached), as the Trainer does. `max_rows`: the largest
-        share on any rank; `split`: cut into at least two micro-batches (so that one process measures the noise)."""
+        """Forward and backward of this rank's share of a step batch through the user's `training_step`; returns
+        the detached loss. `split`: at least two micro-batches (so that one process measures the noise)."""
         if self.flatten and not is_packed(inputs):
             inputs = flatten_padded(inputs)
         packed = self.packed or self.flatten or is_packed(inputs)
@@ -136,9 +125,7 @@ class MicroBatchRunner:
                 raise MicroBatchTooLargeError(_too_large_message(batch, self.device), error.tried) from None
             logger.warning("%s", self.controller.retry_message(failed.failed_rows, failed.failed_tokens))
         real_tokens = batch.real_tokens()
-        sums = MicroBatchSums()
-        if self.noise is not None:
-            sums = self.noise.step_sums(self.ranks.count, self.distributed)
+        sums = self.noise.step_sums(self.ranks.count, self.distributed) if self.noise else MicroBatchSums()
         self.engine.finish_step(model)
         if self.distributed:  # the noise sums travel with the token count: no collective of their own
             totals = self.ranks.sum([real_tokens, *sums.to_list()])
@@ -152,8 +139,7 @@ class MicroBatchRunner:
         return outcome.loss
 
     def _attempt(self, step: _Step, max_rows: int, row_cap: int | None = None, attempt: int = 0) -> _Outcome:
-        """Run the micro-batches the controller cuts the step into; stop at the first that ran out of memory on any
-        rank (its report in `failed`). `attempt`: the step's attempts before this one (they name the measurements)."""
+        """Run the controller's cut of the step; stop at the first micro-batch that ran out of memory on any rank."""
         cut = self.controller.cut(step.batch, max_rows, self.agree, row_cap)
         outcome = _Outcome(loss=torch.zeros((), device=self.device))
         if self.noise is not None:
@@ -189,29 +175,24 @@ class MicroBatchRunner:
         tokens, peak, thrashed = self.agree(
             [outcome.largest_tokens, -1.0 if peak is None else max(peak, outcome.peak), float(thrashed)]
         )
-        peak = None if peak < 0 else peak
-        return StepMemory(outcome.largest, int(tokens), peak, bool(thrashed))
+        return StepMemory(outcome.largest, int(tokens), None if peak < 0 else peak, bool(thrashed))
 
     @property
     def _step(self) -> int:
-        """The optimizer step running now (the key of its measurements)."""
         return self.trainer.state.global_step
 
     def close(self) -> None:
-        """Take the noise measurement's hooks off the model (at the end of training)."""
         if self.noise is not None:
             self.noise.remove()
 
     def _share_total(self, step: _Step) -> float:
-        """What a micro-batch's units are divided by to give its share of the step gradient: the Trainer's
-        `num_items_in_batch` where it normalises the loss by the label tokens of all ranks; otherwise each rank's
-        loss is a mean over its own units, and the ranks' gradients are averaged: this rank's units x ranks."""
+        """What a micro-batch's units are divided by to give its share of the step gradient."""
         if self.distributed and step.num_items is not None and loss_normalised_over_ranks(self.trainer):
             return float(step.num_items)
         return self.ranks.count * step.total()
 
     def _step_noise(self, sums: MicroBatchSums) -> StepNoise | None:
-        """The step's noise measurement, unscaled, from the ranks' sums (`None` if there is nothing to estimate)."""
+        """The step's noise measurement, unscaled (`None` if there is nothing to estimate)."""
         if self.noise is None or not sums.count >= 2:
             return None
         if not sums.complete:
@@ -230,9 +211,7 @@ class MicroBatchRunner:
         return StepNoise(sums, self.noise.step_norm_sq() / scale_sq)
 
     def _micro_batch(self, step: _Step, micro: MicroBatch, outcome: _Outcome, name: str) -> Report:
-        """Forward and backward of the micro-batch's rows (none: a row that adds nothing), the loss added to
-        `outcome`; timed if it says so. Returns the report the ranks agree on; `name` (the attempt and index) keys
-        its measurements."""
+        """Forward and backward of the micro-batch, its loss added to `outcome`; the report the ranks agree on."""
         fatal = (
             None if self.engine.retries else partial(self.engine.out_of_memory, world_size=self.world_size)
         )
@@ -276,15 +255,13 @@ class MicroBatchRunner:
         return local
 
     def _measure(self, step: _Step, start: int, own: int) -> None:
-        """Have the noise meter read this micro-batch's contribution to the gradient, with its units and share."""
         units = step.units(start, own)
         if units > 0:  # rows without a label token add no gradient
             self.noise.begin_micro_batch(units, units / step.share_total)
 
 
 def _failed(batch: StepBatch, start: int, own: int) -> Report:
-    """The report of a micro-batch of `own` rows from `start` that ran out of memory (a row that adds nothing, `own`
-    0, counts as one row)."""
+    """The report of a micro-batch that ran out of memory (a row that adds nothing, `own` 0, counts as one)."""
     rows = own or 1
     return Report(
         True, failed_rows=rows, failed_tokens=batch.tokens(start if own else batch.rows - 1, rows)[1]
@@ -293,8 +270,7 @@ def _failed(batch: StepBatch, start: int, own: int) -> Report:
 
 @dataclass
 class _Step:
-    """What every micro-batch of one step goes through `training_step` with, and what turns its mean loss into its
-    share of the step's: the label tokens of each row (`counts`; `None`: the rows weigh alike)."""
+    """What a step's micro-batches run `training_step` with, and its rows' label tokens (`None`: alike)."""
 
     inner_step: InnerStep
     model: torch.nn.Module
@@ -304,7 +280,6 @@ class _Step:
     share_total: float = math.nan  # a micro-batch's units over this are its share of the step gradient
 
     def units(self, start: int, size: int) -> float:
-        """What the micro-batch's loss is averaged over: its label tokens, or its rows."""
         if self.counts is None:
             return float(size)
         return float(self.counts[self.batch.order[start : start + size]].sum())

@@ -1,8 +1,4 @@
-"""A training stream (an `IterableDataset`, or `datasets` streaming) cut into the plan's steps: one pass over the
-budget, read in order, step `k` taking the next `plan.sizes[k]` samples, rank `r` every `world_size`-th from the
-`r`-th. With several processes and no workers rank 0 alone reads and scatters the shares; with workers only the first
-reads. See docs/how-it-works.md, "Data, cuts and measurements" (1. Plan).
-"""
+"""A training stream cut into the plan's steps, read once in order. See docs/how-it-works.md, "1. Plan"."""
 
 from __future__ import annotations
 
@@ -24,10 +20,7 @@ class StreamEndedError(ValueError):
 
 
 class StepStream(IterableDataset):
-    """Yields, for each planned optimizer step, the list of this rank's samples (the collator makes the batch);
-    `issued` is the last step drawn. `max_steps`: where the budget came from, for the error when the stream ends
-    early. `shared`: rank 0 reads the stream and scatters the shares over the default process group (no DataLoader
-    worker may be reading)."""
+    """Yields, for each planned step, this rank's samples; `shared`: rank 0 reads the stream and scatters shares."""
 
     def __init__(
         self, stream, plan: StepPlan, rank: int = 0, max_steps: int | None = None, shared: bool = False
@@ -51,10 +44,7 @@ class StepStream(IterableDataset):
             step += 1
 
     def _shares(self) -> Iterator[list[list]]:
-        """Read the stream: every step's samples, as one list per rank."""
-        samples = iter(self.stream)
-        read = 0
-        step = 0
+        samples, read, step = iter(self.stream), 0, 0
         while step < self.plan.num_steps:
             size, world = self.plan.sizes[step], self.plan.world_size
             for _ in range(self.plan.starts[step] - read):  # (positions the plan leaves out, if any)

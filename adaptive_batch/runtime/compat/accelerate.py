@@ -15,9 +15,8 @@ _ABSENT = object()
 
 @contextlib.contextmanager
 def before_collectives(accelerator, check: Callable[[], None]) -> Iterator[None]:
-    """Call `check()` before each of this Accelerator's collectives (outermost calls only: `gather_for_metrics` calls
-    `gather`) for the duration of the block. accelerate has no hook before a collective, so the instance's methods
-    are wrapped, and given back after."""
+    """Call `check()` before each of the Accelerator's outermost collectives within the block: accelerate has no
+    hook before a collective, so the instance's methods are wrapped, and given back after."""
     depth = 0
     saved: dict[str, object] = {}
 

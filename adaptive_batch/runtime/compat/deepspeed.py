@@ -1,5 +1,4 @@
-"""DeepSpeed (through accelerate's wrapper): the accumulation boundary set per micro-batch, and the ZeRO state a
-failed pass leaves, undone."""
+"""DeepSpeed: the accumulation boundary set per micro-batch, and the ZeRO state a failed pass leaves, undone."""
 
 from __future__ import annotations
 
@@ -13,10 +12,8 @@ MANAGED_ACCUMULATION = "managed_gradient_accumulation"
 
 @contextlib.contextmanager
 def deepspeed_backward_only(trainer, boundary: bool) -> Iterator[None]:
-    """Make `Accelerator.backward` mark the accumulation boundary (`boundary`: the step's last micro-batch) and run
-    `engine.backward` without the `engine.step()` accelerate's `DeepSpeedEngineWrapper.backward` adds (the step's end
-    calls it, once every rank's micro-batches ran). The wrapper has no switch for that: its method is replaced on the
-    instance for the block."""
+    """Make `Accelerator.backward` mark the accumulation boundary and skip the `engine.step()` accelerate's wrapper
+    adds (the step's end calls it): it has no switch, so its method is replaced on the instance."""
     wrapper = trainer.accelerator.deepspeed_engine_wrapped
 
     def backward(loss, sync_gradients=True, **kwargs):
@@ -31,10 +28,9 @@ def deepspeed_backward_only(trainer, boundary: bool) -> Iterator[None]:
 
 
 def deepspeed_reset(engine) -> None:
-    """Undo a forward or backward that an error cut short, so that the step can run again from its start with every
-    gradient gone. DeepSpeed has no public reset: `zero_grad` leaves ZeRO-2's reduced gradients, a half-filled reduce
-    bucket, "already reduced" flags and a backward depth (a retry asserts "has already been reduced"), and ZeRO-3's
-    gathered parameters. tests/test_deepspeed.py checks it on DeepSpeed 0.19.8 under ZeRO-2 and 3."""
+    """Undo a forward or backward an error cut short, every gradient gone. DeepSpeed has no public reset:
+    `zero_grad` leaves ZeRO-2's reduced gradients, buckets and flags, and ZeRO-3's gathered parameters
+    (tests/test_deepspeed.py checks it on DeepSpeed 0.19.8)."""
     optimizer = engine.optimizer
     stage = engine.zero_optimization_stage()
     engine.zero_grad()  # first: ZeRO-3's optimizer.zero_grad fails on a CPU gradient still set

@@ -1,5 +1,4 @@
-"""torch: the private modules the probe's trials use, and the flags of LRScheduler and DDP AdaptiveBatch reads or
-sets."""
+"""torch: the private modules the probe's trials use, and the flags of LRScheduler and DDP AdaptiveBatch touches."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ from torch.utils._pytree import tree_flatten  # noqa: F401
 
 
 def lambda_lr_state(scheduler, leave_out: tuple[str, ...]) -> dict:
-    """A `LambdaLR` subclass's state as plain data: its `__dict__` without `leave_out` and without the flags
-    `LRScheduler` keeps about its own `get_lr` calls (`_get_lr_called_within_step`, not state to save)."""
+    """A `LambdaLR` subclass's `__dict__` without `leave_out` and `LRScheduler`'s private `_get_lr_called*` flags."""
     return {
         key: value
         for key, value in scheduler.__dict__.items()
@@ -21,8 +19,7 @@ def lambda_lr_state(scheduler, leave_out: tuple[str, ...]) -> dict:
 
 
 def ddp_forget_forward(model: torch.nn.Module) -> None:
-    """Clear DDP's `require_forward_param_sync` (flipped after a completed forward, undocumented): a forward cut short
-    by an error left it on some ranks only, which would make them alone broadcast buffers in the next forward. Every
-    completed `no_sync` forward sets it to False."""
+    """Clear DDP's undocumented `require_forward_param_sync`: a forward cut short left it on some ranks only, which
+    would make them alone broadcast buffers in the next forward."""
     if hasattr(model, "require_forward_param_sync"):
         model.require_forward_param_sync = False

@@ -20,8 +20,7 @@ CONFIG_BOOKKEEPING_KEYS = (
 
 
 def trainer_being_built(callback):
-    """The Trainer whose `__init__` is calling `callback.on_init_end`, or `None` (then the caller says to use
-    `AdaptiveBatch.attach`). Callbacks are given no Trainer: it is read from the frame of `Trainer.__init__`."""
+    """The Trainer whose `__init__` calls `callback.on_init_end` (callbacks get none: read from its frame)."""
     from transformers import Trainer
 
     init = inspect.unwrap(Trainer.__init__).__code__
@@ -41,15 +40,13 @@ def trainer_being_built(callback):
 
 
 def put_in_front(trainer, mixin: type, prefix: str) -> None:
-    """Give this Trainer instance a class of its own, `prefix` + its class's name, with `mixin` in front of its class:
-    the mixin's methods replace the Trainer's for this instance only."""
+    """Give this Trainer instance a class of its own with `mixin` in front: its methods win for this instance only."""
     cls = type(trainer)
     trainer.__class__ = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
 
 
 class KeepsLiveCallbackState:
-    """Keeps AdaptiveBatch's callback live on resume: its checkpoint entry is left out while the Trainer re-creates
-    the other stateful callbacks (its state was read when `train` started), then put back."""
+    """Keeps AdaptiveBatch's callback live on resume: left out while the Trainer re-creates the others."""
 
     callback_state_key: str
 
@@ -65,8 +62,7 @@ class KeepsLiveCallbackState:
 
 
 def saved_callback_state(trainer_state: dict, name: str) -> dict | None:
-    """The `attributes` a callback's `ExportableState.state()` saved in a checkpoint's `trainer_state.json` (the first
-    where several callbacks of one class were saved)."""
+    """The `attributes` a callback's `state()` saved in `trainer_state.json` (the first of several of one class)."""
     entry = (trainer_state.get("stateful_callbacks") or {}).get(name)
     if isinstance(entry, list):
         entry = entry[0] if entry else None
@@ -74,15 +70,13 @@ def saved_callback_state(trainer_state: dict, name: str) -> dict | None:
 
 
 def attention_implementation(model) -> str | None:
-    """The model's attention implementation ("sdpa", "flex_attention", ...); `None` without a config."""
     config = getattr(getattr(model, "module", model), "config", None)  # (DDP wraps the model)
     # `_attn_implementation` is where transformers keeps the one in use (`attn_implementation` is only an argument)
     return getattr(config, "_attn_implementation", None)
 
 
 def forget_eval_dataloaders(trainer) -> None:
-    """Drop the eval loaders the Trainer kept for `dataloader_persistent_workers`: an eval batch that changed needs
-    them built again."""
+    """Drop the eval loaders the Trainer kept for persistent workers: a changed eval batch needs them rebuilt."""
     kept = getattr(trainer, "_eval_dataloaders", None)  # the Trainer's cache of them, with no public reset
     if isinstance(kept, dict):
         kept.clear()
@@ -94,9 +88,7 @@ def loss_shifts_labels(trainer) -> bool:
 
 
 def loss_normalised_over_ranks(trainer) -> bool:
-    """Whether `Trainer.compute_loss` normalises the loss by `num_items_in_batch` counted over all ranks (and
-    multiplies it by the number of processes): with `average_tokens_across_devices` and a model or
-    `compute_loss_func` that takes `num_items_in_batch`."""
+    """Whether `Trainer.compute_loss` normalises the loss by `num_items_in_batch` counted over all ranks."""
     takes_items = bool(getattr(trainer, "model_accepts_loss_kwargs", False)) or (
         getattr(trainer, "compute_loss_func", None) is not None
     )
@@ -114,8 +106,7 @@ def train_dataset_and_collator(trainer, dataset, collator):
 
 
 def padding_free(trainer) -> bool:
-    """Whether the collator flattens each batch into one row of sequences: `DataCollatorWithFlattening`, a collator
-    with `padding_free` set, or TRL's SFTTrainer with `padding_free` (its `packing=True` with "bfd" sets it)."""
+    """Whether the collator flattens each batch into one row of sequences (also TRL's `padding_free`)."""
     from transformers import DataCollatorWithFlattening
 
     collator = trainer.data_collator

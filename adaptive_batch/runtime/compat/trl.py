@@ -4,8 +4,7 @@ from __future__ import annotations
 
 
 def sft_prepare_dataset(dataset, tokenizer, args, packing: bool, chat_template, completion_only_loss: bool):
-    """The installed TRL's own preparation of a train dataset (chat template, EOS, truncation, packing), for
-    `adaptive-batch plan`."""
+    """The installed TRL's own preparation of a train dataset, for `adaptive-batch plan`."""
     import types
 
     from trl import SFTTrainer
@@ -19,9 +18,8 @@ def sft_prepare_dataset(dataset, tokenizer, args, packing: bool, chat_template, 
 
 
 class TrlMetrics:
-    """SFTTrainer's token count and metrics, kept true where AdaptiveBatch runs `compute_loss` more often than TRL
-    expects: `restore` drops what a failed attempt appended, `correct` sets the step's real tokens (a row that adds
-    nothing counted its own), `merge` makes an eval batch's pieces one value."""
+    """SFTTrainer's token count and metrics, kept true where `compute_loss` runs more often than TRL expects:
+    `restore` drops a failed attempt's, `correct` sets the step's real tokens, `merge` joins eval pieces'."""
 
     def __init__(self, trainer, mode: str = "train"):
         self.trainer = trainer
@@ -45,9 +43,7 @@ class TrlMetrics:
             self.trainer._total_train_tokens = self.total_tokens
 
     def merge(self, weights: list[float]) -> None:
-        """Where each of the last `len(weights)` `compute_loss` calls appended one value to a list, make them one:
-        their mean weighted by `weights` (TRL's entropy and token accuracy are means over label tokens, so with the
-        pieces' label tokens as weights this is the whole batch's)."""
+        """Where the last `len(weights)` `compute_loss` calls each appended a value, make them their weighted mean."""
         total = sum(weights)
         if self.lists is None or total <= 0:
             return
