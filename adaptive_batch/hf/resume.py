@@ -35,7 +35,7 @@ def read_checkpoint(path: str) -> StoredCheckpoint:
             f"resume_from_checkpoint={path!r} holds no {TRAINER_STATE_NAME}, so AdaptiveBatch cannot tell which "
             "samples were trained; pass a checkpoint-N folder written by Trainer.save_model or a save strategy."
         )
-    with open(file) as handle:
+    with open(file, encoding="utf-8") as handle:
         trainer_state = json.load(handle)
     state = (saved_callback_state(trainer_state, STATE_KEY) or {}).get("checkpoint") or None
     if state is not None:
