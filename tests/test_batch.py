@@ -80,3 +80,50 @@ def test_values_without_one_entry_per_row_are_rejected(collated):
     per_row = StepBatch({**collated, "ids": list(range(6)), "flag": True})
     chunk = per_row.take(0, 2)
     assert chunk["ids"] == per_row.order[:2].tolist() and chunk["flag"] is True
+
+
+def test_a_causal_lms_rows_leave_their_mask_out_with_the_same_loss_and_gradients(collated, tokenizer):
+    model = tiny_llama(tokenizer).to(torch.float64)
+    masked, unmasked = StepBatch(collated), StepBatch(collated, unmasked=True, positions=True)
+    assert not masked.unmasked and unmasked.unmasked
+    chunk = unmasked.take(1, 4)
+    assert "attention_mask" not in chunk and set(chunk) == {"input_ids", "labels", "position_ids"}
+    assert chunk["position_ids"].tolist() == [list(range(chunk["input_ids"].shape[1]))] * 4
+    assert 0 in masked.take(1, 4)["attention_mask"]  # there is padding to leave out
+
+    def loss_and_gradients(inputs):
+        model.zero_grad()
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, gradients = loss_and_gradients(masked.take(1, 4))
+    unmasked_loss, unmasked_gradients = loss_and_gradients(chunk)
+    assert torch.allclose(loss, unmasked_loss, rtol=1e-12, atol=0)
+    for grad, unmasked_grad in zip(gradients, unmasked_gradients):
+        assert torch.allclose(grad, unmasked_grad, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda b: b["labels"].masked_fill_(b["attention_mask"] == 0, 5),  # a label on padding
+        lambda b: b.update(position_ids=torch.ones_like(b["input_ids"])),  # positions not counted from 0
+        lambda b: b.update(token_type_ids=torch.zeros_like(b["input_ids"])),  # an input that may read padding
+        lambda b: b.update(attention_mask=b["attention_mask"].flip(1)),  # left padding
+    ],
+    ids=["labels on padding", "positions", "another input", "left padding"],
+)
+def test_the_mask_stays_wherever_leaving_it_out_could_change_the_loss(collated, change):
+    change(collated)
+    batch = StepBatch(collated, unmasked=True)
+    assert not batch.unmasked and "attention_mask" in batch.take(0, 2)
+
+
+def test_right_padded_positions_counted_from_0_are_replaced_by_their_count(collated):
+    collated["position_ids"] = (collated["attention_mask"].cumsum(1) - 1).clamp_min(0) * collated[
+        "attention_mask"
+    ]
+    batch = StepBatch(collated, unmasked=True)
+    chunk = batch.take(0, 3)
+    assert batch.unmasked and chunk["position_ids"][0].tolist() == list(range(chunk["input_ids"].shape[1]))

@@ -8,6 +8,7 @@ name, and the padding-free steps are checked against the padded run as under any
 import pytest
 import torch
 from helpers import ORDER_ONLY, ORDER_TOLERANCE, Recording, assert_close_parameters, parameters
+from transformers import Trainer
 
 from adaptive_batch import AdaptiveBatch
 from adaptive_batch.core.controllers import FLEX_OVER_SDPA, SWITCH, choose_layout
@@ -50,7 +51,25 @@ def test_the_layout_is_chosen_from_the_setting_the_collator_the_attention_and_th
     assert SWITCH not in choose_layout(None, False, "sdpa", False).text  # one length: nothing to gain
 
 
-def run(make_trainer, dataset, attention, callbacks):
+def test_under_sdpa_a_causal_lms_padded_rows_leave_their_mask_out():
+    for padding_free in (None, False):
+        layout = choose_layout(padding_free, False, "sdpa", True, causal=True)
+        assert layout.unmasked and not layout.flatten and "without the padding mask" in layout.text
+    assert choose_layout(None, False, "sdpa", None, causal=True).unmasked  # (any padding the first step has)
+    assert not choose_layout(None, False, "sdpa", True).unmasked  # not a causal LM read by the library alone
+    assert not choose_layout(None, False, "sdpa", False, causal=True).unmasked  # one length: no padding
+    assert not choose_layout(True, False, "sdpa", True, causal=True).unmasked  # padding-free as stated
+    for attention in (
+        "eager",
+        "flex_attention",
+        "flash_attention_2",
+        FLASH_LIKE,
+    ):  # masked sdpa is the only gain
+        assert not choose_layout(None, False, attention, True, causal=True).unmasked
+
+
+def run(make_trainer, dataset, attention, callbacks, trainer_class=Recording, inputs=None):
+    """A run of two epochs in steps of 8 rows; `inputs` gets the names of every forward's keyword inputs."""
     trainer = make_trainer(
         callbacks,
         dataset=dataset,
@@ -58,12 +77,38 @@ def run(make_trainer, dataset, attention, callbacks):
         gradient_accumulation_steps=1,
         num_train_epochs=2,
         train_sampling_strategy="sequential",
-        trainer_class=Recording,
+        trainer_class=trainer_class,
         **ORDER_ONLY,
     )
     trainer.model.config._attn_implementation = attention
+    if inputs is not None:
+        trainer.model.register_forward_pre_hook(
+            lambda _, args, kwargs: inputs.append(set(kwargs)), with_kwargs=True
+        )
     trainer.train()
     return trainer
+
+
+class OwnLoss(Trainer):
+    """A subclass's `compute_loss` may read the padding mask."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def test_under_sdpa_padded_rows_train_without_their_mask_as_the_plain_run(make_trainer, varied):
+    plain_inputs, inputs, own_inputs = [], [], []
+    plain = run(make_trainer, varied, "sdpa", [], Trainer, plain_inputs)
+    adaptive = AdaptiveBatch(micro_batch_size=3)
+    trainer = run(make_trainer, varied, "sdpa", [adaptive], Trainer, inputs)
+    assert all("attention_mask" in names for names in plain_inputs)
+    assert len(inputs) == 2 * 5 * 3 and not any("attention_mask" in names for names in inputs)
+    assert dict(adaptive.plan_table())["layout"].startswith("padded, without the padding mask")
+    assert_close_parameters(parameters(trainer.model), parameters(plain.model), rtol=ORDER_TOLERANCE)
+    own = AdaptiveBatch(micro_batch_size=3)
+    run(make_trainer, varied, "sdpa", [own], OwnLoss, own_inputs)  # the mask kept for a loss of its own
+    assert own_inputs and all("attention_mask" in names for names in own_inputs)
+    assert dict(own.plan_table())["layout"].startswith("padded: under sdpa")
 
 
 class TorchRows(torch.utils.data.Dataset):

@@ -155,3 +155,39 @@ def test_sft_out_of_memory_retry_counts_tokens_once(base_model_dir, tokenizer, t
     for key in ("num_tokens", "loss"):
         assert logged(retried, key) == logged(at_two, key), key
     assert_same_parameters(retried.model, at_two.model)
+
+
+def test_sft_padded_rows_run_without_their_mask_and_count_the_same_tokens(
+    base_model_dir, tokenizer, texts, tmp_path
+):
+    def run(callbacks, name):
+        trainer = qlora_trainer(
+            base_model_dir,
+            tokenizer,
+            texts,
+            tmp_path / name,
+            callbacks=callbacks,
+            num_texts=16,
+            num_train_epochs=1,
+            eval_strategy="no",
+            save_strategy="no",
+            load_best_model_at_end=False,
+            train_sampling_strategy="sequential",
+        )
+        inputs = []
+        trainer.model.register_forward_pre_hook(
+            lambda _, args, kwargs: inputs.append(set(kwargs)), with_kwargs=True
+        )
+        trainer.train()
+        return trainer, inputs
+
+    plain, plain_inputs = run([], "plain")
+    adaptive = AdaptiveBatch(micro_batch_size=2)
+    trainer, inputs = run([adaptive], "adaptive")
+    assert all("attention_mask" in names for names in plain_inputs)
+    # SFTTrainer counts tokens from position_ids where the mask is missing: they are given, 0 to n - 1 in each row
+    assert inputs and all("attention_mask" not in names and "position_ids" in names for names in inputs)
+    assert dict(adaptive.plan_table())["layout"].startswith("padded, without the padding mask")
+    assert logged(trainer, "num_tokens") == logged(plain, "num_tokens")
+    # the rows come longest first into other micro-batches: the bf16 sums round differently
+    assert logged(trainer, "loss") == pytest.approx(logged(plain, "loss"), rel=0.05)

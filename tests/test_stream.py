@@ -21,15 +21,17 @@ class Stream(torch.utils.data.IterableDataset):
 
 
 class InputsSeen:
-    """Every row of input_ids the model is given (padding stripped), in order."""
+    """Every row of input_ids the model is given (padding stripped), in order. Under sdpa a causal LM's padded rows
+    come without their mask, their padding labelled -100 (and this tokenizer's rows have no other -100 label)."""
 
     def __init__(self, model):
         self.rows: list[tuple[int, ...]] = []
         model.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module, args, kwargs):
-        for ids, mask in zip(kwargs["input_ids"], kwargs["attention_mask"]):
-            self.rows.append(tuple(ids[mask.bool()].tolist()))
+        kept = kwargs["attention_mask"].bool() if "attention_mask" in kwargs else kwargs["labels"] != -100
+        for ids, mask in zip(kwargs["input_ids"], kept):
+            self.rows.append(tuple(ids[mask].tolist()))
 
 
 def run(make_trainer, dataset, output, **overrides):

@@ -76,28 +76,48 @@ PACKED_ATTENTION = ("flex", "flash")
 
 @dataclass(frozen=True)
 class Layout:
-    """How a padding collator's steps run: `flatten`ed into one row of sequences, or padded; `text` says why."""
+    """How a padding collator's steps run: `flatten`ed into one row of sequences, or padded (`unmasked`: without the
+    padding mask, where the rows are a causal LM's, right-padded); `text` says why."""
 
     flatten: bool
     text: str
+    unmasked: bool = False
 
 
 def choose_layout(
-    padding_free: bool | None, collator_packs: bool, attention: str | None, lengths_vary: bool | None
+    padding_free: bool | None,
+    collator_packs: bool,
+    attention: str | None,
+    lengths_vary: bool | None,
+    causal: bool = False,
 ) -> Layout:
-    """The layout for a run from `padding_free` (`None`: chosen), the collator, the attention and the lengths."""
+    """The layout for a run from `padding_free` (`None`: chosen), the collator, the attention, the lengths, and
+    whether the rows are a causal LM's whose loss reads the mask for attention alone (`causal`: under sdpa such
+    right-padded rows run without the mask, see docs/how-it-works.md, "Variable-length data")."""
     if collator_packs:
         return Layout(False, "padding-free: the collator flattens each batch into one row of sequences")
+    unmasked = causal and attention == "sdpa" and lengths_vary is not False and not padding_free
+    without_mask = (
+        ", without the padding mask: a causal LM's right-padded rows need none (every pad comes after its row's "
+        "tokens and has no label), so sdpa runs its fused causal kernel"
+    )
     if padding_free is not None:
         chosen = "padding-free" if padding_free else "padded"
-        return Layout(padding_free, f"{chosen} (padding_free={padding_free})")
+        return Layout(
+            padding_free,
+            f"{chosen} (padding_free={padding_free}){without_mask if unmasked else ''}",
+            unmasked,
+        )
     packs = attention is not None and any(name in attention for name in PACKED_ATTENTION)
     if not packs:
-        name = attention or "this attention"
-        why = f"padded: under {name} a flattened step's mask is quadratic in all its tokens"
         if lengths_vary is False:
             return Layout(False, "padded: the rows are of one length")
-        return Layout(False, f"{why}; {SWITCH}")
+        if unmasked:
+            return Layout(False, f"padded{without_mask}; {SWITCH.replace('this layout', 'sdpa')}", True)
+        name = attention or "this attention"
+        return Layout(
+            False, f"padded: under {name} a flattened step's mask is quadratic in all its tokens; {SWITCH}"
+        )
     if lengths_vary is False:
         return Layout(False, "padded: the rows are of one length, nothing to leave out")
     if lengths_vary is None:

@@ -70,6 +70,7 @@ class Assembly:
             engine,
             packed=padding_free(self.trainer),
             flatten=facts.layout.flatten,
+            unmasked=(facts.layout.unmasked, facts.causal_rows[1]),
             noise=GradientNoiseMeter(self.config.noise_preconditioner, self.trainer.args.device)
             if measures
             else None,
@@ -153,6 +154,7 @@ class Assembly:
         facts = TrainerFacts(self.trainer, self.config, self.runner.engine)
         facts.observe(True, longest_row)
         self.runner.flatten = facts.layout.flatten
+        self.runner.unmasked = (facts.layout.unmasked, facts.causal_rows[1])
         self.controller = self.runner.controller = controller_for(self.config, facts, self.row_limit)
         return facts.layout.flatten
 

@@ -10,7 +10,7 @@ from ..core.config import AdaptiveBatchConfig
 from ..core.controllers import Layout, choose_layout
 from ..probe.cache import cached_start, describe_setup
 from ..runtime import lengths
-from ..runtime.compat.trainer import attention_implementation, padding_free
+from ..runtime.compat.trainer import attention_implementation, causal_rows, padding_free
 from ..runtime.engines import Engine
 from ..runtime.memory import memory_limit
 
@@ -42,7 +42,13 @@ class TrainerFacts:
             padding_free(self.trainer),
             attention_implementation(self.trainer.model),
             self.lengths_vary,
+            self.causal_rows[0],
         )
+
+    @cached_property
+    def causal_rows(self) -> tuple[bool, bool]:
+        """[`compat.trainer.causal_rows`]: whether padded rows may leave their mask out, and give `position_ids`."""
+        return causal_rows(self.trainer)
 
     @property
     def padding_free(self) -> bool:

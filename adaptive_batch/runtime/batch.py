@@ -32,7 +32,9 @@ class StepBatch:
 
     packed = False  # rows of their own, not sequences flattened into one row
 
-    def __init__(self, batch: Mapping[str, Any]):
+    def __init__(self, batch: Mapping[str, Any], unmasked: bool = False, positions: bool = False):
+        """`unmasked`: a causal LM's rows, whose micro-batches leave the padding mask out where that changes nothing
+        ([`mask_changes_nothing`]; `positions`: giving `position_ids` in its place)."""
         self.batch = batch
         self.rows = _count_rows(batch)
         _check_splittable(batch, self.rows)
@@ -46,12 +48,19 @@ class StepBatch:
             self.order = torch.arange(self.rows)
 
         self.trimmable = self._can_trim()
+        self.unmasked = unmasked and self.trimmable and mask_changes_nothing(batch)
+        self.positions = positions
 
     def take(self, start: int, size: int) -> dict[str, Any]:
         """Micro-batch of `size` rows from position `start` of the longest-first order, trailing padding cut."""
         index = self.order[start : start + size]
         length = self._kept_length(index) if self.trimmable else None
-        return {key: _take(value, index, self.rows, length) for key, value in self.batch.items()}
+        chunk = {key: _take(value, index, self.rows, length) for key, value in self.batch.items()}
+        if self.unmasked:
+            mask = chunk.pop("attention_mask")
+            if self.positions or "position_ids" in chunk:
+                chunk["position_ids"] = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
+        return chunk
 
     def dummy(self, count_items: bool) -> dict[str, Any]:
         """One row that adds nothing to the gradient, for a rank with fewer micro-batches: labels ignored where the
@@ -131,6 +140,29 @@ class StepBatch:
     def _kept_length(self, index: torch.Tensor) -> int:
         columns = self._used(index).any(dim=0).nonzero()
         return int(columns[-1]) + 1 if len(columns) else 1
+
+
+# what a causal LM's padded rows may hold for their mask to be left out: nothing else that reads the padding
+MASK_BLIND_KEYS = {"input_ids", "attention_mask", "position_ids", *LABEL_KEYS}
+
+
+def mask_changes_nothing(batch: Mapping[str, Any]) -> bool:
+    """Whether a right-padded step batch of a causal LM trains the same without its padding mask: every pad comes
+    after its row's tokens (which attend only to earlier positions) and has no label, any `position_ids` count the
+    tokens from 0, and no other input reads the padding."""
+    mask = batch.get("attention_mask")
+    if set(batch) - MASK_BLIND_KEYS or not isinstance(mask, torch.Tensor) or "input_ids" not in batch:
+        return False
+    padding = mask == 0
+    wrong = torch.zeros((), dtype=torch.bool, device=mask.device)
+    for key in LABEL_KEYS:
+        if isinstance(batch.get(key), torch.Tensor):
+            wrong = wrong | (padding & (batch[key] != IGNORE_INDEX)).any()
+    position_ids = batch.get("position_ids")
+    if isinstance(position_ids, torch.Tensor):
+        counted = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
+        wrong = wrong | (~padding & (position_ids != counted)).any()
+    return not bool(wrong)
 
 
 def labels_ignored(chunk: dict[str, Any]) -> dict[str, Any]:

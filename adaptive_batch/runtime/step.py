@@ -60,11 +60,15 @@ class MicroBatchRunner:
         packed: bool = False,
         flatten: bool = False,
         noise: GradientNoiseMeter | None = None,
+        unmasked: tuple[bool, bool] = (False, False),
     ):
         self.trainer, self.controller, self.world_size, self.engine = trainer, controller, world_size, engine
         self.ranks = Ranks(trainer, world_size)
         self.packed = packed  # the collator flattens every batch (a step of one sequence looks unpacked)
         self.flatten = flatten
+        self.unmasked = (
+            unmasked  # padded rows without their mask where exact; with `position_ids` in its place
+        )
         self.device = trainer.args.device
         self.noise = noise  # None where the engine cannot measure it (the session says so)
         self.tape = Tape()  # what decisions read of time and memory: measured, or replayed (the session's)
@@ -94,7 +98,7 @@ class MicroBatchRunner:
         if not (self.packed or self.flatten):
             # a collator not known to flatten: a rank whose flattened row holds one sequence cannot tell
             packed = bool(self.agree([float(packed)])[0])
-        batch = PackedStepBatch(inputs) if packed else StepBatch(inputs)
+        batch = PackedStepBatch(inputs) if packed else StepBatch(inputs, *self.unmasked)
         if packed:  # its sequences are the rows, as many as the collator packed on each rank
             check_packed_inputs(inputs, model)
             max_rows = int(self.agree([batch.rows])[0])

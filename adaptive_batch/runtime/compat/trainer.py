@@ -115,3 +115,44 @@ def padding_free(trainer) -> bool:
         or bool(getattr(collator, "padding_free", False))
         or bool(getattr(trainer, "padding_free", False))
     )
+
+
+# The classes whose own `training_step` and `compute_loss` read `attention_mask` for the model's attention alone:
+# through Trainer's the model alone reads it; TRL's SFTTrainer also counts tokens from it, or from `position_ids`
+# where it is missing (True: they are given)
+MASK_BLIND_STEPS = {
+    ("transformers.trainer", "Trainer"): False,
+    ("trl.trainer.sft_trainer", "SFTTrainer"): True,
+}
+
+
+def causal_rows(trainer) -> tuple[bool, bool]:
+    """`(causal, positions)`: whether right-padded rows may leave out their padding mask, the model a decoder-only
+    causal LM (every attention causal, no router loss averaged over the mask) and its inputs read by a library's own
+    `training_step` and `compute_loss` alone (a subclass's may read the mask); `positions`: `position_ids` are given
+    in its place, which SFTTrainer then counts tokens from."""
+    readers = set()
+    for method in ("training_step", "compute_loss"):
+        owner = next(
+            c
+            for c in type(trainer).__mro__
+            if method in vars(c) and not c.__module__.startswith("adaptive_batch")
+        )
+        readers.add(MASK_BLIND_STEPS.get((owner.__module__, owner.__name__)))
+    positions = max(readers) if None not in readers else None
+    model = getattr(trainer.model, "module", trainer.model)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # (PEFT)
+    config = getattr(model, "config", None)
+    if positions is None or config is None or not type(model).__name__.endswith("ForCausalLM"):
+        return False, False
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "output_router_logits", False):
+        return False, False
+    # transformers' attention modules say whether they are causal (an encoder used as a decoder says False)
+    flags = [
+        module.is_causal for module in model.modules() if isinstance(getattr(module, "is_causal", None), bool)
+    ]
+    if not flags or not all(flags):
+        return False, False
+    if positions and "position_ids" not in inspect.signature(model.forward).parameters:
+        return False, False
+    return True, positions
