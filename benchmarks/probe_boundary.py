@@ -4,7 +4,8 @@ checkpointing, paged_adamw_8bit) at one sequence length.
 
 Four phases, each in its own process (so that one phase's cached memory cannot shape the next one's readings):
 
-1. probe: `adaptive-batch probe MODEL ... --json`, timed with and without loading the model;
+1. probe: `adaptive-batch probe MODEL ... --no-eval --json` (the training batch alone, as auto_find_batch_size
+   finds it), timed with and without loading the model;
 2. auto_find: the plain Trainer with `auto_find_batch_size=True` from `--auto-find-start` samples per device (512 x
    1024 / seq_len by default: the same tokens at every length), until its first good step; the time it loses is
    from its first step's start to the start of the step that succeeded (failed tries and restarts);
@@ -61,7 +62,8 @@ def probe_argv(options, model_dir: str) -> list[str]:
         str(LORA["r"]),
     ]
     argv += ["--lora-alpha", str(LORA["alpha"]), "--lora-target", ",".join(LORA["targets"])]
-    argv += ["--headroom", str(HEADROOM), "--effective-batch", "64", "--no-cache", "--json"]
+    # the training search alone, the job auto_find_batch_size does (it finds no eval batch)
+    argv += ["--headroom", str(HEADROOM), "--effective-batch", "64", "--no-cache", "--no-eval", "--json"]
     if options.tiny:
         argv += [
             "--cpu",
