@@ -81,7 +81,7 @@ def test_plan_table_and_the_max_steps_traps(capsys):
 @pytest.mark.parametrize(
     "argv, padding_free, starts, switch",
     [
-        ([], False, "padded: under sdpa a flattened step's mask is quadratic", True),  # transformers' default
+        ([], False, "padded, without the padding mask: a causal LM's right-padded rows", True),  # the default
         (["--attention", "eager"], False, "padded: under eager", True),
         (
             ["--attention", "flex_attention"],
