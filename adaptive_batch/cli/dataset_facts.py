@@ -103,7 +103,8 @@ def _sft_facts(facts, rows, tokenized: bool, path: Path, tokenizer_dir, sft: SFT
             "rows with images: SFTTrainer prepares them while training, so their tokens are not known"
         )
         return facts
-    tokenizer = _tokenizer(first, tokenizer_dir, args, path)
+    tokenizer = None if tokenizer_dir is None else _tokenizer(tokenizer_dir, args)  # None: rows tokenised
+    _check_first_row(first, tokenizer, args, path)
     padding_free = args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})
     if padding_free and not args.packing and args.max_length is not None:
         raise ValueError(
@@ -182,18 +183,10 @@ def _how(args, sft: SFTArgs, before: list[int], after: list[int], version: str) 
     return text
 
 
-def _tokenizer(first: dict, tokenizer_dir: Path | None, args, path: Path):
-    """The --tokenizer as SFTTrainer sets it up (its eos_token, a .jinja chat_template_path), or `None`; refuses,
-    naming what is missing, a dataset whose first row (the one SFTTrainer looks at) it cannot prepare."""
+def _tokenizer(tokenizer_dir: Path, args):
+    """The --tokenizer as SFTTrainer sets it up: its eos_token, a .jinja chat_template_path."""
     from transformers import AutoTokenizer
-    from trl.data_utils import is_conversational, is_conversational_from_value
 
-    if tokenizer_dir is None:
-        if "input_ids" not in first:
-            raise ValueError(
-                f"--dataset {path} is not tokenised ('input_ids'): pass --tokenizer to count its tokens."
-            )
-        return None
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if args.eos_token is not None:
         if args.eos_token not in tokenizer.get_vocab():
@@ -204,8 +197,15 @@ def _tokenizer(first: dict, tokenizer_dir: Path | None, args, path: Path):
     template = args.chat_template_path
     if template is not None and str(template).endswith((".jinja", ".j2")) and Path(template).is_file():
         tokenizer.chat_template = Path(template).read_text(encoding="utf-8")
+    return tokenizer
+
+
+def _check_first_row(first: dict, tokenizer, args, path: Path) -> None:
+    """Refuse, naming what is missing, a dataset whose first row (the one SFTTrainer looks at) it cannot prepare."""
+    from trl.data_utils import is_conversational, is_conversational_from_value
+
     if "input_ids" in first:
-        return tokenizer
+        return
     if is_conversational(first) or is_conversational_from_value(first):
         _check_chat_template(tokenizer, path, 0)
     elif args.dataset_text_field not in first and not ("prompt" in first and "completion" in first):
@@ -214,7 +214,6 @@ def _tokenizer(first: dict, tokenizer_dir: Path | None, args, path: Path):
             "'messages' nor 'prompt' and 'completion', so SFTTrainer has nothing to tokenise (a formatting_func "
             "of the script's is not seen by plan); pass a dataset of those, or leave --tokenizer out (tokens unknown)."
         )
-    return tokenizer
 
 
 def _row_lengths(dataset) -> list[int]:

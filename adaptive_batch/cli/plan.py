@@ -106,9 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(options: argparse.Namespace) -> dict:
     """Plan the run as the Trainer will and return the plan as plain data ([`show`] prints it)."""
     apply_training_args(options)
-    sft = read_sft_args(
-        getattr(options, "script_args", None) or [], options.saved_args, f"--args {options.args} gives"
-    )
+    sft = read_sft_args(options)
     if options.dataset is not None:
         facts = dataset_facts(options.dataset, options.tokenizer, sft)
     else:

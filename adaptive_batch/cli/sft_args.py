@@ -8,8 +8,6 @@ import contextlib
 import dataclasses
 import json
 
-from .training_args import BOOLEANS, script_fields
-
 # the fields of SFTConfig (and the one of TrainingArguments) that change the train set's rows or tokens, each with
 # the rule its value must follow; the plan prepares the dataset as SFTTrainer does with them
 FIELDS = {
@@ -35,6 +33,8 @@ CHOICES = {
 }
 # fields read elsewhere, or that change no train row or token: the plan does not need them
 EVAL_ONLY = {"eval_packing"}
+# a bool's texts as HfArgumentParser's string_to_bool takes them
+BOOLEANS = dict(zip("true t yes y 1 false f no n 0".split(), [True] * 5 + [False] * 5))
 
 
 @dataclasses.dataclass
@@ -83,19 +83,18 @@ def sft_defaults() -> dict | None:
     return defaults
 
 
-def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) -> SFTArgs:
-    """The SFT fields of the script's arguments (first) and of a saved TrainingArguments/SFTConfig `saved`."""
-    result = SFTArgs()
-    sources = []
-    if script_args:
-        result.unknown_options = unknown_options(script_args)
-        texts = script_fields(script_args, (*FIELDS, *EVAL_ONLY), switches=BOOLEAN_FIELDS | EVAL_ONLY)
-        sources.append(("the script arguments after -- give", texts))
-    if saved is not None:
+def read_sft_args(options: argparse.Namespace) -> SFTArgs:
+    """The SFT fields of the script's arguments (first) and of the saved TrainingArguments/SFTConfig of --args, as
+    `training_args.apply_training_args` read them into `options`."""
+    result = SFTArgs(unknown_options=unknown_options(options.script_args))
+    sources = [("the script arguments after -- give", options.script_fields)]
+    if (saved := options.saved_args) is not None:
         result.is_sft = "max_length" in saved and "packing" in saved  # an SFTConfig, not a TrainingArguments
-        sources.append((saved_where, {k: v for k, v in saved.items() if k in FIELDS or k in EVAL_ONLY}))
+        sources.append((f"--args {options.args} gives", saved))
     for where, fields in sources:
         for name, value in fields.items():
+            if name not in FIELDS and name not in EVAL_ONLY:
+                continue
             if name in EVAL_ONLY:
                 result.eval_only.setdefault(name, value)
                 continue
