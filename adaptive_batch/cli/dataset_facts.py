@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..runtime import lengths
 from ..runtime.compat.trl import sft_prepare_dataset
-from .sft_args import SFTArgs, named, sft_defaults
+from .sft_args import SFTArgs
 
 
 @dataclasses.dataclass
@@ -39,13 +39,12 @@ def dataset_facts(path: Path, tokenizer_dir: Path | None, sft: SFTArgs) -> Datas
         if hasattr(rows, "column_names")
         else all(isinstance(row, dict) and isinstance(row.get("input_ids"), list) for row in rows)
     )
-    defaults = sft_defaults()
-    given = sft.changed(defaults)
+    given = sft.changed()
     if tokenized and not sft.is_sft:
         return DatasetFacts(len(rows), lengths.total_tokens(rows))
     facts = DatasetFacts(len(rows), None)
     # no TRL: counted as the rows are (text through the tokenizer, chat through its template)
-    if defaults is None:
+    if sft.defaults is None:
         if tokenized:
             facts.tokens = lengths.total_tokens(rows)
         elif tokenizer_dir is not None:
@@ -54,19 +53,19 @@ def dataset_facts(path: Path, tokenizer_dir: Path | None, sft: SFTArgs) -> Datas
                 "TRL is not installed: tokens counted without SFTTrainer's preparation (its EOS, truncation, packing)"
             )
         if given:
-            facts.not_used.append(f"{named(given)}: TRL is not installed to prepare the dataset with them")
+            facts.not_used.append(f"{given}: TRL is not installed to prepare the dataset with them")
         return facts
     if not tokenized and tokenizer_dir is None:
         if given:
             facts.not_used.append(
-                f"{named(given)}: the rows are not tokenised without --tokenizer, so their rows and tokens are the "
+                f"{given}: the rows are not tokenised without --tokenizer, so their rows and tokens are the "
                 "file's, not SFTTrainer's; pass --tokenizer to prepare them as SFTTrainer does"
             )
         return facts
-    return _sft_facts(facts, rows, tokenized, path, tokenizer_dir, sft, defaults)
+    return _sft_facts(facts, rows, tokenized, path, tokenizer_dir, sft)
 
 
-def _sft_facts(facts, rows, tokenized: bool, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict):
+def _sft_facts(facts, rows, tokenized: bool, path: Path, tokenizer_dir, sft: SFTArgs):
     """Rows and tokens as the installed TRL's SFTTrainer prepares `rows`: its `_prepare_dataset` is run twice, first
     to tokenise (no truncation, packing or shuffle), then on the tokenised rows with the run's truncation, packing
     and shuffle, as it goes on from its tokenised rows in one call; the first tells the tokens before truncation."""
@@ -74,7 +73,7 @@ def _sft_facts(facts, rows, tokenized: bool, path: Path, tokenizer_dir, sft: SFT
     import trl
     from trl.data_utils import is_conversational
 
-    args = sft.config(defaults)
+    args = sft.config()
     template = args.chat_template_path
     if template is not None and not str(template).endswith((".jinja", ".j2")):
         facts.not_used.append(

@@ -40,7 +40,8 @@ BOOLEANS = dict(zip("true t yes y 1 false f no n 0".split(), [True] * 5 + [False
 @dataclasses.dataclass
 class SFTArgs:
     """The SFT fields given (by the script's arguments, else by --args), whether the run is an SFTTrainer run by its
-    arguments (an SFT field given, or --args an SFTConfig), and the options after -- that are no field at all."""
+    arguments (an SFT field given, or --args an SFTConfig), the options after -- that are no field at all, and the
+    installed SFTConfig's defaults ([`sft_defaults`]; `None` without TRL)."""
 
     given: dict = dataclasses.field(default_factory=dict)
     is_sft: bool = False
@@ -48,26 +49,23 @@ class SFTArgs:
     # where --args holds eos_token as the '<EOS_TOKEN>' to_dict writes for any value
     hidden_eos_token: str = ""
     eval_only: dict = dataclasses.field(default_factory=dict)
+    defaults: dict | None = None
 
-    def changed(self, defaults: dict | None, leave_out: tuple[str, ...] = ("seed",)) -> dict:
-        """The given fields but `leave_out` whose value is not SFTConfig's `defaults` (all of them without TRL)."""
-        return {
-            name: value
+    def changed(self, leave_out: tuple[str, ...] = ("seed",)) -> str:
+        """The given fields but `leave_out` whose value is not SFTConfig's default (all of them without TRL), as the
+        lines name them: "max_length=128, packing=True" ('' where none)."""
+        return ", ".join(
+            f"{name}={value!r}"
             for name, value in self.given.items()
-            if name not in leave_out and (defaults is None or defaults.get(name) != value)
-        }
+            if name not in leave_out and (self.defaults is None or self.defaults.get(name) != value)
+        )
 
-    def config(self, defaults: dict) -> argparse.Namespace:
-        """The SFTConfig's fields as the run has them: `defaults` (SFTConfig's), overridden by the given ones."""
-        fields = {**defaults, **self.given}
+    def config(self) -> argparse.Namespace:
+        """The SFTConfig's fields as the run has them: SFTConfig's defaults, overridden by the given ones."""
+        fields = {**self.defaults, **self.given}
         if fields.get("packing_strategy") == "bfd-requeue":  # as SFTConfig.__post_init__ renames it
             fields["packing_strategy"] = "bfd_split"
         return argparse.Namespace(**fields)
-
-
-def named(fields: dict) -> str:
-    """`fields` as the lines that name them: "max_length=128, packing=True"."""
-    return ", ".join(f"{name}={value!r}" for name, value in fields.items())
 
 
 def sft_defaults() -> dict | None:
@@ -86,7 +84,7 @@ def sft_defaults() -> dict | None:
 def read_sft_args(options: argparse.Namespace) -> SFTArgs:
     """The SFT fields of the script's arguments (first) and of the saved TrainingArguments/SFTConfig of --args, as
     `training_args.apply_training_args` read them into `options`."""
-    result = SFTArgs(unknown_options=unknown_options(options.script_args))
+    result = SFTArgs(unknown_options=unknown_options(options.script_args), defaults=sft_defaults())
     sources = [("the script arguments after -- give", options.script_fields)]
     if (saved := options.saved_args) is not None:
         result.is_sft = "max_length" in saved and "packing" in saved  # an SFTConfig, not a TrainingArguments

@@ -72,11 +72,6 @@ def cached_start(setup: dict, seq_len: int) -> CachedStart:
     )
 
 
-def setup_key(setup: dict) -> str:
-    text = json.dumps({k: v for k, v in setup.items() if k != "seq_len"}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
 def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "adaptive-batch" / "probe")
 
@@ -134,22 +129,30 @@ def describe_setup(model: torch.nn.Module, optim: str, gradient_checkpointing: b
 
 
 def _cache_file(setup: dict) -> Path:
-    return cache_dir() / f"{setup_key(setup)}.json"
+    """The file of `setup`'s entries: named by a hash of the setup as JSON, whatever the sequence length."""
+    text = json.dumps(_without_seq_len(setup), sort_keys=True, default=str)
+    return cache_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:20]}.json"
+
+
+def _without_seq_len(setup: dict) -> dict:
+    return {k: v for k, v in setup.items() if k != "seq_len"}
 
 
 def _no_entry_message(setup: dict) -> str | None:
     """What differs from the nearest cached setup of the same model; `None` where none is of this model."""
     # the cache holds the setup as JSON: compare this one as JSON too, or a tuple would differ from its list
-    now = json.loads(json.dumps({k: v for k, v in setup.items() if k != "seq_len"}, default=str))
+    now = json.loads(json.dumps(_without_seq_len(setup), default=str))
     cached = [other for other in _cached_setups() if other.get("model") == now.get("model")]
     if not cached:
         return None
-    nearest = min(
-        cached, key=lambda other: (_top_level_differences(other, now), len(_differences(other, now)))
+    # the nearest: the fewest top-level keys that differ, then the fewest leaves
+    differences = min(
+        (_differences(other, now) for other in cached),
+        key=lambda found: (len({keys[0] for keys, _, _ in found}), len(found)),
     )
-    differences = _differences(nearest, now)
     named = "; ".join(
-        f"{key} ({old} in the cache, {new} now)" for key, old, new in differences[:MAX_NAMED_DIFFERENCES]
+        f"{'.'.join(keys)} ({old} in the cache, {new} now)"
+        for keys, old, new in differences[:MAX_NAMED_DIFFERENCES]
     )
     more = len(differences) - MAX_NAMED_DIFFERENCES
     named += f"; and {more} more" if more > 0 else ""
@@ -171,16 +174,12 @@ def _cached_setups() -> list[dict]:
             continue
         setup = next((e.get("setup") for e in entries.values() if isinstance(e, dict)), None)
         if isinstance(setup, dict):
-            setups.append({k: v for k, v in setup.items() if k != "seq_len"})
+            setups.append(_without_seq_len(setup))
     return setups
 
 
-def _top_level_differences(cached: dict, now: dict) -> int:
-    return sum(cached.get(key, _ABSENT) != now.get(key, _ABSENT) for key in cached.keys() | now.keys())
-
-
-def _differences(cached, now, keys: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
-    """`(dotted key, cached value, value now)` of every leaf that differs."""
+def _differences(cached, now, keys: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str, str]]:
+    """`(keys, cached value, value now)` of every leaf that differs, `keys` the path to it."""
     if isinstance(cached, dict) and isinstance(now, dict):
         found = []
         for key in sorted(cached.keys() | now.keys()):
@@ -188,7 +187,7 @@ def _differences(cached, now, keys: tuple[str, ...] = ()) -> list[tuple[str, str
         return found
     if cached == now:
         return []
-    return [(".".join(keys), _show(cached), _show(now))]
+    return [(keys, _show(cached), _show(now))]
 
 
 class _Absent:
