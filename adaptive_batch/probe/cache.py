@@ -27,9 +27,9 @@ class CachedStart:
     """The recommended `size` probed at `seq_len` (`None`: no entry), a line for the log, and the largest micro-batch
     and eval batch found to fit where a larger one failed."""
 
-    size: int | None
-    seq_len: int | None
-    message: str | None
+    size: int | None = None
+    seq_len: int | None = None
+    message: str | None = None
     boundary: int | None = None
     eval_boundary: int | None = None
 
@@ -41,20 +41,16 @@ def cached_start(setup: dict, seq_len: int) -> CachedStart:
         entries = json.loads(path.read_text()) if path.exists() else {}
     except ValueError as error:
         return CachedStart(
-            None,
-            None,
-            f"adaptive-batch probe's cache file {path} could not be read ({error}); delete it and re-run "
+            message=f"adaptive-batch probe's cache file {path} could not be read ({error}); delete it and re-run "
             "`adaptive-batch probe` for this setup.",
         )
     lengths = sorted(int(length) for length in entries)
     if not lengths:
-        return CachedStart(None, None, _no_entry_message(setup))
+        return CachedStart(message=_no_entry_message(setup))
     covering = [length for length in lengths if length >= seq_len]
     if not covering:
         return CachedStart(
-            None,
-            None,
-            f"adaptive-batch probe's cache holds this setup up to {lengths[-1]:,} tokens, and this run needs "
+            message=f"adaptive-batch probe's cache holds this setup up to {lengths[-1]:,} tokens, and this run needs "
             f"{seq_len:,}: re-run `adaptive-batch probe` with --seq-len {seq_len}.",
         )
     entry = entries[str(covering[0])]
