@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..runtime import lengths
 from ..runtime.compat.trl import sft_prepare_dataset
-from .sft_args import SFTArgs, named, sft_defaults
+from .sft_args import SFTArgs
 
 
 @dataclasses.dataclass
@@ -39,13 +39,12 @@ def dataset_facts(path: Path, tokenizer_dir: Path | None, sft: SFTArgs) -> Datas
         if hasattr(rows, "column_names")
         else all(isinstance(row, dict) and isinstance(row.get("input_ids"), list) for row in rows)
     )
-    defaults = sft_defaults()
-    given = sft.changed(defaults)
+    given = sft.changed()
     if tokenized and not sft.is_sft:
         return DatasetFacts(len(rows), lengths.total_tokens(rows))
     facts = DatasetFacts(len(rows), None)
     # no TRL: counted as the rows are (text through the tokenizer, chat through its template)
-    if defaults is None:
+    if sft.defaults is None:
         if tokenized:
             facts.tokens = lengths.total_tokens(rows)
         elif tokenizer_dir is not None:
@@ -54,19 +53,19 @@ def dataset_facts(path: Path, tokenizer_dir: Path | None, sft: SFTArgs) -> Datas
                 "TRL is not installed: tokens counted without SFTTrainer's preparation (its EOS, truncation, packing)"
             )
         if given:
-            facts.not_used.append(f"{named(given)}: TRL is not installed to prepare the dataset with them")
+            facts.not_used.append(f"{given}: TRL is not installed to prepare the dataset with them")
         return facts
     if not tokenized and tokenizer_dir is None:
         if given:
             facts.not_used.append(
-                f"{named(given)}: the rows are not tokenised without --tokenizer, so their rows and tokens are the "
+                f"{given}: the rows are not tokenised without --tokenizer, so their rows and tokens are the "
                 "file's, not SFTTrainer's; pass --tokenizer to prepare them as SFTTrainer does"
             )
         return facts
-    return _sft_facts(facts, rows, tokenized, path, tokenizer_dir, sft, defaults)
+    return _sft_facts(facts, rows, tokenized, path, tokenizer_dir, sft)
 
 
-def _sft_facts(facts, rows, tokenized: bool, path: Path, tokenizer_dir, sft: SFTArgs, defaults: dict):
+def _sft_facts(facts, rows, tokenized: bool, path: Path, tokenizer_dir, sft: SFTArgs):
     """Rows and tokens as the installed TRL's SFTTrainer prepares `rows`: its `_prepare_dataset` is run twice, first
     to tokenise (no truncation, packing or shuffle), then on the tokenised rows with the run's truncation, packing
     and shuffle, as it goes on from its tokenised rows in one call; the first tells the tokens before truncation."""
@@ -74,7 +73,7 @@ def _sft_facts(facts, rows, tokenized: bool, path: Path, tokenizer_dir, sft: SFT
     import trl
     from trl.data_utils import is_conversational
 
-    args = sft.config(defaults)
+    args = sft.config()
     template = args.chat_template_path
     if template is not None and not str(template).endswith((".jinja", ".j2")):
         facts.not_used.append(
@@ -103,7 +102,8 @@ def _sft_facts(facts, rows, tokenized: bool, path: Path, tokenizer_dir, sft: SFT
             "rows with images: SFTTrainer prepares them while training, so their tokens are not known"
         )
         return facts
-    tokenizer = _tokenizer(first, tokenizer_dir, args, path)
+    tokenizer = None if tokenizer_dir is None else _tokenizer(tokenizer_dir, args)  # None: rows tokenised
+    _check_first_row(first, tokenizer, args, path)
     padding_free = args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})
     if padding_free and not args.packing and args.max_length is not None:
         raise ValueError(
@@ -182,18 +182,10 @@ def _how(args, sft: SFTArgs, before: list[int], after: list[int], version: str) 
     return text
 
 
-def _tokenizer(first: dict, tokenizer_dir: Path | None, args, path: Path):
-    """The --tokenizer as SFTTrainer sets it up (its eos_token, a .jinja chat_template_path), or `None`; refuses,
-    naming what is missing, a dataset whose first row (the one SFTTrainer looks at) it cannot prepare."""
+def _tokenizer(tokenizer_dir: Path, args):
+    """The --tokenizer as SFTTrainer sets it up: its eos_token, a .jinja chat_template_path."""
     from transformers import AutoTokenizer
-    from trl.data_utils import is_conversational, is_conversational_from_value
 
-    if tokenizer_dir is None:
-        if "input_ids" not in first:
-            raise ValueError(
-                f"--dataset {path} is not tokenised ('input_ids'): pass --tokenizer to count its tokens."
-            )
-        return None
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if args.eos_token is not None:
         if args.eos_token not in tokenizer.get_vocab():
@@ -204,8 +196,15 @@ def _tokenizer(first: dict, tokenizer_dir: Path | None, args, path: Path):
     template = args.chat_template_path
     if template is not None and str(template).endswith((".jinja", ".j2")) and Path(template).is_file():
         tokenizer.chat_template = Path(template).read_text(encoding="utf-8")
+    return tokenizer
+
+
+def _check_first_row(first: dict, tokenizer, args, path: Path) -> None:
+    """Refuse, naming what is missing, a dataset whose first row (the one SFTTrainer looks at) it cannot prepare."""
+    from trl.data_utils import is_conversational, is_conversational_from_value
+
     if "input_ids" in first:
-        return tokenizer
+        return
     if is_conversational(first) or is_conversational_from_value(first):
         _check_chat_template(tokenizer, path, 0)
     elif args.dataset_text_field not in first and not ("prompt" in first and "completion" in first):
@@ -214,7 +213,6 @@ def _tokenizer(first: dict, tokenizer_dir: Path | None, args, path: Path):
             "'messages' nor 'prompt' and 'completion', so SFTTrainer has nothing to tokenise (a formatting_func "
             "of the script's is not seen by plan); pass a dataset of those, or leave --tokenizer out (tokens unknown)."
         )
-    return tokenizer
 
 
 def _row_lengths(dataset) -> list[int]:

@@ -197,14 +197,8 @@ def draw(series: RunSeries):
     lr_axes.set_ylabel("learning rate")
     loss_axes.plot(x, _numbers(series.loss), color="C1", label="training loss")
     if series.eval_loss:
-        loss_axes.plot(
-            series.eval_samples_seen,
-            series.eval_loss,
-            color="C4",
-            marker="o",
-            linestyle="",
-            label="eval loss",
-        )
+        # "o": a marker at each evaluation, no line between them
+        loss_axes.plot(series.eval_samples_seen, series.eval_loss, "o", color="C4", label="eval loss")
     loss_axes.set_ylabel("loss")
     loss_axes.set_xlabel("samples seen")
     loss_axes.legend(loc="upper right")

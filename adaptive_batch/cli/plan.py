@@ -14,7 +14,7 @@ from ..core.schedule import PhaseSchedule, as_schedule, describe
 from ..core.traps import explicit_epochs, run_traps
 from .arguments import integer, positive_int, positive_number, setting_help
 from .dataset_facts import DatasetFacts, dataset_facts
-from .sft_args import named, read_sft_args, sft_defaults
+from .sft_args import read_sft_args
 from .training_args import apply_training_args
 
 HELP = "print the steps, samples, tokens and LR of a run before it starts"
@@ -106,17 +106,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(options: argparse.Namespace) -> dict:
     """Plan the run as the Trainer will and return the plan as plain data ([`show`] prints it)."""
     apply_training_args(options)
-    sft = read_sft_args(
-        getattr(options, "script_args", None) or [], options.saved_args, f"--args {options.args} gives"
-    )
+    sft = read_sft_args(options)
     if options.dataset is not None:
         facts = dataset_facts(options.dataset, options.tokenizer, sft)
     else:
         facts = DatasetFacts(options.dataset_size, None)
         # the SFT fields that change the rows or tokens, which plan counts only from a --dataset file
-        if given := sft.changed(sft_defaults(), leave_out=("seed", "dataset_num_proc")):
+        if given := sft.changed(leave_out=("seed", "dataset_num_proc")):
             facts.not_used.append(
-                f"{named(given)}: they change the rows or tokens SFTTrainer trains on, which plan counts only from "
+                f"{given}: they change the rows or tokens SFTTrainer trains on, which plan counts only from "
                 "--dataset (with --tokenizer); --dataset-size is taken as the rows trained on"
             )
     if unknown := sft.unknown_options:

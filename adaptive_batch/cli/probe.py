@@ -113,19 +113,18 @@ def run(options: argparse.Namespace) -> dict:
 
 def show(result: dict) -> None:
     """The trials as a table, then the boundary, the recommendation and the split of an effective batch."""
-    lines = [f"{'size':>6} {'fits':>5} {'peak GiB':>9} {'allocated':>9} {'tokens/s':>10}"]
+    print(f"{'size':>6} {'fits':>5} {'peak GiB':>9} {'allocated':>9} {'tokens/s':>10}")
     for trial in result["trials"]:
         fits = "OOM" if trial["out_of_memory"] else "yes" if trial["fits"] else "over"
         speed = f"{trial['tokens_per_second']:,.0f}" if trial["tokens_per_second"] else "-"
         speed = "~" + speed if trial.get("forward_only") else speed
         more = ">" if trial["stopped"] else ""  # stopped at the limit: the peak it reached by then
-        lines.append(
+        print(
             f"{trial['size']:>6} {fits:>5} {more + format_gib(trial['peak_bytes']):>9} "
             f"{more + format_gib(trial['peak_allocated_bytes']):>9} {speed:>10}"
         )
     if any(trial.get("forward_only") for trial in result["trials"]):
-        lines.append("~ its forward pass timed, scaled to a whole step by the boundary's step/forward ratio")
-    print("\n".join(lines))
+        print("~ its forward pass timed, scaled to a whole step by the boundary's step/forward ratio")
     # without a trial that failed, the search stopped at --max-size: the boundary is at least that
     at_least = "at least " if result["first_failing"] is None else ""
     print(

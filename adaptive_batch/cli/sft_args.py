@@ -8,8 +8,6 @@ import contextlib
 import dataclasses
 import json
 
-from .training_args import BOOLEANS, script_fields
-
 # the fields of SFTConfig (and the one of TrainingArguments) that change the train set's rows or tokens, each with
 # the rule its value must follow; the plan prepares the dataset as SFTTrainer does with them
 FIELDS = {
@@ -35,12 +33,15 @@ CHOICES = {
 }
 # fields read elsewhere, or that change no train row or token: the plan does not need them
 EVAL_ONLY = {"eval_packing"}
+# a bool's texts as HfArgumentParser's string_to_bool takes them
+BOOLEANS = dict(zip("true t yes y 1 false f no n 0".split(), [True] * 5 + [False] * 5))
 
 
 @dataclasses.dataclass
 class SFTArgs:
     """The SFT fields given (by the script's arguments, else by --args), whether the run is an SFTTrainer run by its
-    arguments (an SFT field given, or --args an SFTConfig), and the options after -- that are no field at all."""
+    arguments (an SFT field given, or --args an SFTConfig), the options after -- that are no field at all, and the
+    installed SFTConfig's defaults ([`sft_defaults`]; `None` without TRL)."""
 
     given: dict = dataclasses.field(default_factory=dict)
     is_sft: bool = False
@@ -48,26 +49,23 @@ class SFTArgs:
     # where --args holds eos_token as the '<EOS_TOKEN>' to_dict writes for any value
     hidden_eos_token: str = ""
     eval_only: dict = dataclasses.field(default_factory=dict)
+    defaults: dict | None = None
 
-    def changed(self, defaults: dict | None, leave_out: tuple[str, ...] = ("seed",)) -> dict:
-        """The given fields but `leave_out` whose value is not SFTConfig's `defaults` (all of them without TRL)."""
-        return {
-            name: value
+    def changed(self, leave_out: tuple[str, ...] = ("seed",)) -> str:
+        """The given fields but `leave_out` whose value is not SFTConfig's default (all of them without TRL), as the
+        lines name them: "max_length=128, packing=True" ('' where none)."""
+        return ", ".join(
+            f"{name}={value!r}"
             for name, value in self.given.items()
-            if name not in leave_out and (defaults is None or defaults.get(name) != value)
-        }
+            if name not in leave_out and (self.defaults is None or self.defaults.get(name) != value)
+        )
 
-    def config(self, defaults: dict) -> argparse.Namespace:
-        """The SFTConfig's fields as the run has them: `defaults` (SFTConfig's), overridden by the given ones."""
-        fields = {**defaults, **self.given}
+    def config(self) -> argparse.Namespace:
+        """The SFTConfig's fields as the run has them: SFTConfig's defaults, overridden by the given ones."""
+        fields = {**self.defaults, **self.given}
         if fields.get("packing_strategy") == "bfd-requeue":  # as SFTConfig.__post_init__ renames it
             fields["packing_strategy"] = "bfd_split"
         return argparse.Namespace(**fields)
-
-
-def named(fields: dict) -> str:
-    """`fields` as the lines that name them: "max_length=128, packing=True"."""
-    return ", ".join(f"{name}={value!r}" for name, value in fields.items())
 
 
 def sft_defaults() -> dict | None:
@@ -83,19 +81,18 @@ def sft_defaults() -> dict | None:
     return defaults
 
 
-def read_sft_args(script_args: list[str], saved: dict | None, saved_where: str) -> SFTArgs:
-    """The SFT fields of the script's arguments (first) and of a saved TrainingArguments/SFTConfig `saved`."""
-    result = SFTArgs()
-    sources = []
-    if script_args:
-        result.unknown_options = unknown_options(script_args)
-        texts = script_fields(script_args, (*FIELDS, *EVAL_ONLY), switches=BOOLEAN_FIELDS | EVAL_ONLY)
-        sources.append(("the script arguments after -- give", texts))
-    if saved is not None:
+def read_sft_args(options: argparse.Namespace) -> SFTArgs:
+    """The SFT fields of the script's arguments (first) and of the saved TrainingArguments/SFTConfig of --args, as
+    `training_args.apply_training_args` read them into `options`."""
+    result = SFTArgs(unknown_options=unknown_options(options.script_args), defaults=sft_defaults())
+    sources = [("the script arguments after -- give", options.script_fields)]
+    if (saved := options.saved_args) is not None:
         result.is_sft = "max_length" in saved and "packing" in saved  # an SFTConfig, not a TrainingArguments
-        sources.append((saved_where, {k: v for k, v in saved.items() if k in FIELDS or k in EVAL_ONLY}))
+        sources.append((f"--args {options.args} gives", saved))
     for where, fields in sources:
         for name, value in fields.items():
+            if name not in FIELDS and name not in EVAL_ONLY:
+                continue
             if name in EVAL_ONLY:
                 result.eval_only.setdefault(name, value)
                 continue

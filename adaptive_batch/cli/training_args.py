@@ -9,6 +9,9 @@ import json
 import math
 from pathlib import Path
 
+from . import sft_args
+from .sft_args import BOOLEANS
+
 # the plan's flags, the TrainingArguments field each reads from --args, its default without either, an example and
 # the rule its value follows
 FIELDS = (
@@ -18,21 +21,17 @@ FIELDS = (
     ("max_steps", "max_steps", -1, 500, "an int (-1: not set)"),
     ("drop_last", "dataloader_drop_last", False, "false", "true or false"),
 )
-# a bool's texts as HfArgumentParser's string_to_bool takes them
-BOOLEANS = dict(zip("true t yes y 1 false f no n 0".split(), [True] * 5 + [False] * 5))
 
 
 def apply_training_args(options: argparse.Namespace) -> None:
     """Fill the plan's settings left unset by its flags from the script's arguments (after --), then from --args,
-    then from the defaults, each checked before any compute. Sets `options.saved_args` (the fields of --args, or
-    `None`) and `options.given` (each flag not defaulted: where its value came from, "flag", "script" or "args")."""
-    sources = []
-    script_args = getattr(options, "script_args", None) or []
-    if script_args:
-        # as HfArgumentParser takes them; a value that is not a number (or a bool) kept as given, to be refused below
-        texts = script_fields(script_args, [row[1] for row in FIELDS], switches={"dataloader_drop_last"})
-        values = {field: _script_value(field, text) for field, text in texts.items()}
-        sources.append(("script", "the script arguments after -- give", values))
+    then from the defaults, each checked before any compute. Sets `options.script_fields` ([`script_fields`]),
+    `options.saved_args` (the fields of --args, or `None`) and `options.given` (each flag not defaulted: where its
+    value came from, "flag", "script" or "args")."""
+    options.script_fields = script_fields(options.script_args)
+    # as HfArgumentParser takes them; a value that is not a number (or a bool) kept as given, to be refused below
+    script = {field: _script_value(field, text) for field, text in options.script_fields.items()}
+    sources = [("script", "the script arguments after -- give", script)]
     options.saved_args = None
     if options.args is not None:
         options.saved_args = read_training_args(options.args)
@@ -100,11 +99,13 @@ def read_training_args(path: Path) -> dict:
     return fields
 
 
-def script_fields(argv: list[str], fields, switches) -> dict[str, str]:
-    """The text of each of `fields` among a script's arguments (HfArgumentParser style: `--a_b`, `--a-b=1`); one of
-    `switches` given bare reads 'true'. Every other argument is ignored."""
+def script_fields(argv: list[str]) -> dict[str, str]:
+    """The text of each field plan reads (the TrainingArguments ones of [`FIELDS`], the SFTConfig ones of
+    `sft_args`) among a script's arguments, HfArgumentParser style (`--a_b`, `--a-b=1`); a bool field given bare
+    reads 'true'. Every other argument is ignored."""
     parser = _ScriptParser(add_help=False, allow_abbrev=False)
-    for field in fields:
+    switches = {"dataloader_drop_last", *sft_args.BOOLEAN_FIELDS, *sft_args.EVAL_ONLY}
+    for field in (*(row[1] for row in FIELDS), *sft_args.FIELDS, *sft_args.EVAL_ONLY):
         switch = {"nargs": "?", "const": "true"} if field in switches else {}
         parser.add_argument(f"--{field}", f"--{field.replace('_', '-')}", dest=field, **switch)
     known, _ = parser.parse_known_args(argv)

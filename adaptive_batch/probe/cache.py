@@ -27,9 +27,9 @@ class CachedStart:
     """The recommended `size` probed at `seq_len` (`None`: no entry), a line for the log, and the largest micro-batch
     and eval batch found to fit where a larger one failed."""
 
-    size: int | None
-    seq_len: int | None
-    message: str | None
+    size: int | None = None
+    seq_len: int | None = None
+    message: str | None = None
     boundary: int | None = None
     eval_boundary: int | None = None
 
@@ -41,20 +41,16 @@ def cached_start(setup: dict, seq_len: int) -> CachedStart:
         entries = json.loads(path.read_text()) if path.exists() else {}
     except ValueError as error:
         return CachedStart(
-            None,
-            None,
-            f"adaptive-batch probe's cache file {path} could not be read ({error}); delete it and re-run "
+            message=f"adaptive-batch probe's cache file {path} could not be read ({error}); delete it and re-run "
             "`adaptive-batch probe` for this setup.",
         )
     lengths = sorted(int(length) for length in entries)
     if not lengths:
-        return CachedStart(None, None, _no_entry_message(setup))
+        return CachedStart(message=_no_entry_message(setup))
     covering = [length for length in lengths if length >= seq_len]
     if not covering:
         return CachedStart(
-            None,
-            None,
-            f"adaptive-batch probe's cache holds this setup up to {lengths[-1]:,} tokens, and this run needs "
+            message=f"adaptive-batch probe's cache holds this setup up to {lengths[-1]:,} tokens, and this run needs "
             f"{seq_len:,}: re-run `adaptive-batch probe` with --seq-len {seq_len}.",
         )
     entry = entries[str(covering[0])]
@@ -70,11 +66,6 @@ def cached_start(setup: dict, seq_len: int) -> CachedStart:
         if eval_failed is not None and entry.get("eval_boundary")
         else None,
     )
-
-
-def setup_key(setup: dict) -> str:
-    text = json.dumps({k: v for k, v in setup.items() if k != "seq_len"}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def cache_dir() -> Path:
@@ -134,22 +125,30 @@ def describe_setup(model: torch.nn.Module, optim: str, gradient_checkpointing: b
 
 
 def _cache_file(setup: dict) -> Path:
-    return cache_dir() / f"{setup_key(setup)}.json"
+    """The file of `setup`'s entries: named by a hash of the setup as JSON, whatever the sequence length."""
+    text = json.dumps(_without_seq_len(setup), sort_keys=True, default=str)
+    return cache_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:20]}.json"
+
+
+def _without_seq_len(setup: dict) -> dict:
+    return {k: v for k, v in setup.items() if k != "seq_len"}
 
 
 def _no_entry_message(setup: dict) -> str | None:
     """What differs from the nearest cached setup of the same model; `None` where none is of this model."""
     # the cache holds the setup as JSON: compare this one as JSON too, or a tuple would differ from its list
-    now = json.loads(json.dumps({k: v for k, v in setup.items() if k != "seq_len"}, default=str))
+    now = json.loads(json.dumps(_without_seq_len(setup), default=str))
     cached = [other for other in _cached_setups() if other.get("model") == now.get("model")]
     if not cached:
         return None
-    nearest = min(
-        cached, key=lambda other: (_top_level_differences(other, now), len(_differences(other, now)))
+    # the nearest: the fewest top-level keys that differ, then the fewest leaves
+    differences = min(
+        (_differences(other, now) for other in cached),
+        key=lambda found: (len({keys[0] for keys, _, _ in found}), len(found)),
     )
-    differences = _differences(nearest, now)
     named = "; ".join(
-        f"{key} ({old} in the cache, {new} now)" for key, old, new in differences[:MAX_NAMED_DIFFERENCES]
+        f"{'.'.join(keys)} ({old} in the cache, {new} now)"
+        for keys, old, new in differences[:MAX_NAMED_DIFFERENCES]
     )
     more = len(differences) - MAX_NAMED_DIFFERENCES
     named += f"; and {more} more" if more > 0 else ""
@@ -171,16 +170,12 @@ def _cached_setups() -> list[dict]:
             continue
         setup = next((e.get("setup") for e in entries.values() if isinstance(e, dict)), None)
         if isinstance(setup, dict):
-            setups.append({k: v for k, v in setup.items() if k != "seq_len"})
+            setups.append(_without_seq_len(setup))
     return setups
 
 
-def _top_level_differences(cached: dict, now: dict) -> int:
-    return sum(cached.get(key, _ABSENT) != now.get(key, _ABSENT) for key in cached.keys() | now.keys())
-
-
-def _differences(cached, now, keys: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
-    """`(dotted key, cached value, value now)` of every leaf that differs."""
+def _differences(cached, now, keys: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str, str]]:
+    """`(keys, cached value, value now)` of every leaf that differs, `keys` the path to it."""
     if isinstance(cached, dict) and isinstance(now, dict):
         found = []
         for key in sorted(cached.keys() | now.keys()):
@@ -188,7 +183,7 @@ def _differences(cached, now, keys: tuple[str, ...] = ()) -> list[tuple[str, str
         return found
     if cached == now:
         return []
-    return [(".".join(keys), _show(cached), _show(now))]
+    return [(keys, _show(cached), _show(now))]
 
 
 class _Absent:

@@ -44,13 +44,13 @@ def load_model(
             bnb_4bit_compute_dtype=dtype,
         )
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if not load_in_4bit:
-        model.to(device)
     model.config.use_cache = False
     if load_in_4bit:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    else:
+        model.to(device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_r:
