@@ -90,20 +90,18 @@ class Tape:
             self._append(stream, step, ["time", *values])
         return values
 
-    def to_json(self) -> dict:
-        return {
+    def write(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        record = {
             "format": FORMAT,
             "run": self.run,
             "replayed": self.path,
             "replay_ended": self.ended,
             "streams": self.streams,
         }
-
-    def write(self, path: str) -> None:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         temporary = path + ".tmp"
         with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(self.to_json(), handle, separators=(",", ":"))
+            json.dump(record, handle, separators=(",", ":"))
         os.replace(temporary, path)
 
     def _next(self, stream: str, step: int) -> list | None:
