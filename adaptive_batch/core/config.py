@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import math
 import numbers
 import os
 import textwrap
@@ -15,7 +14,7 @@ from typing import Any
 from .goodput import NoiseScaleSchedule
 from .lr import LRRule, gain_power, resolve_rule
 from .noise import PRECONDITIONERS
-from .schedule import Schedule, as_schedule, describe
+from .schedule import Schedule, as_schedule, describe, finite_number
 
 
 def setting(default, help: str, micro_batch: bool = False, meaning: str | None = None):
@@ -194,22 +193,10 @@ class AdaptiveBatchConfig:
             raise ValueError(f"growth_margin={self.growth_margin!r} must be in [0, 1), e.g. 0.02 for 2%.")
         if not isinstance(self.memory_headroom, numbers.Real) or not 0 <= self.memory_headroom < 1:
             raise ValueError(f"memory_headroom={self.memory_headroom!r} must be in [0, 1), e.g. 0.1 for 10%.")
-        self._check_noise()
-        if self.replay is not None and not (isinstance(self.replay, (str, os.PathLike)) and str(self.replay)):
-            raise ValueError(
-                f"replay={self.replay!r} must be the path of a run's adaptive_batch_measurements.json (or the folder "
-                "holding it), or None, e.g. replay='out/adaptive_batch_measurements.json'."
-            )
-        if self.replay is not None:
-            self.replay = os.fspath(self.replay)
-
-    def _check_noise(self) -> None:
         if not isinstance(self.measure_noise, bool):
             raise ValueError(f"measure_noise={self.measure_noise!r} must be True or False.")
         tau = self.noise_time_constant_samples
-        if not (
-            isinstance(tau, numbers.Real) and not isinstance(tau, bool) and 0 < tau and math.isfinite(tau)
-        ):
+        if not (finite_number(tau) and tau > 0):
             raise ValueError(
                 f"noise_time_constant_samples={tau!r} must be a positive, finite number of samples (the noise "
                 "scale's averages forget with exp(-samples / it)), e.g. 4096, or about 50 steps' samples."
@@ -219,6 +206,13 @@ class AdaptiveBatchConfig:
                 f"noise_preconditioner={self.noise_preconditioner!r} must be one of 'none' (raw gradients) or "
                 "'adam' (gradients divided by Adam's second moments), e.g. noise_preconditioner='adam'."
             )
+        if self.replay is not None and not (isinstance(self.replay, (str, os.PathLike)) and str(self.replay)):
+            raise ValueError(
+                f"replay={self.replay!r} must be the path of a run's adaptive_batch_measurements.json (or the folder "
+                "holding it), or None, e.g. replay='out/adaptive_batch_measurements.json'."
+            )
+        if self.replay is not None:
+            self.replay = os.fspath(self.replay)
 
     @property
     def auto(self) -> bool:
@@ -253,11 +247,9 @@ def settings_doc(indent: int = 8) -> str:
     return "\n".join(lines)
 
 
-def settings_signature(self_parameter: bool = True) -> inspect.Signature:
+def settings_signature() -> inspect.Signature:
     """The signature `AdaptiveBatch(schedule=None, micro_batch_size='auto', ...)`, from the fields."""
-    parameters = (
-        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] if self_parameter else []
-    )
+    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     for index, f in enumerate(fields(AdaptiveBatchConfig)):
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if index == 0 else inspect.Parameter.KEYWORD_ONLY
         parameters.append(inspect.Parameter(f.name, kind, default=f.default))

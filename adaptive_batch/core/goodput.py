@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from statistics import linear_regression, median
 
 from .fit import plane
-from .schedule import Progress, check_effective_batch_size, finite_number
+from .schedule import Progress, finite_number
 
 RECENT = 16  # step times kept per (rows, micro-batches): the median discards steps that also logged or saved
 
@@ -307,8 +307,4 @@ def _check_real(value, name: str, ok, rule: str) -> None:
 
 
 def _positive_int(value) -> bool:
-    try:
-        check_effective_batch_size(value, where="")
-    except ValueError:
-        return False
-    return True
+    return finite_number(value) and float(value).is_integer() and value >= 1  # (32.0 is 32)

@@ -179,6 +179,12 @@ class MicroBatchSearch:
         self.oom_sizes = [int(size) for size in state["oom_sizes"]]
 
 
+def least(*values: int | None) -> int | None:
+    """The smallest of the values given (not `None`), or `None` where none is: the tightest of optional caps."""
+    given = [value for value in values if value is not None]
+    return min(given) if given else None
+
+
 def out_of_memory_text(fatal: bool, retry: str) -> str:
     if fatal:
         return (

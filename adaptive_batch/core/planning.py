@@ -137,7 +137,7 @@ def _budget(settings: RunSettings, starting: int, plain: PlainBatching | None) -
             "shrinking one in more; num_train_epochs is ignored, as in the Trainer)"
         )
     else:
-        Budget.from_epochs(settings.num_train_epochs, plain.dataset_size)  # (refuses a budget of no epochs)
+        # (refuses a budget of no epochs)
+        origin = Budget.from_epochs(settings.num_train_epochs, plain.dataset_size).origin
         steps = plain.total_steps(settings.num_train_epochs)
-        origin = f"num_train_epochs={settings.num_train_epochs:g} x {plain.dataset_size:,} samples"
     return Budget(plain.position_after(steps), origin), steps

@@ -48,24 +48,19 @@ class Tape:
         replaying, else `live`. Recorded either way."""
         values = live
         if self.replaying:
-            recorded = self._next(stream, step)
-            if recorded is None or recorded[0] != tag:
+            recorded, matched = self._take(stream, step, tag)
+            if matched:
+                values = list(recorded[1:])
+            else:
                 held = "nothing more" if recorded is None else f"{recorded[0]!r}"
                 self._end(f"at step {step} this run measured {tag!r} where the record holds {held}")
-            else:
-                values = list(recorded[1:])
-                self._advance(stream, step)
         self._append(stream, step, [tag, *values])
         return values
 
     def recorded_failure(self, stream: str, step: int, tag: str) -> bool:
         """Whether the recorded run ran out of memory here: the replay then fails this micro-batch (or piece) unrun."""
-        if not self.replaying:
+        if not self.replaying or not self._take(stream, step, tag)[1]:
             return False
-        recorded = self._next(stream, step)
-        if recorded is None or recorded[0] != tag:
-            return False
-        self._advance(stream, step)
         self._append(stream, step, [tag])
         return True
 
@@ -90,30 +85,29 @@ class Tape:
             self._append(stream, step, ["time", *values])
         return values
 
-    def to_json(self) -> dict:
-        return {
+    def write(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        record = {
             "format": FORMAT,
             "run": self.run,
             "replayed": self.path,
             "replay_ended": self.ended,
             "streams": self.streams,
         }
-
-    def write(self, path: str) -> None:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         temporary = path + ".tmp"
         with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(self.to_json(), handle, separators=(",", ":"))
+            json.dump(record, handle, separators=(",", ":"))
         os.replace(temporary, path)
 
-    def _next(self, stream: str, step: int) -> list | None:
-        entries = self.source.get(stream, {}).get(str(step), [])
-        index = self._read.get((stream, str(step)), 0)
-        return entries[index] if index < len(entries) else None
-
-    def _advance(self, stream: str, step: int) -> None:
+    def _take(self, stream: str, step: int, tag: str) -> tuple[list | None, bool]:
+        """The source's next entry here (`None`: none left), and whether it is a `tag` one, then read."""
         key = (stream, str(step))
-        self._read[key] = self._read.get(key, 0) + 1
+        entries, index = self.source.get(stream, {}).get(key[1], []), self._read.get(key, 0)
+        recorded = entries[index] if index < len(entries) else None
+        matched = recorded is not None and recorded[0] == tag
+        if matched:
+            self._read[key] = index + 1
+        return recorded, matched
 
     def _append(self, stream: str, step: int, entry: list) -> None:
         self.streams.setdefault(stream, {}).setdefault(str(step), []).append(entry)

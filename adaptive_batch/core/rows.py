@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from .microbatch import MicroBatch, MicroBatchSearch, StepMemory, out_of_memory_text
+from .microbatch import MicroBatch, MicroBatchSearch, StepMemory, least, out_of_memory_text
 
 
 def even_chunk(remaining: int, size: int) -> int:
@@ -17,13 +17,14 @@ def even_chunk(remaining: int, size: int) -> int:
 
 
 DECISIVE = 5  # a gain of this many margins needs no second measurement
+REPEATS = 2  # micro-batches timed per trial, the best counting
 FIXED = "fixed by micro_batch_size"
 
 
 class RowController(MicroBatchSearch):
-    """Chooses the rows of every micro-batch (a [`microbatch.CutController`] whose unit is rows). `repeats`:
-    micro-batches timed per trial, the best counting; `row_tokens`: a packed row's tokens (TRL's `packing=True`),
-    a micro-batch of `size` rows then being a run of whole sequences of at most `size x row_tokens` tokens."""
+    """Chooses the rows of every micro-batch (a [`microbatch.CutController`] whose unit is rows). `row_tokens`: a
+    packed row's tokens (TRL's `packing=True`), a micro-batch of `size` rows then being a run of whole sequences of at
+    most `size x row_tokens` tokens."""
 
     kind = "rows"
     max_tokens = None  # the cut counts rows
@@ -36,24 +37,17 @@ class RowController(MicroBatchSearch):
         max_size: int | None = None,
         row_limit: int | None = None,
         growth_margin: float = 0.01,
-        repeats: int = 2,
         memory_limit: float | None = None,
         oom_is_fatal: bool = False,
         row_tokens: int | None = None,
     ):
         super().__init__(memory_limit, oom_is_fatal)
-        limit = min(x for x in (max_size, row_limit) if x is not None) if (max_size or row_limit) else None
         self.auto = auto
         self.start = max(1, start)  # a fixed size held down by a step's rows comes back when steps grow
-        self.size = max(1, min(start, limit) if limit else start)
-        self.max_size, self.row_limit, self.growth_margin, self.repeats = (
-            max_size,
-            row_limit,
-            growth_margin,
-            repeats,
-        )
+        self.size = max(1, least(start, max_size, row_limit))
+        self.max_size, self.row_limit, self.growth_margin = max_size, row_limit, growth_margin
         self.trial: int | None = self.size if auto else None
-        self.trial_left = repeats
+        self.trial_left = REPEATS
         self.settled_because = None if auto else FIXED
         self.throughput: dict[int, float] = {}
         self.row_tokens = row_tokens
@@ -129,18 +123,18 @@ class RowController(MicroBatchSearch):
             if trial > previous > 1 and len(self.throughput) == 2:
                 # the first doubling did not pay: a smaller size may be faster (packed rows under sdpa, whose mask
                 # is quadratic in a micro-batch's tokens), so halve while that pays
-                self.trial, self.trial_left = previous // 2, self.repeats
+                self.trial, self.trial_left = previous // 2, REPEATS
                 return
             self._settle(f"{trial} was less than {self.growth_margin:.0%} faster than {previous}")
             return
         self.size = trial
         if previous is not None and trial < previous:
             if trial > 1:
-                self.trial, self.trial_left = trial // 2, self.repeats
+                self.trial, self.trial_left = trial // 2, REPEATS
             else:
                 self._settle(f"1 was more than {self.growth_margin:.0%} faster than {previous}")
             return
-        bigger = min(x for x in (2 * trial, self.max_size, self.row_limit) if x is not None)
+        bigger = least(2 * trial, self.max_size, self.row_limit)
         if self.oom_sizes and bigger >= min(self.oom_sizes):
             self._settle(f"{min(self.oom_sizes)} ran out of memory")
         elif bigger <= trial:
@@ -148,7 +142,7 @@ class RowController(MicroBatchSearch):
         elif not self.fits(bigger * tokens_per_row):
             self._settle(f"{bigger} is predicted to exceed the memory limit")
         else:
-            self.trial, self.trial_left = bigger, self.repeats
+            self.trial, self.trial_left = bigger, REPEATS
 
     def _clearly_faster(self, trial: int) -> bool:
         previous = self.throughput.get(self.size) if self.size != trial else None
@@ -174,19 +168,19 @@ class RowController(MicroBatchSearch):
         fixed = self.settled_because == FIXED
         if not fixed and not self.stopped_by_limit:
             return
-        bigger = min(self.start if fixed else 2 * self.size, row_limit, self.max_size or row_limit)
+        bigger = least(self.start if fixed else 2 * self.size, row_limit, self.max_size)
         if bigger <= self.size or (self.oom_sizes and bigger >= min(self.oom_sizes)):
             return
         if fixed:
             self.size = bigger
         else:
-            self.trial, self.trial_left, self.settled_because = bigger, self.repeats, None
+            self.trial, self.trial_left, self.settled_because = bigger, REPEATS, None
 
     def larger_step_cap(self, last_micro_batch_size: int = 0, usual_micro_batches: int = 1) -> int | None:
         """The most rows a micro-batch of a larger step may hold: the size stated, or the one a search stopped at for
         memory or speed (`None`: as memory allows)."""
         if self.settled_because == FIXED:
-            return self.start if self.max_size is None else min(self.start, self.max_size)
+            return least(self.start, self.max_size)
         if self.settled_because is not None and not self.stopped_by_limit:
             return self.size
         return self.max_size

@@ -61,10 +61,11 @@ class PhaseSchedule:
         for size in self.sizes:
             check_effective_batch_size(size, where="PhaseSchedule sizes")
         if len(self.boundaries) != len(self.sizes) - 1:
+            even = [round(k / len(self.sizes), 2) for k in range(1, len(self.sizes))]
             raise ValueError(
                 f"PhaseSchedule has {len(self.sizes)} sizes and {len(self.boundaries)} boundaries; it needs one "
                 f"boundary fewer than sizes (each boundary starts the next phase), e.g. "
-                f"PhaseSchedule({list(self.sizes)}, boundaries={_even_fractions(len(self.sizes))}) for phases of "
+                f"PhaseSchedule({list(self.sizes)}, boundaries={even}) for phases of "
                 "equal shares of the budget."
             )
         for boundary in self.boundaries:
@@ -126,10 +127,6 @@ def describe(schedule: Schedule) -> str:
     if hasattr(schedule, "describe"):
         return schedule.describe()
     return getattr(schedule, "__name__", type(schedule).__name__) + " (callable)"
-
-
-def _even_fractions(phases: int) -> list[float]:
-    return [round(k / phases, 2) for k in range(1, phases)]
 
 
 def _as_list(values, name: str, example: str) -> tuple:

@@ -5,6 +5,7 @@ docs/how-it-works.md, "Data, cuts and measurements" (1. Plan). Pure Python."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from array import array
 from dataclasses import dataclass, field
@@ -150,23 +151,19 @@ def build_plan(
         raise ValueError(
             f"The training budget is {budget_samples} samples; set num_train_epochs or max_steps > 0."
         )
-    sizes, scheduled, starts, samples_before = array("q"), array("q"), array("q"), array("q", [0])
+    if done is not None and done.end >= budget_samples:
+        raise ValueError(
+            f"The checkpoint's {len(done.sizes)} steps already used {done.end:,} of the budget's "
+            f"{budget_samples:,} samples, so no step is left to train. Raise num_train_epochs / max_steps to "
+            "train further, or start a new run."
+        )
+    done = done or DoneSteps([], [], 0, 0)
+    done_count = len(done.sizes)
+    sizes, starts = array("q", done.sizes), array("q", done.starts)
+    scheduled = array("q", [done.effective_batch_size] * done_count)
+    samples_before = array("q", [0, *itertools.accumulate(done.sizes)])
     notes: list[str] = []
-    position = 0  # samples trained so far: samples_before[-1]
-    done_count = len(done.sizes) if done else 0
-    if done is not None:
-        if done.end >= budget_samples:
-            raise ValueError(
-                f"The checkpoint's {len(done.sizes)} steps already used {done.end:,} of the budget's "
-                f"{budget_samples:,} samples, so no step is left to train. Raise num_train_epochs / max_steps to "
-                "train further, or start a new run."
-            )
-        for start, size in zip(done.starts, done.sizes):
-            sizes.append(size)
-            scheduled.append(done.effective_batch_size)
-            starts.append(start)
-            samples_before.append(samples_before[-1] + size)
-        position = done.end
+    position = done.end  # samples trained so far: samples_before[-1]
     while position < budget_samples:
         progress = Progress(
             step=len(sizes), samples_seen=samples_before[-1], fraction=position / budget_samples

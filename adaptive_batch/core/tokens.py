@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from .fit import robust_affine
-from .microbatch import Agree, MicroBatch, MicroBatchSearch, StepMemory, out_of_memory_text
+from .microbatch import Agree, MicroBatch, MicroBatchSearch, StepMemory, least, out_of_memory_text
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -55,11 +55,6 @@ class TokenController(MicroBatchSearch):
         return self.calibrating or self.tuning
 
     @property
-    def rows_cap(self) -> int | None:
-        caps = [cap for cap in (self.max_rows, self.row_limit) if cap is not None]
-        return min(caps) if caps else None
-
-    @property
     def first_micro_batch_size(self) -> None:
         return None  # decided by each step's lengths when it is cut
 
@@ -71,8 +66,17 @@ class TokenController(MicroBatchSearch):
         return max(1, last_micro_batch_size) if usual_micro_batches > 1 else None
 
     def check_longest_row(self, tokens: int | None) -> None:
-        if tokens is not None and tokens > self.max_tokens:
-            self.warn_long_row(tokens)
+        if tokens is None or tokens <= self.max_tokens or self.warned_long_row:
+            return
+        self.warned_long_row = True
+        logger.warning(
+            "A row of %d tokens is longer than max_tokens_per_micro_batch=%d, so it runs alone in its micro-batch, "
+            "above the budget (a row cannot be split). Raise max_tokens_per_micro_batch to at least %d, or lower "
+            "max_length.",
+            tokens,
+            self.max_tokens,
+            tokens,
+        )
 
     def cut(self, batch, max_rows: int, agree: Agree, row_cap: int | None = None) -> TokenCut:
         return TokenCut(self, batch, agree, row_cap)
@@ -174,22 +178,8 @@ class TokenController(MicroBatchSearch):
             f"again with max_tokens_per_micro_batch={self.max_tokens}."
         )
 
-    def warn_long_row(self, length: int) -> None:
-        if self.warned_long_row:
-            return
-        self.warned_long_row = True
-        logger.warning(
-            "A row of %d tokens is longer than max_tokens_per_micro_batch=%d, so it runs alone in its micro-batch, "
-            "above the budget (a row cannot be split). Raise max_tokens_per_micro_batch to at least %d, or lower "
-            "max_length.",
-            length,
-            self.max_tokens,
-            length,
-        )
-
     def limit_to(self, max_size: int | None) -> None:
-        if max_size is not None:
-            self.max_rows = max_size if self.max_rows is None else min(self.max_rows, max_size)
+        self.max_rows = least(self.max_rows, max_size)
 
     def describe(self) -> str:
         text = f"cut by a token budget of {self.max_tokens:,} padded tokens (rows x padded length)"
@@ -249,14 +239,12 @@ class TokenCut:
     def __init__(self, controller: TokenController, batch, agree: Agree, row_cap: int | None = None):
         self.controller = controller
         # a row cap counts dataset rows, which a padding-free step no longer shows: the budget alone bounds it
-        budget, cap = controller.max_tokens, None if batch.packed else controller.rows_cap
-        if row_cap is not None:
-            cap = row_cap if cap is None else min(cap, row_cap)
+        caps = (row_cap,) if batch.packed else (row_cap, controller.max_rows, controller.row_limit)
+        budget, cap = controller.max_tokens, least(*caps)
         longest = batch.longest_row()
         overhead = controller.token_overhead(longest)
         self.sizes = batch.token_chunks(budget, cap, overhead)
-        if longest > budget:
-            controller.warn_long_row(longest)
+        controller.check_longest_row(longest)
         # while the budget grows: would a doubled one cut this step otherwise?
         bound = controller.tuning and batch.token_chunks(2 * budget, cap, overhead) != self.sizes
         count, bound = agree([len(self.sizes), float(bound)])

@@ -96,7 +96,10 @@ def _phase_traps(run: RunPlan, schedule: Schedule) -> list[str]:
         return []
     plan = run.plan
     last = plan.num_steps - 1
-    reached = max(schedule.phase(_progress(run, step)) for step in range(plan.done_steps, plan.num_steps))
+    reached = max(
+        schedule.phase(Progress(step, plan.samples_before_step[step], plan.starts[step] / plan.budget))
+        for step in range(plan.done_steps, plan.num_steps)
+    )
     unreached = schedule.boundaries[reached:]
     if not unreached:
         return []
@@ -182,8 +185,3 @@ def _listed(noun: str, values, unit: str = "") -> str:
     plural = {"boundary": "boundaries", "batch": "batches"}.get(noun, noun + "s")
     text = ", ".join(f"{value:g}" for value in values) + unit
     return f"{plural} {text} are" if len(values) > 1 else f"{noun} {text} is"
-
-
-def _progress(run: RunPlan, step: int) -> Progress:
-    plan = run.plan
-    return Progress(step, plan.samples_before_step[step], plan.starts[step] / plan.budget)
