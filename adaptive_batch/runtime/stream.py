@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -47,14 +48,12 @@ class StepStream(IterableDataset):
         samples, read, step = iter(self.stream), 0, 0
         while step < self.plan.num_steps:
             size, world = self.plan.sizes[step], self.plan.world_size
-            for _ in range(self.plan.starts[step] - read):  # (positions the plan leaves out, if any)
-                self._next(samples, read)
-                read += 1
-            shares = [[] for _ in range(world)]
-            for index in range(size):
-                shares[index % world].append(self._next(samples, read))
-                read += 1
-            yield shares
+            skip = max(0, self.plan.starts[step] - read)  # (positions the plan leaves out, if any)
+            taken = list(itertools.islice(samples, skip + size))
+            read += len(taken)
+            if len(taken) < skip + size:
+                raise StreamEndedError(self._ended(read))
+            yield [taken[skip + rank :: world] for rank in range(world)]
             step += 1
 
     def _receive(self, steps: Iterator[list[list]] | None) -> list:
@@ -70,12 +69,6 @@ class StepStream(IterableDataset):
         if isinstance(received[0], StreamEndedError):
             raise received[0]
         return received[0]
-
-    def _next(self, samples: Iterator, read: int):
-        try:
-            return next(samples)
-        except StopIteration:
-            raise StreamEndedError(self._ended(read)) from None
 
     def _ended(self, read: int) -> str:
         budget = self.plan.budget
