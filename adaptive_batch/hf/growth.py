@@ -141,9 +141,8 @@ class Growth:
             )
 
     def _costs(self, session) -> StepCosts:
-        assembly = session.assembly
-        cap = assembly.controller.larger_step_cap(
-            assembly.runner.last.micro_batch_size, self._usual_micro_batches
+        cap = session.controller.larger_step_cap(
+            session.assembly.runner.last.micro_batch_size, self._usual_micro_batches
         )
         return StepCosts(self.step_time, session.world_size, self._usual_micro_batches, cap)
 

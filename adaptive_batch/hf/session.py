@@ -40,6 +40,10 @@ class Session:
         return self.run.plan if self.run is not None else None
 
     @property
+    def controller(self):
+        return self.assembly.controller
+
+    @property
     def noise(self):
         return self.status.noise
 
@@ -178,10 +182,10 @@ class Session:
         step, growth, assembly = self.trainer.state.global_step, self.growth, self.assembly
         if growth is not None:
             growth.before_step(step, self.status.last_step, assembly.runner.tape)
-        exploring = assembly.controller.exploring
+        exploring = self.controller.exploring
         split = growth is not None and growth.split(self, step)
         if assembly.lengths_pending:
-            assembly.lengths_from_step(inputs)  # (it may choose another controller)
+            assembly.lengths_from_step(inputs)
         per_device = self.trainer.args.per_device_train_batch_size
         with self.loss_scale.step(self.plan.sizes[step], per_device, self.world_size):
             loss = assembly.runner.run(
@@ -189,7 +193,7 @@ class Session:
             )
         self.status.after_step(step, self.plan, exploring)
         if growth is not None:
-            timed = not exploring and not assembly.controller.exploring and not assembly.runner.last.retries
+            timed = not exploring and not self.controller.exploring and not assembly.runner.last.retries
             growth.after_step(self, step, timed, split)
         return loss
 
