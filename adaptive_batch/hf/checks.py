@@ -9,6 +9,13 @@ from ..runtime.compat.trainer import REPLACED_DATA_METHODS
 from ..runtime.stream import is_stream
 
 
+def user_class(trainer, method: str) -> type:
+    """The class whose `method` the Trainer runs, AdaptiveBatch's mixin looked past: the user's, or the library's."""
+    return next(
+        c for c in type(trainer).__mro__ if method in vars(c) and not vars(c).get("_adaptive_batch_mixin")
+    )
+
+
 def check_trainer(trainer: Trainer) -> None:
     args = trainer.args
     if args.auto_find_batch_size:
@@ -47,19 +54,16 @@ def check_trainer(trainer: Trainer) -> None:
             "groups each step's samples by length before cutting micro-batches. Use 'random' (or 'sequential')."
         )
     for method in REPLACED_DATA_METHODS:
-        owner = next(
-            c for c in type(trainer).__mro__ if method in vars(c) and not vars(c).get("_adaptive_batch_mixin")
-        )
+        owner = user_class(trainer, method)
         if owner is not Trainer:
             raise ValueError(
                 f"{owner.__name__} overrides {method}, which AdaptiveBatch replaces with its step sampler, so your "
                 "version would be skipped. Move that logic into the dataset or data collator, or remove AdaptiveBatch."
             )
     dataset = trainer.train_dataset
-    if dataset is not None and is_stream(dataset):
-        if args.max_steps <= 0:
-            raise ValueError(
-                f"The training dataset ({type(dataset).__name__}) is a stream, with no length to count epochs in, "
-                f"and max_steps={args.max_steps}. Set max_steps: AdaptiveBatch then reads max_steps x the starting "
-                "effective batch samples from it, once, in order."
-            )
+    if dataset is not None and is_stream(dataset) and args.max_steps <= 0:
+        raise ValueError(
+            f"The training dataset ({type(dataset).__name__}) is a stream, with no length to count epochs in, "
+            f"and max_steps={args.max_steps}. Set max_steps: AdaptiveBatch then reads max_steps x the starting "
+            "effective batch samples from it, once, in order."
+        )

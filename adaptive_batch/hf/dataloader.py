@@ -44,34 +44,26 @@ def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: boo
     return DataLoader(dataset, **params), steps
 
 
-def _slotted(steps, slots: int):
-    for batch in steps:
-        for _ in range(slots - 1):
-            yield []
-        yield batch
+class _Slotted:
+    """Each step's batch (of indices, or of samples) as the last of `slots` batches, the others empty."""
 
-
-class _SlottedSteps(Sampler[list[int]]):
-    """Each step's indices as the last of `slots` batches of indices, the others empty."""
-
-    def __init__(self, steps: StepBatchSampler, slots: int):
+    def __init__(self, steps: StepBatchSampler | StepStream, slots: int):
         self.steps, self.slots = steps, slots
 
+    def __iter__(self):
+        for batch in self.steps:
+            for _ in range(self.slots - 1):
+                yield []
+            yield batch
+
+
+class _SlottedSteps(_Slotted, Sampler[list[int]]):
     def __len__(self) -> int:
         return len(self.steps) * self.slots
 
-    def __iter__(self):
-        return _slotted(self.steps, self.slots)
 
-
-class _SlottedStream(IterableDataset):
-    """Each step's samples as the last of `slots` lists of samples, the others empty."""
-
-    def __init__(self, steps: StepStream, slots: int):
-        self.steps, self.slots = steps, slots
-
-    def __iter__(self):
-        return _slotted(self.steps, self.slots)
+class _SlottedStream(_Slotted, IterableDataset):
+    """A stream's steps, with no length: the loop takes its counts from the plan."""
 
 
 def _collate_step(collator, samples):
@@ -83,15 +75,13 @@ class EmptySlot(dict):
     """An empty slot as the loop sees it: the step batch's tensors with no rows (its tokens and FLOPs count nothing)."""
 
 
-def _empty_slot(batch) -> EmptySlot:
-    return EmptySlot({key: value[:0] for key, value in batch.items() if isinstance(value, torch.Tensor)})
-
-
 def batch_samples(inner, epoch_iterator, slots: int, device) -> tuple[list, object]:
     """`Trainer.get_batch_samples` over one step's slots: `num_items_in_batch` the step batch's, the empty slots before
     it (the loop synchronises gradients at a step's last batch)."""
     drawn = list(itertools.islice(epoch_iterator, slots))
     steps = [batch for batch in drawn if batch is not None]
     batches, num_items = inner(iter(steps), len(steps), device)
-    empty = [_empty_slot(batches[0]) for _ in range(len(drawn) - len(steps))] if batches else []
-    return empty + batches, num_items
+    if not batches:
+        return batches, num_items
+    tensors = {key: value[:0] for key, value in batches[0].items() if isinstance(value, torch.Tensor)}
+    return [EmptySlot(tensors) for _ in range(len(drawn) - len(steps))] + batches, num_items

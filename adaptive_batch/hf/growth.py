@@ -94,7 +94,7 @@ class Growth:
         return bool(schedule.cut_every(current, self._costs(session)))
 
     def after_step(self, session, step: int, timed: bool, split: bool) -> None:
-        last = session.runner.last
+        last = session.assembly.runner.last
         self._timing = (
             self._timing[0],
             (session.plan.max_rows(step), last.accumulation_steps) if timed else None,
@@ -111,7 +111,7 @@ class Growth:
         return first
 
     def _maybe_grow(self, session, step: int) -> None:
-        schedule, plan, runner = self.schedule, session.plan, session.runner
+        schedule, plan, runner = self.schedule, session.plan, session.assembly.runner
         first = self._first_undrawn(session, step)
         # the size decided last: steps drawn before it took effect still run the one before
         current, samples = schedule(Progress(first, 0, 0.0)), plan.samples_before_step[step + 1]
@@ -142,12 +142,9 @@ class Growth:
 
     def _costs(self, session) -> StepCosts:
         cap = session.controller.larger_step_cap(
-            session.runner.last.micro_batch_size, self._usual_micro_batches
+            session.assembly.runner.last.micro_batch_size, self._usual_micro_batches
         )
         return StepCosts(self.step_time, session.world_size, self._usual_micro_batches, cap)
 
     def state_dict(self) -> dict:
         return {"schedule": self.schedule.state_dict(), "step_time": self.step_time.state_dict()}
-
-    def load_step_time(self, state: dict) -> None:
-        self.step_time.load_state_dict(state)

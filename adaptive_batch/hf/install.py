@@ -97,10 +97,8 @@ class AdaptiveTrainerMixin(KeepsLiveCallbackState):
         pieces, growth = self._adaptive_batch.assembly.eval_pieces, self._adaptive_batch.assembly.eval_growth
         if pieces is not None:
             pieces.begin()
-        measured = contextlib.nullcontext()
-        if growth is not None:
-            measured = growth.measured(metric_key_prefix, getattr(dataloader, "dataset", None))
-        with measured:
+        dataset = getattr(dataloader, "dataset", None)
+        with growth.measured(metric_key_prefix, dataset) if growth is not None else contextlib.nullcontext():
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
@@ -155,16 +153,11 @@ class _ShownWhereUnconfigured(logging.StreamHandler):
         pass
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not _handled_elsewhere(logging.getLogger(record.name), self):
-            super().emit(record)
-
-
-def _handled_elsewhere(logger: logging.Logger, this: logging.Handler) -> bool:
-    current = logger
-    while current is not None:
-        if any(h is not this and not isinstance(h, logging.NullHandler) for h in current.handlers):
-            return True
-        if not current.propagate:
-            return False
-        current = current.parent
-    return False
+        current = logging.getLogger(record.name)
+        while current is not None:  # (the way up a record takes, as `Logger.callHandlers` walks it)
+            if any(h is not self and not isinstance(h, logging.NullHandler) for h in current.handlers):
+                return
+            if not current.propagate:
+                break
+            current = current.parent
+        super().emit(record)

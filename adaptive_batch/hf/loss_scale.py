@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from .checks import user_class
+
 logger = logging.getLogger("adaptive_batch")
 
 # a `compute_loss` defined by these normalises by `num_items_in_batch` wherever the Trainer leaves it to the loss
@@ -58,18 +60,16 @@ class LossScale:
         ) and func is None
         if self.plain_micro_batches is None or divides:
             return inner(model, inputs, *args, **kwargs)
-        if func is None and _user_class(self.trainer).__module__.startswith(TRUSTED_MODULES):
+        if func is None and user_class(self.trainer, "compute_loss").__module__.startswith(TRUSTED_MODULES):
             return inner(model, inputs, *args, **kwargs)
+        was_read = lambda: False  # (a compute_loss_func given no num_items_in_batch cannot read it)
+        if self.reads_items is None and torch.is_tensor(items):
+            kwargs["num_items_in_batch"], was_read = _watched(items)
+        result = inner(model, inputs, *args, **kwargs)
         if self.reads_items is None:
-            was_read = lambda: False  # (a compute_loss_func given no num_items_in_batch cannot read it)
-            if torch.is_tensor(items):
-                kwargs["num_items_in_batch"], was_read = _watched(items)
-            result = inner(model, inputs, *args, **kwargs)
             self.reads_items = was_read()
             if not self.reads_items:
                 logger.warning("%s", self._warning(func))
-        else:
-            result = inner(model, inputs, *args, **kwargs)
         if self.reads_items:
             return result
         # the micro-batch's share of the step (its divisor is the step's units over its own) x the plain micro-batches
@@ -79,9 +79,9 @@ class LossScale:
         return result * factor
 
     def _warning(self, func) -> str:
-        where = (
-            "compute_loss_func" if func is not None else f"{_user_class(self.trainer).__name__}.compute_loss"
-        )
+        where = "compute_loss_func"
+        if func is None:
+            where = f"{user_class(self.trainer, 'compute_loss').__name__}.compute_loss"
         accumulation = self.trainer.args.gradient_accumulation_steps
         return (
             f"AdaptiveBatch: {where} does not use num_items_in_batch, so each micro-batch's loss is its own mean. "
@@ -91,11 +91,3 @@ class LossScale:
             "cut. For a loss that is exactly the step's mean over its label tokens, sum the per-token losses and "
             "divide by num_items_in_batch, as transformers' model losses do."
         )
-
-
-def _user_class(trainer) -> type:
-    return next(
-        cls
-        for cls in type(trainer).__mro__
-        if "compute_loss" in cls.__dict__ and not cls.__dict__.get("_adaptive_batch_mixin", False)
-    )

@@ -73,17 +73,11 @@ class Resume:
             )
 
     def done_steps(self, dataset_size: int | None) -> DoneSteps | None:
-        adopted = self.adoption
-        if adopted is None:
+        if self.adoption is None:
             return None
-        plain = PlainBatching(
-            dataset_size,
-            adopted.per_device_train_batch_size,
-            adopted.gradient_accumulation_steps,
-            adopted.world_size,
-            adopted.drop_last,
-        )
-        return plain.done_steps(adopted.global_step)
+        settings = self.adoption.to_dict()  # the plain Trainer's batch settings, and the step it reached
+        global_step = settings.pop("global_step")
+        return PlainBatching(dataset_size, **settings).done_steps(global_step)
 
     def check(self, identity: PlanIdentity) -> None:
         if self.checkpoint is None or self.checkpoint.state is None:
@@ -101,7 +95,7 @@ class Resume:
             return
         status.load_state_dict(state)
         if growth is not None and state["step_time"]:  # (the schedule's changes were read before planning)
-            growth.load_step_time(state["step_time"])
+            growth.step_time.load_state_dict(state["step_time"])
         assembly.load_state_dict(state)
 
 
@@ -173,11 +167,10 @@ def guard_plain_resume(checkpoint_dir: str, global_step: int, run: RunPlan, args
 def readable_by_the_trainer(path: str | None) -> Iterator[str | None]:
     """`path`, or where it carries [`guard_plain_resume`]'s key, a temporary view of it without the key (every other
     entry linked or copied)."""
-    if path is None:
-        yield path
-        return
-    with open(os.path.join(path, TRAINER_STATE_NAME), encoding="utf-8") as handle:
-        fields = json.load(handle)
+    fields = {}
+    if path is not None:
+        with open(os.path.join(path, TRAINER_STATE_NAME), encoding="utf-8") as handle:
+            fields = json.load(handle)
     if not any(key.startswith(PLAIN_RESUME_KEY) for key in fields):
         yield path
         return

@@ -44,10 +44,6 @@ class Session:
         return self.assembly.controller
 
     @property
-    def runner(self):
-        return self.assembly.runner
-
-    @property
     def noise(self):
         return self.status.noise
 
@@ -57,10 +53,6 @@ class Session:
         user_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world_size
         return self.config.resolved_schedule(user_batch)
 
-    @property
-    def is_stream(self) -> bool:
-        return is_stream(self.trainer.train_dataset)
-
     def prepare(self, checkpoint: StoredCheckpoint | None = None) -> None:
         """Plan from the arguments, dataset and checkpoint, and build what runs the plan; every refusal comes here."""
         trainer, config, args = self.trainer, self.config, self.trainer.args
@@ -68,15 +60,16 @@ class Session:
             raise ValueError("Trainer: training requires a train_dataset.")
         check_trainer(trainer)
         schedule, stored = self.schedule, checkpoint.state if checkpoint is not None else None
+        stream = is_stream(trainer.train_dataset)
         engine = self.assembly.engine()
         self.growth = growth_for(schedule)
         if self.growth is not None:
-            workers = args.dataloader_num_workers if self.is_stream else 0
+            workers = args.dataloader_num_workers if stream else 0
             self.growth.check(
                 config, engine, self.world_size, workers, stored["schedule"] if stored else None
             )
-        self.resume = Resume(checkpoint, args, self.world_size, self.is_stream)
-        dataset_size = None if self.is_stream else len(trainer.train_dataset)
+        self.resume = Resume(checkpoint, args, self.world_size, stream)
+        dataset_size = None if stream else len(trainer.train_dataset)
         unit = "samples"
         if getattr(args, "packing", False):
             unit = "packed rows (TRL's packing=True puts several of your examples into each row of max_length tokens)"
@@ -104,7 +97,7 @@ class Session:
             budget_samples=self.run.budget.samples,
             drop_last=bool(args.dataloader_drop_last),
             data_seed=args.data_seed if args.data_seed is not None else args.seed,
-            shuffle=not self.is_stream and args.train_sampling_strategy != "sequential",
+            shuffle=not stream and args.train_sampling_strategy != "sequential",
             adopted_at_step=self.resume.adoption.global_step if self.resume.adoption else 0,
             schedule=plan_text(schedule),
             lr_scaling=plan_text(config.lr_scaling),
@@ -145,14 +138,15 @@ class Session:
                 logger.warning("%s", warning)
             for warning in self.assembly.probed_traps():
                 logger.warning("%s", warning)
-            if self.config.measure_noise and not self.runner.engine.measures_noise:
-                logger.info("The gradient noise scale is not measured under %s.", self.runner.engine.name)
+            engine = self.assembly.runner.engine
+            if self.config.measure_noise and not engine.measures_noise:
+                logger.info("The gradient noise scale is not measured under %s.", engine.name)
         self.assembly.check_longest_row()
         try:
             with self.callback._follow(self):
                 yield
         finally:
-            self.runner.close()
+            self.assembly.runner.close()
 
     def initial_training_values(self) -> tuple:
         """The loop sees one epoch of all steps, each `gradient_accumulation_steps` batches; the callback tracks data
@@ -185,21 +179,21 @@ class Session:
         )
 
     def training_step(self, inner_step, model, inputs, num_items_in_batch):
-        step, growth, runner = self.trainer.state.global_step, self.growth, self.runner
+        step, growth, assembly = self.trainer.state.global_step, self.growth, self.assembly
         if growth is not None:
-            growth.before_step(step, self.status.last_step, runner.tape)
+            growth.before_step(step, self.status.last_step, assembly.runner.tape)
         exploring = self.controller.exploring
         split = growth is not None and growth.split(self, step)
-        if self.assembly.lengths_pending:
-            self.assembly.lengths_from_step(inputs)
+        if assembly.lengths_pending:
+            assembly.lengths_from_step(inputs)
         per_device = self.trainer.args.per_device_train_batch_size
         with self.loss_scale.step(self.plan.sizes[step], per_device, self.world_size):
-            loss = runner.run(
+            loss = assembly.runner.run(
                 inner_step, model, inputs, num_items_in_batch, self.plan.max_rows(step), split=split
             )
         self.status.after_step(step, self.plan, exploring)
         if growth is not None:
-            timed = not exploring and not self.controller.exploring and not runner.last.retries
+            timed = not exploring and not self.controller.exploring and not assembly.runner.last.retries
             growth.after_step(self, step, timed, split)
         return loss
 

@@ -21,13 +21,12 @@ class Status:
 
     def __init__(self, trainer, config: AdaptiveBatchConfig, assembly: Assembly):
         self.trainer, self.config, self.assembly = trainer, config, assembly
-        self.tokens_seen, self.last_step = 0, -1
-        self.settled_at_step: int | None = None  # the first step run after the controller stopped measuring
-        self.noise: NoiseScale | None = None
         self.start(resumed=False)
 
     def start(self, resumed: bool) -> None:
+        """A run starts: its counters from zero, unless a checkpoint's are restored after this."""
         if not resumed:
+            # (`settled_at_step`: the first step run after the controller stopped measuring)
             self.tokens_seen, self.last_step, self.settled_at_step = 0, -1, None
         config = self.config
         self.noise = NoiseScale(config.noise_time_constant_samples) if config.measure_noise else None
@@ -153,12 +152,9 @@ class Status:
             ),
             layout_text=self.assembly.layout().text,
         )
+        may_grow_to = growth.schedule.max_size if growth is not None else None
         rows += report.step_strategy_rows(
-            plan,
-            plain,
-            plain_steps,
-            step_strategies(args),
-            may_grow_to=growth.schedule.max_size if growth is not None else None,
+            plan, plain, plain_steps, step_strategies(args), may_grow_to=may_grow_to
         )
         if is_stream(self.trainer.train_dataset):
             stream = ("epochs", f"a stream: its first {plan.budget:,} samples, read once in order")

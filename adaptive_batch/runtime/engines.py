@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,28 +19,16 @@ class EngineOutOfMemoryError(RuntimeError):
     """A micro-batch ran out of memory under an engine where a retry cannot be made safe."""
 
 
-class Engine(Protocol):
-    """What the step runner asks of an engine."""
-
-    name: str
-    retries: bool  # an out-of-memory error can be retried
-    measures_noise: bool  # each micro-batch's own gradient reaches the parameters' hooks ([`noise_hooks`])
-
-    def micro_batch(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager: ...
-    def finish_step(self, model: torch.nn.Module) -> None: ...
-    def forget(self, model: torch.nn.Module, optimizer) -> None: ...
-    def out_of_memory(self, error: BaseException, world_size: int) -> EngineOutOfMemoryError: ...
-
-
-class SingleProcess:
-    """One process, no engine: gradients accumulate in `.grad`, a failed attempt is forgotten by zeroing them."""
+class Engine:
+    """What the step runner asks of an engine, done as one process without an engine does it: gradients accumulate
+    in `.grad`, a failed attempt is forgotten by zeroing them."""
 
     name = "one process"
-    retries = True
+    retries = True  # an out-of-memory error can be retried
     no_retry_because: str | None = None  # where `retries` is False for another reason than collectives
-    measures_noise = True
+    measures_noise = True  # each micro-batch's own gradient reaches the parameters' hooks ([`noise_hooks`])
 
-    def micro_batch(self, model: torch.nn.Module, last: bool):
+    def micro_batch(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     def finish_step(self, model: torch.nn.Module) -> None:
@@ -65,7 +52,11 @@ class SingleProcess:
         )
 
 
-class DataParallel(SingleProcess):
+class SingleProcess(Engine):
+    """One process, no engine."""
+
+
+class DataParallel(Engine):
     """DDP (or several processes without a wrapper): every micro-batch under `no_sync`, then one average over the
     ranks ([`average_gradients`]). Not DDP's reducer for the last one: an OOM amid its in-backward bucket
     all-reduces would mismatch the ranks' next collective (a hang or a wrong gradient)."""
@@ -88,7 +79,7 @@ class DataParallel(SingleProcess):
         ddp_forget_forward(model)
 
 
-class FullyShardedV2(SingleProcess):
+class FullyShardedV2(Engine):
     """FSDP2: micro-batches reduce-scatter into the sharded `.grad`; `reset_iter_state` undoes a failed attempt."""
 
     name = "FSDP2"
@@ -108,7 +99,7 @@ class FullyShardedV2(SingleProcess):
         super().forget(model, optimizer)
 
 
-class DeepSpeed(SingleProcess):
+class DeepSpeed(Engine):
     """DeepSpeed ZeRO-0 to 3 through accelerate: each micro-batch runs `engine.backward` alone, the last marked as
     the accumulation boundary; the step's end runs `engine.step()` once."""
 

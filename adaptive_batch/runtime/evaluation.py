@@ -55,61 +55,55 @@ class EvalPieces:
         self.largest, self.retried, self.rows, self.cut_batches = 0, 0, 0, 0
 
     def run(self, prediction_step, model, inputs, prediction_loss_only: bool, ignore_keys):
-        """The Trainer's `prediction_step` of the whole batch, in pieces of at most `cap` rows after an OOM."""
+        """The Trainer's `prediction_step` of the whole batch: loss-only batches cut by tokens where that pays
+        (`cut_by_tokens`), in pieces of at most `cap` rows after an OOM."""
+
+        def predict(piece):
+            return prediction_step(model, piece, prediction_loss_only, ignore_keys)
+
         rows = batch_rows(inputs)
         if rows is None:  # nothing to cut by rows: the Trainer's own step
-            return prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        device = self.ranks.device
-        retried = False
-        if self.cut_by_tokens and prediction_loss_only and self.cap is None:
-            pieces = token_pieces(inputs, rows, self.overhead) if self.overhead is not None else None
-            if self.ranks.distributed:  # every rank runs as many pieces (a collective follows each)
-                count = self.ranks.max([float(len(pieces or [0]))])[0]
-                pieces = as_many_pieces(pieces or [(slice(0, rows), None)], int(count), rows)
-            if pieces is not None and len(pieces) > 1:
-                result = self._attempt(prediction_step, model, inputs, rows, pieces, True, ignore_keys)
-                if result is not None:
-                    self.largest = max(self.largest, rows)
-                    self.rows += rows
-                    self.cut_batches += 1
-                    return result
-                release_memory(device)  # then in halves of its rows, as any batch that ran out of memory
-                self.failed.append(rows)
-                self.cap, retried = max(1, rows // 2), True
-                logger.warning(
-                    "AdaptiveBatch: out of memory in evaluation in pieces of similar lengths; running the eval batch "
-                    "again in pieces of %d rows (the metrics are the whole batch's).",
-                    self.cap,
-                )
-        size = rows if self.cap is None else min(rows, self.cap)
+            return predict(inputs)
+        by_tokens = self.cut_by_tokens and prediction_loss_only and self.cap is None
+        pieces = self._token_pieces(inputs, rows) if by_tokens else None
+        size, retried = rows if self.cap is None else min(rows, self.cap), False
         while True:
-            result = self._attempt(
-                prediction_step, model, inputs, rows, halves(rows, size), prediction_loss_only, ignore_keys
-            )
+            result = self._attempt(predict, inputs, rows, pieces or halves(rows, size))
             if result is not None:
                 self.largest = max(self.largest, size)
                 self.retried += retried
                 self.rows += rows
+                self.cut_batches += pieces is not None
                 return result
-            release_memory(device)
+            release_memory(self.ranks.device)  # then in halves of its rows
             self.failed.append(size)
             if size == 1:
                 raise MicroBatchTooLargeError(
-                    f"One row of an eval batch does not fit in memory on {device}, so no piece of it can run. "
-                    "Lower per_device_eval_batch_size does not help here: free memory per row (a shorter max_length "
-                    "for the eval set, eval_accumulation_steps to move predictions to the CPU, or "
+                    f"One row of an eval batch does not fit in memory on {self.ranks.device}, so no piece of it can "
+                    "run. Lower per_device_eval_batch_size does not help here: free memory per row (a shorter "
+                    "max_length for the eval set, eval_accumulation_steps to move predictions to the CPU, or "
                     "prediction_loss_only=True to keep no logits).",
                     list(self.failed),
                 )
+            where = "in pieces of similar lengths" if pieces is not None else f"at {size} rows"
             size = max(1, size // 2)
             self.cap, retried = size, True
             logger.warning(
-                "AdaptiveBatch: out of memory in evaluation at %d rows; running the eval batch again in pieces of "
-                "%d %s (the metrics are the whole batch's).",
-                self.failed[-1],
+                "AdaptiveBatch: out of memory in evaluation %s; running the eval batch again in pieces of %d %s (the "
+                "metrics are the whole batch's).",
+                where,
                 size,
-                "row" if size == 1 else "rows",
+                "row" if size == 1 and pieces is None else "rows",
             )
+            pieces = None
+
+    def _token_pieces(self, inputs, rows: int) -> list | None:
+        """The batch's rows grouped by length ([`token_pieces`]), as many pieces on every rank; `None`: one piece."""
+        pieces = token_pieces(inputs, rows, self.overhead) if self.overhead is not None else None
+        if self.ranks.distributed:  # every rank runs as many pieces (a collective follows each)
+            count = self.ranks.max([float(len(pieces or [0]))])[0]
+            pieces = as_many_pieces(pieces or [(slice(0, rows), None)], int(count), rows)
+        return pieces if pieces is not None and len(pieces) > 1 else None
 
     def metrics(self, prefix: str) -> dict[str, int]:
         """The evaluation's metrics: the largest piece that ran, the batches retried (and cut by tokens)."""
@@ -121,7 +115,7 @@ class EvalPieces:
             metrics[f"{prefix}_adaptive_batch/batches_cut_by_tokens"] = self.cut_batches
         return metrics
 
-    def _attempt(self, prediction_step, model, inputs, rows, pieces, prediction_loss_only, ignore_keys):
+    def _attempt(self, predict, inputs, rows, pieces):
         """The batch's (loss, logits, labels) from `pieces` (rows, width), or `None` after an OOM on any rank."""
         # (every rank has the same cap: they failed together)
         if self.cap is not None and self.ranks.distributed:
@@ -140,9 +134,7 @@ class EvalPieces:
             if timed:
                 synchronize(device)
                 began = time.perf_counter()
-            outputs.append(
-                prediction_step(model, take(inputs, rows, index, width), prediction_loss_only, ignore_keys)
-            )
+            outputs.append(predict(take(inputs, rows, index, width)))
             if timed:
                 synchronize(device)
                 (seconds,) = self.tape.measure(

@@ -30,19 +30,13 @@ def release_memory(device: torch.device, collect: bool = True) -> None:
     """Return cached blocks to the device, after collecting the garbage a failed step leaves (`collect`)."""
     if collect:
         gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    elif device.type == "xpu":
-        torch.xpu.empty_cache()
-    elif device.type == "mps":
-        torch.mps.empty_cache()
+    if device.type in ("cuda", "xpu", "mps"):
+        getattr(torch, device.type).empty_cache()
 
 
 def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xpu":
-        torch.xpu.synchronize(device)
+    if device.type in ("cuda", "xpu"):
+        getattr(torch, device.type).synchronize(device)
 
 
 class Stopwatch:

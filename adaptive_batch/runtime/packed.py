@@ -5,7 +5,6 @@ docs/how-it-works.md, "Padding-free and packed data"."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -27,14 +26,11 @@ class PackedStepBatch:
         self.tokens_total = _token_count(batch)
         self.starts = _sequence_starts(batch, self.tokens_total)
         self.ends = self.starts[1:] + [self.tokens_total]
+        self.lengths_list = [end - start for start, end in zip(self.starts, self.ends)]
         self.rows = len(self.starts)
         self.order = torch.arange(self.rows)  # sequences keep their order: there is no padding to group away
         self.seq_len = max(self.lengths_list)
         _check_cuts(batch, self.starts, self.tokens_total)
-
-    @cached_property
-    def lengths_list(self) -> list[int]:
-        return [end - start for start, end in zip(self.starts, self.ends)]
 
     def take(self, start: int, size: int) -> dict[str, Any]:
         """The micro-batch of sequences `start` to `start + size`, its per-sequence fields rebuilt."""
@@ -168,26 +164,24 @@ def _token_count(batch: Mapping[str, Any]) -> int:
 def _sequence_starts(batch: Mapping[str, Any], total: int) -> list[int]:
     """Where each sequence starts: from `position_ids`, checked against `cu_seq_lens_q` where given."""
     position_ids = batch.get("position_ids")
-    from_positions = None
+    starts = None
     if isinstance(position_ids, torch.Tensor) and position_ids.shape == (1, total):
         steps = position_ids[0, 1:] - position_ids[0, :-1]
-        from_positions = [0] + ((steps != 1).nonzero().flatten() + 1).tolist()
+        starts = [0] + ((steps != 1).nonzero().flatten() + 1).tolist()
     cu = batch.get("cu_seq_lens_q", batch.get("cu_seqlens"))
-    from_cu = None
     if isinstance(cu, torch.Tensor):
-        from_cu = cu.tolist()
-        if from_cu[0] != 0 or from_cu[-1] != total:
+        bounds = cu.tolist()
+        if bounds[0] != 0 or bounds[-1] != total:
             raise ValueError(
-                f"The padding-free step batch's cu_seq_lens run from {from_cu[0]} to {from_cu[-1]}, not over its "
+                f"The padding-free step batch's cu_seq_lens run from {bounds[0]} to {bounds[-1]}, not over its "
                 f"{total} tokens; check the data collator."
             )
-        from_cu = from_cu[:-1]
-    if from_positions is not None and from_cu is not None and from_positions != from_cu:
-        raise ValueError(
-            "The padding-free step batch's position_ids and cu_seq_lens_q disagree on where sequences start "
-            f"({from_positions[:8]} against {from_cu[:8]}); check the data collator."
-        )
-    starts = from_cu if from_cu is not None else from_positions
+        if starts is not None and starts != bounds[:-1]:
+            raise ValueError(
+                "The padding-free step batch's position_ids and cu_seq_lens_q disagree on where sequences start "
+                f"({starts[:8]} against {bounds[:-1][:8]}); check the data collator."
+            )
+        starts = bounds[:-1]
     if starts is None:
         raise ValueError(
             "The padding-free step batch has neither position_ids of its [1, tokens] shape nor cu_seq_lens_q, so its "

@@ -31,11 +31,10 @@ class StepBatchSampler(Sampler[list[int]]):
             yield self.indices(step)
             step += 1
 
-    def indices(self, step: int, rank: int | None = None) -> list[int]:
-        rank = self.rank if rank is None else rank
+    def indices(self, step: int) -> list[int]:
         offset = self.plan.offset(step)
         order = self.permutation(self.plan.epoch(step))
-        return order[offset + rank : offset + self.plan.sizes[step] : self.plan.world_size].tolist()
+        return order[offset + self.rank : offset + self.plan.sizes[step] : self.plan.world_size].tolist()
 
     def permutation(self, epoch: int) -> torch.Tensor:
         if self._permutation is None or self._permutation[0] != epoch:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -22,9 +23,7 @@ class StreamEndedError(ValueError):
 class StepStream(IterableDataset):
     """Yields, for each planned step, this rank's samples; `shared`: rank 0 reads the stream and scatters shares."""
 
-    def __init__(
-        self, stream, plan: StepPlan, rank: int = 0, max_steps: int | None = None, shared: bool = False
-    ):
+    def __init__(self, stream, plan: StepPlan, rank: int, max_steps: int | None, shared: bool):
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank={rank} is outside world_size={plan.world_size}.")
         self.stream, self.plan, self.rank, self.max_steps = stream, plan, rank, max_steps
@@ -47,14 +46,21 @@ class StepStream(IterableDataset):
         samples, read, step = iter(self.stream), 0, 0
         while step < self.plan.num_steps:
             size, world = self.plan.sizes[step], self.plan.world_size
-            for _ in range(self.plan.starts[step] - read):  # (positions the plan leaves out, if any)
-                self._next(samples, read)
-                read += 1
-            shares = [[] for _ in range(world)]
-            for index in range(size):
-                shares[index % world].append(self._next(samples, read))
-                read += 1
-            yield shares
+            skip = max(0, self.plan.starts[step] - read)  # (positions the plan leaves out, if any)
+            taken = list(itertools.islice(samples, skip + size))
+            read += len(taken)
+            if len(taken) < skip + size:
+                limit = (
+                    f"max_steps={self.max_steps:,} x the starting effective batch"
+                    if self.max_steps
+                    else "the budget"
+                )
+                raise StreamEndedError(
+                    f"The training stream ended after {read:,} samples; {limit} is {self.plan.budget:,} samples, read "
+                    "once in order. Make the stream longer (datasets: `dataset.repeat(None)` reads it again and "
+                    "again) or lower max_steps."
+                )
+            yield [taken[skip + rank :: world] for rank in range(world)]
             step += 1
 
     def _receive(self, steps: Iterator[list[list]] | None) -> list:
@@ -70,19 +76,3 @@ class StepStream(IterableDataset):
         if isinstance(received[0], StreamEndedError):
             raise received[0]
         return received[0]
-
-    def _next(self, samples: Iterator, read: int):
-        try:
-            return next(samples)
-        except StopIteration:
-            raise StreamEndedError(self._ended(read)) from None
-
-    def _ended(self, read: int) -> str:
-        budget = self.plan.budget
-        steps = (
-            f"max_steps={self.max_steps:,} x the starting effective batch" if self.max_steps else "the budget"
-        )
-        return (
-            f"The training stream ended after {read:,} samples; {steps} is {budget:,} samples, read once in order. "
-            "Make the stream longer (datasets: `dataset.repeat(None)` reads it again and again) or lower max_steps."
-        )
