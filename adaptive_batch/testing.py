@@ -141,6 +141,11 @@ def eval_pieces(trainer):
     return trainer._adaptive_batch.assembly.eval_pieces
 
 
+def eval_growth(trainer):
+    """The [`runtime.evaluation.EvalGrowth`] sizing `trainer`'s evaluations under `adapt_evaluation="grow"` (else `None`)."""
+    return trainer._adaptive_batch.assembly.eval_growth
+
+
 def example_model(model_dir: str | None, texts: list[str], vocab_size: int = 512, hidden_size: int = 64):
     """The examples' `(tokenizer, make_model)`: from a local model folder, or a tiny random Llama with a tokenizer
     trained on `texts`; `make_model()` builds a fresh copy each call."""

@@ -111,7 +111,9 @@ def run_arm(name, model, rows, tiny, workdir, evaluations, repeats=None):
         logging.getLogger("adaptive_batch").removeHandler(lines)
     record["log"] = lines.lines
     if name == "grow":
-        growth = trainer._adaptive_batch.eval_growth  # (the benchmark reads where it settled)
+        from adaptive_batch.testing import eval_growth
+
+        growth = eval_growth(trainer)  # (the benchmark reads where it settled)
         sizer = growth.sizer("eval")
         record["settled_because"] = sizer.settled_because
         record["history"] = sizer.history
