@@ -55,6 +55,9 @@ def test_under_sdpa_a_causal_lms_padded_rows_leave_their_mask_out():
     for padding_free in (None, False):
         layout = choose_layout(padding_free, False, "sdpa", True, causal=True)
         assert layout.unmasked and not layout.flatten and "without the padding mask" in layout.text
+    # the estimate's sdpa side ran with the mask, and the text says so
+    chosen = choose_layout(None, False, "sdpa", True, causal=True).text
+    assert "of sdpa with its padding mask" in chosen and "not measured yet" in chosen
     assert choose_layout(None, False, "sdpa", None, causal=True).unmasked  # (any padding the first step has)
     assert not choose_layout(None, False, "sdpa", True).unmasked  # not a causal LM read by the library alone
     assert not choose_layout(None, False, "sdpa", False, causal=True).unmasked  # one length: no padding

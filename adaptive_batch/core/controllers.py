@@ -113,7 +113,10 @@ def choose_layout(
         if lengths_vary is False:
             return Layout(False, "padded: the rows are of one length")
         if unmasked:
-            return Layout(False, f"padded{without_mask}; {SWITCH.replace('this layout', 'sdpa')}", True)
+            # the estimate was measured against sdpa with the mask
+            switch = SWITCH.replace("of this layout", "of sdpa with its padding mask")
+            switch += "; sdpa without the mask, as here, is not measured yet"
+            return Layout(False, f"padded{without_mask}; {switch}", True)
         name = attention or "this attention"
         return Layout(
             False, f"padded: under {name} a flattened step's mask is quadratic in all its tokens; {SWITCH}"
