@@ -131,14 +131,14 @@ def causal_rows(trainer) -> tuple[bool, bool]:
     causal LM (every attention causal, no router loss averaged over the mask) and its inputs read by a library's own
     `training_step` and `compute_loss` alone (a subclass's may read the mask); `positions`: `position_ids` are given
     in its place, which SFTTrainer then counts tokens from."""
-    readers = set()
-    for method in ("training_step", "compute_loss"):
-        owner = next(
-            c
-            for c in type(trainer).__mro__
-            if method in vars(c) and not c.__module__.startswith("adaptive_batch")
+    # the classes whose methods the Trainer runs, AdaptiveBatch's mixin looked past (as hf.checks.user_class)
+    owners = [
+        next(
+            c for c in type(trainer).__mro__ if method in vars(c) and not vars(c).get("_adaptive_batch_mixin")
         )
-        readers.add(MASK_BLIND_STEPS.get((owner.__module__, owner.__name__)))
+        for method in ("training_step", "compute_loss")
+    ]
+    readers = {MASK_BLIND_STEPS.get((owner.__module__, owner.__name__)) for owner in owners}
     positions = max(readers) if None not in readers else None
     model = getattr(trainer.model, "module", trainer.model)
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # (PEFT)
