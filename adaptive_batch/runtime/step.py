@@ -66,9 +66,8 @@ class MicroBatchRunner:
         self.ranks = Ranks(trainer, world_size)
         self.packed = packed  # the collator flattens every batch (a step of one sequence looks unpacked)
         self.flatten = flatten
-        self.unmasked = (
-            unmasked  # padded rows without their mask where exact; with `position_ids` in its place
-        )
+        # padded rows without their mask where exact; with `position_ids` in its place
+        self.unmasked = unmasked
         self.device = trainer.args.device
         self.noise = noise  # None where the engine cannot measure it (the session says so)
         self.tape = Tape()  # what decisions read of time and memory: measured, or replayed (the session's)
