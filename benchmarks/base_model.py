@@ -88,15 +88,25 @@ def qlora_arguments(output_dir: str, per_device: int, accumulation: int, steps: 
 
 
 def qlora_trainer(
-    model, dataset, callbacks, output_dir, per_device, accumulation, steps, tiny, data_collator=None, **extra
+    model,
+    dataset,
+    callbacks,
+    output_dir,
+    per_device,
+    accumulation,
+    steps,
+    tiny,
+    data_collator=None,
+    trainer_class=None,
+    **extra,
 ):
     """The plain Trainer as a QLoRA script sets it up (paged 8-bit AdamW, bf16, gradient checkpointing, a constant
-    LR); `tiny` runs the same code on the CPU. `data_collator`: the default one if `None`; `extra`: more
-    TrainingArguments."""
+    LR); `tiny` runs the same code on the CPU. `data_collator`: the default one if `None`; `trainer_class`: a
+    subclass of the Trainer to build instead; `extra`: more TrainingArguments."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     args = TrainingArguments(**qlora_arguments(output_dir, per_device, accumulation, steps, tiny), **extra)
-    return Trainer(
+    return (trainer_class or Trainer)(
         model=model,
         args=args,
         train_dataset=dataset,

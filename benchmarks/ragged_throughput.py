@@ -14,6 +14,8 @@ Arms (`--arms`, in this order by default):
   32 x 2 and 64 x 1;
 - `auto`: `AdaptiveBatch()` with the padding collator, nothing tuned;
 - `tokens16k`, `tokens64k`: `AdaptiveBatch(max_tokens_per_micro_batch=16384 or 65536)`;
+- `auto_masked`: `auto` under a Trainer with a `compute_loss` of its own, which keeps the padding mask under sdpa
+  (`auto` leaves a causal LM's padding mask out there): the gain of leaving it out, in one call;
 - `auto_flat`: `AdaptiveBatch()` with `DataCollatorWithFlattening`;
 - `auto_pf`: `AdaptiveBatch(padding_free=True)` with the padding collator (its rows flattened inside the step);
 - `auto_torch`: `auto` with the same rows behind a map-style torch `Dataset` (`TorchRows`), which cannot tell its
@@ -85,6 +87,7 @@ ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments o
     "flat32": (32, 2, "flat", None, {}),
     "flat64": (64, 1, "flat", None, {}),
     "auto": (8, 8, "pad", {}, {}),
+    "auto_masked": (8, 8, "pad", {}, {}),  # `auto` with the padding mask kept (a compute_loss of its own)
     "tokens16k": (8, 8, "pad", {"max_tokens_per_micro_batch": 16384}, {}),
     "tokens64k": (8, 8, "pad", {"max_tokens_per_micro_batch": 65536}, {}),
     "auto_flat": (8, 8, "flat", {}, {}),
@@ -93,6 +96,7 @@ ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments o
     "fixed": (8, 2, "pad", None, {}),  # rows of FIXED_LENGTH tokens, micro-batch 8 (8,192 tokens)
 }
 TORCH_DATASET = {"auto_torch"}  # arms whose rows are served by a torch Dataset instead of a list
+MASKED = {"auto_masked"}  # arms whose Trainer has a compute_loss of its own, so that the padding mask stays
 TORCH_OVER_LIST_AIM = 0.05  # auto_torch within 5% of auto
 
 
@@ -167,6 +171,18 @@ class CountingCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def OwnLoss():  # noqa: N802 - builds a class
+    """A Trainer with a `compute_loss` of its own (it only calls the Trainer's): AdaptiveBatch keeps the padding
+    mask for it, as for any subclass whose loss may read the mask."""
+    from transformers import Trainer
+
+    class OwnLossTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    return OwnLossTrainer
+
+
 def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
     """One run of the arm `name`; `cold`: dynamo's caches cleared first, so the run compiles what it needs itself
     (its whole-run figure then includes its compilation; run with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 so that
@@ -198,6 +214,7 @@ def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
         steps,
         tiny,
         data_collator=collator,
+        trainer_class=OwnLoss() if name in MASKED else None,
         **extra,
     )
     if torch.cuda.is_available():
@@ -265,6 +282,7 @@ def settled(callback, seconds: list[float], tokens: list[int]) -> dict:
     steady = slice(max(measured, 1), None)
     return {
         "current": now,
+        "layout": dict(callback.plan_table()).get("layout"),  # padded or padding-free, with the mask or without
         "settled_because": now["micro_batch_settled_because"],
         "first_steady_step": max(measured, 1),
         "real_tokens_per_second_steady": sum(tokens[steady]) / sum(seconds[steady])
