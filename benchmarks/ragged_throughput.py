@@ -282,7 +282,9 @@ def settled(callback, seconds: list[float], tokens: list[int]) -> dict:
     steady = slice(max(measured, 1), None)
     return {
         "current": now,
-        "layout": dict(callback.plan_table()).get("layout"),  # padded or padding-free, with the mask or without
+        "layout": dict(callback.plan_table()).get(
+            "layout"
+        ),  # padded or padding-free, with the mask or without
         "settled_because": now["micro_batch_settled_because"],
         "first_steady_step": max(measured, 1),
         "real_tokens_per_second_steady": sum(tokens[steady]) / sum(seconds[steady])
