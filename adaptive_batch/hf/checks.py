@@ -5,15 +5,8 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from ..runtime.compat.trainer import REPLACED_DATA_METHODS
+from ..runtime.compat.trainer import REPLACED_DATA_METHODS, user_class
 from ..runtime.stream import is_stream
-
-
-def user_class(trainer, method: str) -> type:
-    """The class whose `method` the Trainer runs, AdaptiveBatch's mixin looked past: the user's, or the library's."""
-    return next(
-        c for c in type(trainer).__mro__ if method in vars(c) and not vars(c).get("_adaptive_batch_mixin")
-    )
 
 
 def check_trainer(trainer: Trainer) -> None:

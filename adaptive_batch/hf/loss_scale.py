@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .checks import user_class
+from ..runtime.compat.trainer import user_class
 
 logger = logging.getLogger("adaptive_batch")
 

@@ -39,6 +39,13 @@ def trainer_being_built(callback):
         del frame
 
 
+def user_class(trainer, method: str) -> type:
+    """The class whose `method` the Trainer runs, AdaptiveBatch's mixin looked past: the user's, or the library's."""
+    return next(
+        c for c in type(trainer).__mro__ if method in vars(c) and not vars(c).get("_adaptive_batch_mixin")
+    )
+
+
 def put_in_front(trainer, mixin: type, prefix: str) -> None:
     """Give this Trainer instance a class of its own with `mixin` in front: its methods win for this instance only."""
     cls = type(trainer)
@@ -131,13 +138,7 @@ def causal_rows(trainer) -> tuple[bool, bool]:
     causal LM (every attention causal, no router loss averaged over the mask) and its inputs read by a library's own
     `training_step` and `compute_loss` alone (a subclass's may read the mask); `positions`: `position_ids` are given
     in its place, which SFTTrainer then counts tokens from."""
-    # the classes whose methods the Trainer runs, AdaptiveBatch's mixin looked past (as hf.checks.user_class)
-    owners = [
-        next(
-            c for c in type(trainer).__mro__ if method in vars(c) and not vars(c).get("_adaptive_batch_mixin")
-        )
-        for method in ("training_step", "compute_loss")
-    ]
+    owners = [user_class(trainer, method) for method in ("training_step", "compute_loss")]
     readers = {MASK_BLIND_STEPS.get((owner.__module__, owner.__name__)) for owner in owners}
     positions = max(readers) if None not in readers else None
     model = getattr(trainer.model, "module", trainer.model)
