@@ -95,6 +95,8 @@ ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments o
     "auto_torch": (8, 8, "pad", {}, {}),
     "fixed": (8, 2, "pad", None, {}),  # rows of FIXED_LENGTH tokens, micro-batch 8 (8,192 tokens)
 }
+# (AdaptiveBatch arms need more than one accumulation slot: run_arm's token count relies on it)
+assert all(arm[1] > 1 for arm in ARMS.values() if arm[3] is not None)
 TORCH_DATASET = {"auto_torch"}  # arms whose rows are served by a torch Dataset instead of a list
 MASKED = {"auto_masked"}  # arms whose Trainer has a compute_loss of its own, so that the padding mask stays
 TORCH_OVER_LIST_AIM = 0.05  # auto_torch within 5% of auto
@@ -148,17 +150,17 @@ class TorchRows(torch.utils.data.Dataset):
 
 
 class CountingCollator:
-    """A collator that counts the real tokens of every batch it builds (`tokens`, a running total)."""
+    """A collator that records the real tokens of every batch it builds, in order (`calls`)."""
 
     def __init__(self, kind: str):
         from transformers import DataCollatorWithFlattening
 
         self.flatten = DataCollatorWithFlattening() if kind == "flat" else None
         self.padding_free = kind == "flat"  # what AdaptiveBatch reads to know the collator flattens
-        self.tokens = 0
+        self.calls: list[int] = []
 
     def __call__(self, features):
-        self.tokens += sum(len(f["input_ids"]) for f in features)
+        self.calls.append(sum(len(f["input_ids"]) for f in features))
         if self.flatten is not None:
             return self.flatten(features)
         width = max(len(f["input_ids"]) for f in features)
@@ -196,8 +198,15 @@ def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
     counts, graphs = [], []
 
     class Tokens(TrainerCallback):
+        # The real tokens trained on up to this step's end. The loop's dataloader reads one batch ahead, so the
+        # collator has already built the next batch: a plain arm's steps are its first global_step x accumulation
+        # batches. AdaptiveBatch collates one batch a step, in the last of its accumulation slots (ARMS gives
+        # every AdaptiveBatch arm more than one), so the batch read ahead is an empty slot, never collated.
         def on_step_end(self, args, state, control, **kwargs):
-            counts.append(collator.tokens)
+            built = (
+                collator.calls if adaptive is not None else collator.calls[: state.global_step * accumulation]
+            )
+            counts.append(sum(built))
             graphs.append(Compilations.read()["graphs_compiled"])
 
     callbacks = [clock.callback, Tokens()]
