@@ -95,8 +95,6 @@ ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments o
     "auto_torch": (8, 8, "pad", {}, {}),
     "fixed": (8, 2, "pad", None, {}),  # rows of FIXED_LENGTH tokens, micro-batch 8 (8,192 tokens)
 }
-# (AdaptiveBatch arms need more than one accumulation slot: run_arm's token count relies on it)
-assert all(arm[1] > 1 for arm in ARMS.values() if arm[3] is not None)
 TORCH_DATASET = {"auto_torch"}  # arms whose rows are served by a torch Dataset instead of a list
 MASKED = {"auto_masked"}  # arms whose Trainer has a compute_loss of its own, so that the padding mask stays
 TORCH_OVER_LIST_AIM = 0.05  # auto_torch within 5% of auto
@@ -173,6 +171,38 @@ class CountingCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+class StepTokens:
+    """The real tokens each optimizer step trained on (`per_step`), from the batches `collator` built.
+
+    The loop's dataloader reads one batch ahead, so by a step's end the collator has built the next batch too: a
+    plain run's steps are its first global_step x `batches_per_step` batches. AdaptiveBatch (`batches_per_step`
+    None) collates one batch a step, in the last of its accumulation slots, so with more than one slot the batch
+    read ahead is an empty slot, never collated: its steps are every batch built by the step's end."""
+
+    def __init__(self, collator: CountingCollator, batches_per_step: int | None):
+        from transformers import TrainerCallback
+
+        totals: list[int] = []
+        self.totals = totals
+
+        class Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if batches_per_step is None:
+                    assert args.gradient_accumulation_steps > 1, (
+                        "the batch read ahead would be the next step's"
+                    )
+                    built = collator.calls
+                else:
+                    built = collator.calls[: state.global_step * batches_per_step]
+                totals.append(sum(built))
+
+        self.callback = Callback()
+
+    @property
+    def per_step(self) -> list[int]:
+        return [b - a for a, b in zip([0, *self.totals], self.totals)]
+
+
 def OwnLoss():  # noqa: N802 - builds a class
     """A Trainer with a `compute_loss` of its own (it only calls the Trainer's): AdaptiveBatch keeps the padding
     mask for it, as for any subclass whose loss may read the mask."""
@@ -195,21 +225,15 @@ def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
 
     per_device, accumulation, kind, adaptive, extra = ARMS[name]
     clock, collator = StepClock(), CountingCollator(kind)
-    counts, graphs = [], []
+    graphs = []
 
-    class Tokens(TrainerCallback):
-        # The real tokens trained on up to this step's end. The loop's dataloader reads one batch ahead, so the
-        # collator has already built the next batch: a plain arm's steps are its first global_step x accumulation
-        # batches. AdaptiveBatch collates one batch a step, in the last of its accumulation slots (ARMS gives
-        # every AdaptiveBatch arm more than one), so the batch read ahead is an empty slot, never collated.
+    tokens_seen = StepTokens(collator, None if adaptive is not None else accumulation)
+
+    class Graphs(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            built = (
-                collator.calls if adaptive is not None else collator.calls[: state.global_step * accumulation]
-            )
-            counts.append(sum(built))
             graphs.append(Compilations.read()["graphs_compiled"])
 
-    callbacks = [clock.callback, Tokens()]
+    callbacks = [clock.callback, tokens_seen.callback, Graphs()]
     if adaptive is not None:
         callback = AdaptiveBatch(**adaptive)
         callbacks.append(callback)
@@ -236,7 +260,7 @@ def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
     trainer.train()
     train_seconds = time.perf_counter() - started
     seconds = clock.step_seconds
-    tokens = [b - a for a, b in zip([0, *counts], counts)]
+    tokens = tokens_seen.per_step
     logs = [log for log in trainer.state.log_history if "loss" in log]
     result = {
         "arm": name,
