@@ -15,8 +15,7 @@ from .steps import Budget, StepPlan
 @dataclass(frozen=True)
 class StepStrategy:
     """Evaluation or saving by steps as the Trainer runs it: every multiple of `every` steps from `delay` on (a float
-    `every` below 1 is that share of the run's steps, rounded up), and at the last step. `what`: "evaluation" or
-    "saving"; `field`, `strategy`: the settings ("eval_steps", "eval_strategy"); `delay`: `eval_delay`."""
+    `every` below 1 is that share of the run's steps, rounded up), and at the last step."""
 
     what: str
     field: str
