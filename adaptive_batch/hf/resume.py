@@ -142,13 +142,8 @@ def guard_plain_resume(checkpoint_dir: str, global_step: int, run: RunPlan, args
     plan = run.plan
     plain = plain_batching(args, plan)
     position = plan.end_position(global_step - 1) if global_step > 0 else 0
-    reason = plain_resume_mismatch(
-        plain,
-        position,
-        global_step,
-        run.clock.nominal_steps,
-        plain.total_steps(args.num_train_epochs, args.max_steps),
-    )
+    plain_lr_steps = plain.total_steps(args.num_train_epochs, args.max_steps)
+    reason = plain_resume_mismatch(plain, position, global_step, run.clock.nominal_steps, plain_lr_steps)
     if reason is None:
         return
     refusal = (
@@ -165,8 +160,7 @@ def guard_plain_resume(checkpoint_dir: str, global_step: int, run: RunPlan, args
 
 @contextlib.contextmanager
 def readable_by_the_trainer(path: str | None) -> Iterator[str | None]:
-    """`path`, or where it carries [`guard_plain_resume`]'s key, a temporary view of it without the key (every other
-    entry linked or copied)."""
+    """`path`, or where it carries [`guard_plain_resume`]'s key, a temporary view of it without the key."""
     fields = {}
     if path is not None:
         with open(os.path.join(path, TRAINER_STATE_NAME), encoding="utf-8") as handle:

@@ -149,8 +149,7 @@ class Session:
             self.assembly.runner.close()
 
     def initial_training_values(self) -> tuple:
-        """The loop sees one epoch of all steps, each `gradient_accumulation_steps` batches; the callback tracks data
-        epochs."""
+        """The loop sees one epoch of all steps, each `gradient_accumulation_steps` batches (data epochs: callback)."""
         plan, accumulation = self.plan, self.trainer.args.gradient_accumulation_steps
         return (
             1,  # num_train_epochs of the loop
