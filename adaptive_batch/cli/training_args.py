@@ -25,9 +25,8 @@ FIELDS = (
 
 def apply_training_args(options: argparse.Namespace) -> None:
     """Fill the plan's settings left unset by its flags from the script's arguments (after --), then from --args,
-    then from the defaults, each checked before any compute. Sets `options.script_fields` ([`script_fields`]),
-    `options.saved_args` (the fields of --args, or `None`) and `options.given` (each flag not defaulted: where its
-    value came from, "flag", "script" or "args")."""
+    then from the defaults, each checked before any compute. Sets `options.script_fields`, `options.saved_args` (or
+    `None`) and `options.given` (each flag not defaulted: where its value came from, "flag", "script" or "args")."""
     options.script_fields = script_fields(options.script_args)
     # as HfArgumentParser takes them; a value that is not a number (or a bool) kept as given, to be refused below
     script = {field: _script_value(field, text) for field, text in options.script_fields.items()}

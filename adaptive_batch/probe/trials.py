@@ -87,8 +87,6 @@ class TrialRunner:
         until_stopped = time.perf_counter() - started
         # a step cut short leaves tensors in the traceback's reference cycles: collect those
         release_memory(self.device, collect=out_of_memory or stopped)
-        if out_of_memory or stopped:
-            forward_seconds = None
         seconds = None if out_of_memory or forward_only else until_stopped if stopped else stopwatch.seconds
         return Trial(
             size,
@@ -98,7 +96,7 @@ class TrialRunner:
             seconds,
             size * seq_len,
             stopped,
-            forward_seconds,
+            None if out_of_memory or stopped else forward_seconds,
             forward_only,
         )
 
