@@ -78,7 +78,6 @@ def find_trainer_state(run_dir: str | Path) -> Path:
 
 
 def load_log_history(state_file: str | Path) -> list[dict]:
-    """`log_history` of a `trainer_state.json`."""
     path = Path(state_file)
     try:
         state = json.loads(path.read_text())

@@ -4,6 +4,7 @@ evaluations under `adapt_evaluation="grow"` ([`EvalGrowth`]). See docs/how-it-wo
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -307,12 +308,9 @@ def token_pieces(inputs: Mapping, rows: int, overhead: int) -> list[tuple[torch.
     sizes = cheapest_chunks([lengths[row] for row in order], rows * width, None, overhead=overhead)
     if len(sizes) < 2:
         return None
-    pieces, start = [], 0
-    for size in sizes:
-        group = order[start : start + size]
-        pieces.append((torch.tensor(group, device=mask.device), max(1, lengths[group[0]])))
-        start += size
-    return pieces
+    bounds = [0, *itertools.accumulate(sizes)]
+    groups = [order[start:end] for start, end in zip(bounds, bounds[1:])]
+    return [(torch.tensor(group, device=mask.device), max(1, lengths[group[0]])) for group in groups]
 
 
 def as_many_pieces(pieces: list, count: int, rows: int) -> list:
