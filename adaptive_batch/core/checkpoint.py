@@ -113,9 +113,6 @@ class Adoption:
     def from_dict(cls, data: dict) -> Adoption:
         return cls(**{f.name: data[f.name] for f in fields(cls)})
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class StoredCheckpoint:

@@ -38,9 +38,8 @@ class Tape:
     def replay(self, record: dict, path: str) -> None:
         self.source, self.path, self.ended, self._read = record["streams"], path, None, {}
 
-    def continue_from(self, record: dict | None) -> None:
-        if record is not None:
-            self.streams = copy.deepcopy(record["streams"])
+    def continue_from(self, record: dict) -> None:
+        self.streams = copy.deepcopy(record["streams"])
 
     def measure(self, stream: str, step: int, tag: str, live: list) -> list:
         """`live` was measured now (`tag` names what); returns what decisions read: the recorded values while

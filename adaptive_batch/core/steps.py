@@ -134,8 +134,6 @@ def build_plan(
     budget_samples = budget.samples if isinstance(budget, Budget) else int(budget)
     if dataset_size < 1:
         raise ValueError(f"The training dataset has {dataset_size} {unit}; it needs at least one.")
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be at least 1.")
     if dataset_size < world_size:
         raise ValueError(
             f"The training dataset has {dataset_size} {unit} but world_size={world_size}: every rank needs at "

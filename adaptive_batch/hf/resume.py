@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import asdict
 
 from ..core.checkpoint import Adoption, PlanIdentity, StoredCheckpoint, check_schema, identity_error
 from ..core.plain_trainer import PlainBatching, plain_resume_mismatch
@@ -75,7 +76,7 @@ class Resume:
     def done_steps(self, dataset_size: int | None) -> DoneSteps | None:
         if self.adoption is None:
             return None
-        settings = self.adoption.to_dict()  # the plain Trainer's batch settings, and the step it reached
+        settings = asdict(self.adoption)  # the plain Trainer's batch settings, and the step it reached
         global_step = settings.pop("global_step")
         return PlainBatching(dataset_size, **settings).done_steps(global_step)
 

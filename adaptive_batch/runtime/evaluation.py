@@ -139,10 +139,8 @@ class EvalPieces:
 
         for index, width in pieces:
             name = self._piece_name()
-            key = ("eval", self.step, f"oom {name}")
-            if self.ranks.run(
-                partial(piece, index, width, name), partial(Report, True), self.tape, key
-            ).out_of_memory:
+            work, key = partial(piece, index, width, name), ("eval", self.step, f"oom {name}")
+            if self.ranks.run(work, partial(Report, True), self.tape, key).out_of_memory:
                 metrics.restore()
                 return None
         if len(outputs) > 1:
