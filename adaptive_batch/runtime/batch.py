@@ -54,7 +54,7 @@ class StepBatch:
         """Micro-batch of `size` rows from position `start` of the longest-first order, trailing padding cut."""
         index = self.order[start : start + size]
         length = self._kept_length(index) if self.trimmable else None
-        chunk = {key: _take(value, index, self.rows, length) for key, value in self.batch.items()}
+        chunk = {key: _take(value, index, length) for key, value in self.batch.items()}
         if self.unmasked:
             mask = chunk.pop("attention_mask")
             if self.positions or "position_ids" in chunk:
@@ -209,7 +209,7 @@ def _check_splittable(batch: Mapping[str, Any], rows: int) -> None:
             )
 
 
-def _take(value: Any, index: torch.Tensor, rows: int, length: int | None) -> Any:
+def _take(value: Any, index: torch.Tensor, length: int | None) -> Any:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             return value
