@@ -100,8 +100,7 @@ def read_training_args(path: Path) -> dict:
 
 def script_fields(argv: list[str]) -> dict[str, str]:
     """The text of each field plan reads (the TrainingArguments ones of [`FIELDS`], the SFTConfig ones of
-    `sft_args`) among a script's arguments, HfArgumentParser style (`--a_b`, `--a-b=1`); a bool field given bare
-    reads 'true'. Every other argument is ignored."""
+    `sft_args`) among a script's arguments, HfArgumentParser style (`--a_b`, `--a-b=1`); a bare bool reads 'true'."""
     parser = _ScriptParser(add_help=False, allow_abbrev=False)
     switches = {"dataloader_drop_last", *sft_args.BOOLEAN_FIELDS, *sft_args.EVAL_ONLY}
     for field in (*(row[1] for row in FIELDS), *sft_args.FIELDS, *sft_args.EVAL_ONLY):

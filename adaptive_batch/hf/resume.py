@@ -135,8 +135,7 @@ def adoption_message(plan, checkpoint: StoredCheckpoint, same_order: bool) -> st
 
 def guard_plain_resume(checkpoint_dir: str, global_step: int, run: RunPlan, args) -> None:
     """Make a Trainer without AdaptiveBatch refuse the checkpoint where it would resume at another sample or learning
-    rate: a top-level key of `trainer_state.json` that is the refusal's text, which `TrainerState(**json)` names in its
-    `TypeError`."""
+    rate: a key of `trainer_state.json` that is the refusal's text, which `TrainerState(**json)` names in its error."""
     file = os.path.join(checkpoint_dir, TRAINER_STATE_NAME)
     if not os.path.isfile(file):  # (saved elsewhere: a hyperparameter search's trial folder)
         return
