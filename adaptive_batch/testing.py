@@ -13,13 +13,8 @@ def text_corpus(min_chars: int = 40) -> list[str]:
     """Paragraphs of Python's documentation topics (shipped with CPython as `pydoc_data.topics`)."""
     from pydoc_data.topics import topics
 
-    paragraphs = []
-    for name in sorted(topics):
-        for paragraph in re.split(r"\n\s*\n", topics[name]):
-            text = " ".join(paragraph.split())
-            if len(text) >= min_chars:
-                paragraphs.append(text)
-    return paragraphs
+    texts = (" ".join(part.split()) for name in sorted(topics) for part in re.split(r"\n\s*\n", topics[name]))
+    return [text for text in texts if len(text) >= min_chars]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = 512):
@@ -65,11 +60,8 @@ def tiny_llama(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int 
 
 def token_dataset(tokenizer, texts: list[str], max_length: int = 64) -> list[dict[str, list[int]]]:
     """Rows of `input_ids` (each text truncated to `max_length` tokens, ended by `<eos>`), of varying length."""
-    rows = []
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: max_length - 1]
-        rows.append({"input_ids": ids + [tokenizer.eos_token_id]})
-    return rows
+    ids = (tokenizer(text, add_special_tokens=False)["input_ids"][: max_length - 1] for text in texts)
+    return [{"input_ids": row + [tokenizer.eos_token_id]} for row in ids]
 
 
 class FakeOutOfMemory:

@@ -66,9 +66,8 @@ def dataset_facts(path: Path, tokenizer_dir: Path | None, sft: SFTArgs) -> Datas
 
 
 def _sft_facts(facts, rows, tokenized: bool, path: Path, tokenizer_dir, sft: SFTArgs):
-    """Rows and tokens as the installed TRL's SFTTrainer prepares `rows`: its `_prepare_dataset` is run twice, first
-    to tokenise (no truncation, packing or shuffle), then on the tokenised rows with the run's truncation, packing
-    and shuffle, as it goes on from its tokenised rows in one call; the first tells the tokens before truncation."""
+    """Rows and tokens as the installed TRL's SFTTrainer prepares `rows`: `_prepare_dataset` run to tokenise alone (the
+    tokens before truncation), then on those rows with the run's truncation, packing and shuffle, as in one call."""
     import datasets
     import trl
     from trl.data_utils import is_conversational

@@ -1,6 +1,5 @@
-"""A run's batch sizes, noise scale, LR and loss against samples seen, from its `trainer_state.json`, drawn by
-matplotlib's Agg canvas (no window, the caller's pyplot left alone): `plot_run("out")` writes out/adaptive_batch.png.
-See docs/how-it-works.md, "The commands"."""
+"""A run's batch sizes, noise scale, LR and loss against samples seen, from its `trainer_state.json`, drawn on an Agg
+canvas (the caller's pyplot left alone): `plot_run("out")` writes out/adaptive_batch.png. See docs/how-it-works.md."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ TRAINING_KEYS = {
 
 
 def find_trainer_state(run_dir: str | Path) -> Path:
-    """The `trainer_state.json` of `run_dir`: itself if a file, else the output dir's own (`trainer.save_state()`),
-    else its highest checkpoint's."""
+    """`run_dir`'s `trainer_state.json`: itself if a file, else the output dir's, else its highest checkpoint's."""
     path = Path(run_dir)
     if path.is_file():
         return path
@@ -80,7 +78,6 @@ def find_trainer_state(run_dir: str | Path) -> Path:
 
 
 def load_log_history(state_file: str | Path) -> list[dict]:
-    """`log_history` of a `trainer_state.json`."""
     path = Path(state_file)
     try:
         state = json.loads(path.read_text())
@@ -118,8 +115,7 @@ def read_series(log_history: list[dict], source: str = "the log history") -> Run
 
 
 def _samples_at(step: int, anchors: list[tuple[int, int]], last_log: dict) -> float:
-    """Samples seen at the end of `step`, interpolated between (step, samples seen) `anchors`, past the last by its
-    effective batch per step."""
+    """Samples seen at the end of `step`, interpolated between `anchors`, past the last by its effective batch."""
     for (step_before, samples_before), (step_after, samples_after) in zip(anchors, anchors[1:]):
         if step == step_after:
             return samples_after

@@ -1,6 +1,5 @@
-"""`adaptive-batch`: one module a command, each with `HELP`, `add_arguments(parser)`, `run(options) -> dict` (plain
-data, which `--json` prints) and `show(result)` (for a human); a failure is one line on stderr and exit code 1. See
-docs/how-it-works.md, "The commands"."""
+"""`adaptive-batch`: one module a command, each with `HELP`, `add_arguments(parser)`, `run(options) -> dict` (what
+`--json` prints) and `show(result)`; a failure is one line on stderr and exit code 1. See docs/how-it-works.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`adaptive-batch plot`: draw a run's batch sizes, noise scale, LR and loss against samples seen into a PNG (the
-drawing is [`figure`]'s)."""
+"""`adaptive-batch plot`: draw a run's batch sizes, noise scale, LR and loss against samples seen into a PNG."""
 
 from __future__ import annotations
 

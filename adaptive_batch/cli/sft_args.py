@@ -82,8 +82,7 @@ def sft_defaults() -> dict | None:
 
 
 def read_sft_args(options: argparse.Namespace) -> SFTArgs:
-    """The SFT fields of the script's arguments (first) and of the saved TrainingArguments/SFTConfig of --args, as
-    `training_args.apply_training_args` read them into `options`."""
+    """The SFT fields of the script's arguments (first) and of --args, as `apply_training_args` read them."""
     result = SFTArgs(unknown_options=unknown_options(options.script_args), defaults=sft_defaults())
     sources = [("the script arguments after -- give", options.script_fields)]
     if (saved := options.saved_args) is not None:
@@ -91,12 +90,9 @@ def read_sft_args(options: argparse.Namespace) -> SFTArgs:
         sources.append((f"--args {options.args} gives", saved))
     for where, fields in sources:
         for name, value in fields.items():
-            if name not in FIELDS and name not in EVAL_ONLY:
-                continue
             if name in EVAL_ONLY:
                 result.eval_only.setdefault(name, value)
-                continue
-            if name in result.given:
+            if name not in FIELDS or name in result.given:
                 continue
             if name == "eos_token" and value == "<EOS_TOKEN>" and where.startswith("--args"):
                 result.hidden_eos_token = where.removesuffix(" gives")
@@ -110,8 +106,7 @@ def read_sft_args(options: argparse.Namespace) -> SFTArgs:
 
 
 def unknown_options(argv: list[str]) -> list[str]:
-    """The options among a script's arguments that are no field of SFTConfig (TrainingArguments without TRL): the
-    script's own (a model or dataset name), or a typo."""
+    """The options among a script's arguments that are no field of SFTConfig (TrainingArguments without TRL)."""
     try:
         from trl import SFTConfig as config
     except ImportError:

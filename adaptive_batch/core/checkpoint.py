@@ -1,6 +1,5 @@
 """What AdaptiveBatch keeps in a checkpoint (plain JSON in `TrainerState.stateful_callbacks`) and the rules for
-resuming: the same [`PlanIdentity`] or refused, micro-batch settings stated now win, a plain Trainer's checkpoint
-adopted ([`Adoption`]). See docs/how-it-works.md, "Data, cuts and measurements" (5.). Pure Python."""
+resuming. See docs/how-it-works.md, "Data, cuts and measurements" (5.). Pure Python."""
 
 from __future__ import annotations
 
@@ -113,9 +112,6 @@ class Adoption:
     @classmethod
     def from_dict(cls, data: dict) -> Adoption:
         return cls(**{f.name: data[f.name] for f in fields(cls)})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

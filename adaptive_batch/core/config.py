@@ -238,13 +238,11 @@ def meaning(name: str) -> str:
 
 def settings_doc(indent: int = 8) -> str:
     """Every setting as a docstring's `Args:` entries (`name: help`), wrapped and indented."""
-    lines = []
-    for f in fields(AdaptiveBatchConfig):
-        text = f"{f.name}: {f.metadata['help']} Default: {f.default!r}."
-        lines.append(
-            textwrap.fill(text, 110, initial_indent=" " * indent, subsequent_indent=" " * (indent + 4))
-        )
-    return "\n".join(lines)
+    first, rest = " " * indent, " " * (indent + 4)
+    entries = (f"{f.name}: {f.metadata['help']} Default: {f.default!r}." for f in fields(AdaptiveBatchConfig))
+    return "\n".join(
+        textwrap.fill(entry, 110, initial_indent=first, subsequent_indent=rest) for entry in entries
+    )
 
 
 def settings_signature() -> inspect.Signature:

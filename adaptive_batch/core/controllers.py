@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .config import AdaptiveBatchConfig
-from .microbatch import CutController
+from .microbatch import CutController, least
 from .rows import RowController
 from .tokens import TokenController
 
@@ -33,7 +33,7 @@ def controller_for(config: AdaptiveBatchConfig, facts: RunFacts, row_limit: int)
     if budget is not None:
         return TokenController(
             budget,
-            max_rows=stated_max_rows(config),
+            max_rows=least(config.max_micro_batch_size, None if config.auto else config.micro_batch_size),
             row_limit=row_limit,
             tune=tune,
             overhead=config.micro_batch_overhead,
@@ -62,13 +62,6 @@ def waits_for_lengths(config: AdaptiveBatchConfig, facts: RunFacts) -> bool:
     )
 
 
-def stated_max_rows(config: AdaptiveBatchConfig) -> int | None:
-    """The most rows a micro-batch cut by tokens may hold as stated (`max_micro_batch_size`, an `int` size)."""
-    caps = [config.max_micro_batch_size, None if config.auto else config.micro_batch_size]
-    caps = [cap for cap in caps if cap is not None]
-    return min(caps) if caps else None
-
-
 # attention implementations that read a flattened step's sequences at work in proportion to their tokens (eager and
 # sdpa build a dense mask over all the step's tokens instead)
 PACKED_ATTENTION = ("flex", "flash")
@@ -91,9 +84,8 @@ def choose_layout(
     lengths_vary: bool | None,
     causal: bool = False,
 ) -> Layout:
-    """The layout for a run from `padding_free` (`None`: chosen), the collator, the attention, the lengths, and
-    whether the rows are a causal LM's whose loss reads the mask for attention alone (`causal`: under sdpa such
-    right-padded rows run without the mask, see docs/how-it-works.md, "Variable-length data")."""
+    """The layout for a run (`padding_free` `None`: chosen); `causal`: the rows are a causal LM's whose loss reads the
+    mask for attention alone, which under sdpa run without it (docs/how-it-works.md, "Variable-length data")."""
     if collator_packs:
         return Layout(False, "padding-free: the collator flattens each batch into one row of sequences")
     unmasked = causal and attention == "sdpa" and lengths_vary is not False and not padding_free

@@ -1,6 +1,5 @@
-"""Where to cut one step's rows, longest first, into micro-batches by tokens: runs of consecutive rows (some best cut
-is made of runs) under a token budget and `row_cap` rows; tokens are rows x the longest row, or with `packed` the sum.
-See docs/how-it-works.md, "Variable-length data". Pure Python."""
+"""Where to cut one step's rows, longest first, into runs of consecutive rows (some best cut is made of runs) under a
+token budget and a row cap. See docs/how-it-works.md, "Variable-length data". Pure Python."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The eval batch under `adapt_evaluation="grow"`: doubled from one evaluation to the next while rows/s rise by
-`growth_margin` and the predicted peak leaves `memory_headroom` free. See docs/how-it-works.md, "Evaluation". Pure
-Python."""
+"""The eval batch under `adapt_evaluation="grow"`: doubled between evaluations while rows/s rise and memory allows.
+See docs/how-it-works.md, "Evaluation". Pure Python."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Choosing the effective batch by goodput (Pollux, Qiao et al. 2021), B / T(B) x (B_noise + B0) / (B_noise + B):
-[`NoiseScaleSchedule`] grows the batch where that pays, [`StepTimeModel`] gives T(B). See docs/how-it-works.md, "An
-effective batch chosen by goodput". Pure Python."""
+"""The effective batch grown where goodput (Pollux, Qiao et al. 2021) pays ([`NoiseScaleSchedule`]), on step times
+fitted by [`StepTimeModel`]. See docs/how-it-works.md, "An effective batch chosen by goodput". Pure Python."""
 
 from __future__ import annotations
 

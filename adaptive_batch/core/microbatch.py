@@ -1,6 +1,5 @@
 """What every way of cutting a step into micro-batches shares: the micro-batch, the controller's interface, the
-memory bookkeeping ([`MicroBatchSearch`]), the error. Decisions read only all-reduced measurements, so every rank
-decides alike. Pure Python."""
+memory bookkeeping ([`MicroBatchSearch`]), the error. Decisions read all-reduced measurements alone. Pure Python."""
 
 from __future__ import annotations
 
@@ -84,10 +83,13 @@ class CutController(Protocol):
 class MicroBatchSearch:
     """What the row and the token controller share: the peaks measured, the micro-batches that ran out of memory, and
     a size that failed, shrunk and tried again `REGROW_AFTER_STEPS` later where the peaks predict it fits (at most
-    `MAX_FAILURES` times; never one no step had run). Subclasses say how to shrink (`_thrashed`) and grow back."""
+    `MAX_FAILURES` times; never one no step had run). Subclasses give the rest:"""
 
     kind: str  # the checkpoint's name of the cut
     largest_key: str  # the checkpoint's name of `largest_run`
+    exploring: bool  # (a property) whether the controller is still measuring
+    _thrashed: Callable[[StepMemory], str]  # steps down after allocator thrash; the line to log
+    _grow_back: Callable[[int], str]  # runs at a size again; what is tried again, for the log
 
     def __init__(self, memory_limit: float | None, oom_is_fatal: bool):
         self.memory_limit = memory_limit  # bytes a micro-batch's peak may reach (None: unknown)
@@ -100,10 +102,6 @@ class MicroBatchSearch:
         self.tried_again: list[int] = []  # sizes tried again, once each time
         self.failed_this_step = False
         self.settled_because: str | None = None
-
-    @property
-    def exploring(self) -> bool:
-        raise NotImplementedError
 
     def fits(self, tokens: float, cautious: bool = False) -> bool:
         if self.memory_limit is None:
@@ -149,14 +147,6 @@ class MicroBatchSearch:
         self.tried_again.append(size)
         return tried_again_text(self._grow_back(size), self.tried_again.count(size))
 
-    def _thrashed(self, memory: StepMemory) -> str:
-        """Step down after allocator thrash; returns the line to log."""
-        raise NotImplementedError
-
-    def _grow_back(self, size: int) -> str:
-        """Run at `size` again; returns what is tried again, for the log."""
-        raise NotImplementedError
-
     def _search_state(self) -> dict:
         return {
             "kind": self.kind,
@@ -181,8 +171,7 @@ class MicroBatchSearch:
 
 def least(*values: int | None) -> int | None:
     """The smallest of the values given (not `None`), or `None` where none is: the tightest of optional caps."""
-    given = [value for value in values if value is not None]
-    return min(given) if given else None
+    return min((value for value in values if value is not None), default=None)
 
 
 def out_of_memory_text(fatal: bool, retry: str) -> str:

@@ -1,6 +1,5 @@
-"""The gradient noise scale of McCandlish et al. (2018), B_simple = tr(Sigma) / |G|^2 in samples, from the step's
-micro-batches: unbiased per-step estimates ([`MicroBatchSums`], sums that ranks all-reduce), numerator and denominator
-averaged apart ([`NoiseScale`]). See docs/how-it-works.md, "Gradient noise scale". Pure Python."""
+"""The gradient noise scale of McCandlish et al. (2018) from a step's micro-batches: per-step estimates
+([`MicroBatchSums`]), averaged ([`NoiseScale`]). See docs/how-it-works.md, "Gradient noise scale". Pure Python."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 
 SHARE_TOLERANCE = 1e-6  # the shares of a step's micro-batches add up to 1 within this (float rounding)
-# what the gradients are measured as: raw, or divided by Adam's denominator
-PRECONDITIONERS = ("none", "adam")
+PRECONDITIONERS = ("none", "adam")  # the gradients measured raw, or divided by Adam's denominator
 
 
 @dataclass(frozen=True)
@@ -83,8 +81,7 @@ def step_estimate(
 
 @dataclass
 class _Moments:
-    """Exponentially weighted sums of the weights, both estimates and their squares; `weight` = 1 - prod r_t is the
-    bias correction."""
+    """Exponentially weighted sums of the weights, both estimates and their squares; `weight`: bias correction."""
 
     weight: float = 0.0
     weight_sq: float = 0.0
@@ -108,12 +105,7 @@ class NoiseScale:
     exp(-samples / `time_constant_samples`), counted in the run's samples since the last step averaged where given;
     steps whose estimates are not finite are skipped."""
 
-    def __init__(self, time_constant_samples: float):
-        if not (isinstance(time_constant_samples, (int, float)) and 0 < time_constant_samples < math.inf):
-            raise ValueError(
-                f"time_constant_samples={time_constant_samples!r} must be a positive finite number of samples, "
-                "e.g. 4096."
-            )
+    def __init__(self, time_constant_samples: float):  # (checked as `noise_time_constant_samples`)
         self.time_constant_samples = float(time_constant_samples)
         self.moments = _Moments()
         self.steps = 0  # steps averaged

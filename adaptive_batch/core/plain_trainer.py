@@ -38,12 +38,10 @@ class PlainBatching:
 
     def step_sizes(self, num_steps: int) -> list[int]:
         effective, per_epoch = self.effective_batch_size, self.steps_per_epoch
-        sizes = []
-        for step in range(num_steps):
-            within = step % per_epoch
-            left = self.dataset_size - within * effective
-            sizes.append(max(0, min(effective, left)))
-        return sizes
+        return [
+            max(0, min(effective, self.dataset_size - step % per_epoch * effective))
+            for step in range(num_steps)
+        ]
 
     def position_after(self, num_steps: int) -> int:
         """Dataset positions the first `num_steps` steps consume, an epoch's dropped tail included."""

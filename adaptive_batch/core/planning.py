@@ -1,6 +1,5 @@
-"""Planning a run before it starts: the budget in samples, the step plan and the LR's sample clock. One function,
-[`plan_run`], serves both `train()` and `adaptive-batch plan`. The budget is the samples the plain Trainer's steps take
-at the starting batch (docs/how-it-works.md, "Plan"). Pure Python."""
+"""Planning a run before it starts, for `train()` and `adaptive-batch plan` alike ([`plan_run`]): the budget in
+samples, the step plan and the LR's sample clock (docs/how-it-works.md, "Plan"). Pure Python."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ class RunSettings:
 
 @dataclass
 class RunPlan:
-    """A run's budget, step plan and sample clock. A schedule that grows during training plans the steps again
-    ([`replan`]); the budget and the steps already done stay."""
+    """A run's budget, step plan and sample clock; a schedule that grows plans the rest again ([`replan`])."""
 
     settings: RunSettings
     budget: Budget

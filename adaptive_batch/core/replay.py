@@ -1,6 +1,5 @@
-"""Reproducible reruns: every run records each measurement a decision reads ([`Tape`]), by stream and step, with its
-out-of-memory errors; `AdaptiveBatch(replay=PATH)` reads them in place of the clock. A record of another run is
-refused ([`differences`]). See docs/how-it-works.md, "Reproducible reruns". Pure Python."""
+"""Reproducible reruns: every run records each measurement a decision reads ([`Tape`]); `AdaptiveBatch(replay=PATH)`
+reads them in place of the clock. See docs/how-it-works.md, "Reproducible reruns". Pure Python."""
 
 from __future__ import annotations
 
@@ -39,9 +38,8 @@ class Tape:
     def replay(self, record: dict, path: str) -> None:
         self.source, self.path, self.ended, self._read = record["streams"], path, None, {}
 
-    def continue_from(self, record: dict | None) -> None:
-        if record is not None:
-            self.streams = copy.deepcopy(record["streams"])
+    def continue_from(self, record: dict) -> None:
+        self.streams = copy.deepcopy(record["streams"])
 
     def measure(self, stream: str, step: int, tag: str, live: list) -> list:
         """`live` was measured now (`tag` names what); returns what decisions read: the recorded values while
@@ -115,10 +113,8 @@ class Tape:
     def _end(self, why: str) -> None:
         self.ended = why
         logger.warning(
-            "AdaptiveBatch: the replay of %s ends: %s. From here the run measures for itself, so the rest is not "
-            "bit for bit the recorded run.",
-            self.path,
-            why,
+            f"AdaptiveBatch: the replay of {self.path} ends: {why}. From here the run measures for itself, so the "
+            "rest is not bit for bit the recorded run."
         )
 
 

@@ -15,8 +15,7 @@ from .steps import Budget, StepPlan
 @dataclass(frozen=True)
 class StepStrategy:
     """Evaluation or saving by steps as the Trainer runs it: every multiple of `every` steps from `delay` on (a float
-    `every` below 1 is that share of the run's steps, rounded up), and at the last step. `what`: "evaluation" or
-    "saving"; `field`, `strategy`: the settings ("eval_steps", "eval_strategy"); `delay`: `eval_delay`."""
+    `every` below 1 is that share of the run's steps, rounded up), and at the last step."""
 
     what: str
     field: str
@@ -143,8 +142,7 @@ def plan_rows(
         rows.append(
             ("phases (steps: effective batch)", ", ".join(f"{a + 1}-{b + 1}: {e}" for a, b, e in phases))
         )
-    uneven = plan.uneven_steps()
-    if uneven:
+    if uneven := plan.uneven_steps():
         rows.append(("uneven steps", _uneven_text(uneven, clock, plan)))
     if done := plan.done_steps:
         samples = plan.samples_before_step[done]
@@ -172,5 +170,4 @@ def _uneven_text(uneven: list[tuple[int, int, int]], clock: SampleClock, plan, s
 
 def format_rows(title: str, rows: list[tuple[str, str]]) -> str:
     width = max(len(label) for label, _ in rows)
-    lines = [title] + [f"  {label:<{width}}  {value}" for label, value in rows]
-    return "\n".join(lines)
+    return "\n".join([title] + [f"  {label:<{width}}  {value}" for label, value in rows])

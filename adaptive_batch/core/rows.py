@@ -1,6 +1,5 @@
 """The micro-batch policy by rows: with `auto` the size doubles while tokens/s gain more than `growth_margin`, or
-halves while that pays where the first doubling does not (packed rows under sdpa ran 2.3x faster at 2 rows of 2,048
-tokens than at 16). Trials run inside steps; out-of-memory errors: [`MicroBatchSearch`]. Pure Python."""
+halves while that pays where the first doubling does not; trials run inside steps. Pure Python."""
 
 from __future__ import annotations
 

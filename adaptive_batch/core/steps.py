@@ -1,6 +1,5 @@
 """The step plan: how many samples each optimizer step takes, and from where in the sample stream (the epochs end to
-end). A step never straddles two epochs, and a remainder smaller than the world size joins the step before it. See
-docs/how-it-works.md, "Data, cuts and measurements" (1. Plan). Pure Python."""
+end). See docs/how-it-works.md, "Data, cuts and measurements" (1. Plan). Pure Python."""
 
 from __future__ import annotations
 
@@ -109,14 +108,9 @@ class StepPlan:
         return digest.hexdigest()[:16]
 
     def phases(self) -> list[tuple[int, int, int]]:
-        runs: list[tuple[int, int, int]] = []
-        for step in range(self.done_steps, self.num_steps):
-            effective = self.scheduled[step]
-            if runs and runs[-1][2] == effective:
-                runs[-1] = (runs[-1][0], step, effective)
-            else:
-                runs.append((step, step, effective))
-        return runs
+        steps = range(self.done_steps, self.num_steps)
+        runs = [list(run) for _, run in itertools.groupby(steps, key=self.scheduled.__getitem__)]
+        return [(run[0], run[-1], self.scheduled[run[0]]) for run in runs]
 
     def uneven_steps(self) -> list[tuple[int, int, int]]:
         return [
@@ -140,8 +134,6 @@ def build_plan(
     budget_samples = budget.samples if isinstance(budget, Budget) else int(budget)
     if dataset_size < 1:
         raise ValueError(f"The training dataset has {dataset_size} {unit}; it needs at least one.")
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be at least 1.")
     if dataset_size < world_size:
         raise ValueError(
             f"The training dataset has {dataset_size} {unit} but world_size={world_size}: every rank needs at "

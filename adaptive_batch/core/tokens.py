@@ -1,6 +1,5 @@
 """The micro-batch policy for rows of varying length: each step cut by padded tokens ([`cut.py`]) at the least
-modelled time under a budget of `max_tokens`; the overhead is stated or measured, and with `tune` the budget doubles
-while it pays (docs/how-it-works.md, "Variable-length data"). Pure Python."""
+modelled time under a token budget (docs/how-it-works.md, "Variable-length data"). Pure Python."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ LINE_MARGIN = 0.15  # how much slower than the fitted line micro-batches beyond 
 
 
 class TokenController(MicroBatchSearch):
-    """Cuts every step by padded tokens (a [`microbatch.CutController`] whose unit is padded tokens). `max_rows`: the
-    stated cap on rows; `row_limit`: a step's rows on a rank; `overhead`: a micro-batch's fixed time in padded tokens'
-    worth (`None`: measured)."""
+    """Cuts every step by padded tokens (a [`microbatch.CutController`] whose unit is padded tokens); `overhead`: a
+    micro-batch's fixed time in padded tokens' worth (`None`: measured)."""
 
     kind = "tokens"
     unit = "padded tokens"
@@ -70,12 +68,9 @@ class TokenController(MicroBatchSearch):
             return
         self.warned_long_row = True
         logger.warning(
-            "A row of %d tokens is longer than max_tokens_per_micro_batch=%d, so it runs alone in its micro-batch, "
-            "above the budget (a row cannot be split). Raise max_tokens_per_micro_batch to at least %d, or lower "
-            "max_length.",
-            tokens,
-            self.max_tokens,
-            tokens,
+            f"A row of {tokens} tokens is longer than max_tokens_per_micro_batch={self.max_tokens}, so it runs "
+            "alone in its micro-batch, above the budget (a row cannot be split). Raise max_tokens_per_micro_batch to "
+            f"at least {tokens}, or lower max_length."
         )
 
     def cut(self, batch, max_rows: int, agree: Agree, row_cap: int | None = None) -> TokenCut:
@@ -87,9 +82,8 @@ class TokenController(MicroBatchSearch):
 
     def record(self, seconds: float, padded_tokens: float, peak_bytes: float | None = None) -> None:
         self._measured(padded_tokens, peak_bytes)
-        if (
-            self.measures_overhead and self.exploring and self.steps_measured > 0 and seconds > 0
-        ):  # after warm-up
+        # measured after the warm-up step
+        if self.measures_overhead and self.exploring and self.steps_measured > 0 and seconds > 0:
             self.time_points.append((float(padded_tokens), seconds))
 
     def end_step(self, bound: bool, memory: StepMemory | None = None) -> str | None:
@@ -112,10 +106,8 @@ class TokenController(MicroBatchSearch):
     def _shrink(self, failed: int) -> None:
         """Cut at most at half the smallest failed micro-batch from now on (retried later where one that size ran)."""
         self.failed_tokens.append(failed)
-        previous, self.max_tokens = (
-            self.max_tokens,
-            max(1, min(self.max_tokens, min(self.failed_tokens) // 2)),
-        )
+        previous = self.max_tokens
+        self.max_tokens = max(1, min(self.max_tokens, min(self.failed_tokens) // 2))
         had_run = failed <= self.largest_run and previous > self.max_tokens
         self._failed(previous, had_run)
 

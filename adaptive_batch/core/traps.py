@@ -14,9 +14,7 @@ TRAINER_DEFAULT_EPOCHS = 3.0  # TrainingArguments.num_train_epochs
 
 def explicit_epochs(num_train_epochs: float | None) -> float | None:
     """`num_train_epochs` where given on purpose, as far as one can tell (the default 3 counts as not given)."""
-    if num_train_epochs is None or num_train_epochs == TRAINER_DEFAULT_EPOCHS:
-        return None
-    return num_train_epochs
+    return None if num_train_epochs == TRAINER_DEFAULT_EPOCHS else num_train_epochs
 
 
 def run_traps(

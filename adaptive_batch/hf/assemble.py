@@ -31,8 +31,7 @@ class Assembly:
         self.controller = None  # (a second train() without a checkpoint keeps what the first learned)
         self.runner: MicroBatchRunner | None = None
         self.row_limit = 0  # the most rows a step of the plan holds on a rank
-        # the dataset could not tell its rows' lengths: the first step tells them ([`lengths_from_step`])
-        self.lengths_pending = False
+        self.lengths_pending = False  # the first step tells the rows' lengths ([`lengths_from_step`])
         # evaluation survives an out-of-memory error unless adapt_evaluation=False or the engine's forward gathers
         # parameters from every rank (DeepSpeed, FSDP); "grow": the eval batch grows between evaluations
         sharded = any(getattr(trainer, name, False) for name in ("is_deepspeed_enabled", "is_fsdp_enabled"))
@@ -56,8 +55,7 @@ class Assembly:
         checkpoint: StoredCheckpoint | None,
         growing: bool,
     ) -> None:
-        """The controller (kept unless there is none yet or a checkpoint is resumed), the step runner and the record of
-        measurements, for `plan`."""
+        """The controller (kept unless none yet or a checkpoint resumed), the step runner and the record."""
         facts = TrainerFacts(self.trainer, self.config, engine)
         if self.controller is None or checkpoint is not None:
             self.lengths_pending = waits_for_lengths(self.config, facts)
@@ -135,7 +133,7 @@ class Assembly:
     def lengths_from_step(self, inputs) -> None:
         """Where the dataset could not tell, the first step's rows do (every rank alike: they agree on them)."""
         row_lengths = lengths.step_row_lengths(inputs) or [0]
-        varies, longest = self.runner.agree(
+        varies, longest = self.runner.ranks.max(
             [float(min(row_lengths) != max(row_lengths)), float(max(row_lengths))]
         )
         if varies:
@@ -149,8 +147,7 @@ class Assembly:
         self.lengths_pending = False
 
     def _choose_from_lengths(self, longest_row: int) -> bool:
-        """Rows of varying length from now on: padding-free where the layout says so, else cut by padded tokens.
-        Returns whether steps are flattened."""
+        """Rows of varying length from now on: flattened where the layout says so (returned), else cut by tokens."""
         facts = TrainerFacts(self.trainer, self.config, self.runner.engine)
         facts.observe(True, longest_row)
         self.runner.flatten = facts.layout.flatten

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 
 from transformers import Trainer, TrainerCallback
@@ -17,8 +16,6 @@ from ..runtime.compat.trainer import trainer_being_built
 from .install import install
 from .resume import guard_plain_resume
 from .session import Session
-
-logger = logging.getLogger("adaptive_batch")
 
 
 class _attach_method:

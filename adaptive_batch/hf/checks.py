@@ -1,5 +1,4 @@
-"""The setups AdaptiveBatch refuses, checked before any compute: each gets one error with the value, the rule and a
-fix."""
+"""The setups AdaptiveBatch refuses before any compute, each with one error naming the value, the rule and a fix."""
 
 from __future__ import annotations
 

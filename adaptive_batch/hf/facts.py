@@ -26,7 +26,6 @@ class TrainerFacts:
 
     @cached_property
     def lengths_vary(self) -> bool | None:
-        """Whether the dataset's rows differ in length; `None` where it cannot tell cheaply."""
         row_lengths = lengths.row_lengths(self.trainer.train_dataset)
         return None if row_lengths is None else min(row_lengths) != max(row_lengths)
 
@@ -63,7 +62,6 @@ class TrainerFacts:
 
     @cached_property
     def packed_row_tokens(self) -> int | None:
-        """TRL's packing puts several sequences into each dataset row of `max_length` tokens."""
         args = self.trainer.args
         return getattr(args, "max_length", None) if getattr(args, "packing", False) else None
 
@@ -82,7 +80,6 @@ class TrainerFacts:
 
     @cached_property
     def start(self) -> int:
-        """Where "auto" starts: a cached probe result for this setup, else the per-device size."""
         probed, per_device = self.probed, self.trainer.args.per_device_train_batch_size
         if probed is None:
             return per_device

@@ -19,8 +19,7 @@ def growth_for(schedule) -> Growth | None:
 
 
 class Growth:
-    """Times each step, cuts one in two now and then so that one process measures the noise scale, and asks the
-    schedule whether a larger batch pays."""
+    """Times each step, cuts one in two now and then to measure the noise scale, asks if a larger batch pays."""
 
     def __init__(self, schedule: NoiseScaleSchedule):
         self.schedule = schedule
@@ -118,9 +117,9 @@ class Growth:
         noise = session.noise.lower_bound(schedule.confidence_z)
         proposal = schedule.propose(current, samples, noise, self._costs(session), budget=plan.budget)
         size, reason = proposal if proposal is not None else (0, "")
-        if runner.distributed:
+        if runner.ranks.distributed:
             # timings differ between ranks: the largest proposal holds for all, from the latest undrawn step
-            size, first = (int(x) for x in runner.agree([size, first]))
+            size, first = (int(x) for x in runner.ranks.max([size, first]))
             if size and not reason:
                 reason = "another rank's step times"
         if not size or first >= plan.num_steps:
@@ -131,13 +130,8 @@ class Growth:
             raise RuntimeError("A new plan changed steps already drawn; this is a bug in AdaptiveBatch.")
         if session.trainer.args.should_log:
             logger.info(
-                "AdaptiveBatch: effective batch %d -> %d from step %d (after %s samples): %s; %d steps in all now.",
-                current,
-                size,
-                first,
-                f"{samples:,}",
-                change.reason,
-                new.num_steps,
+                f"AdaptiveBatch: effective batch {current} -> {size} from step {first} (after {samples:,} samples): "
+                f"{change.reason}; {new.num_steps} steps in all now."
             )
 
     def _costs(self, session) -> StepCosts:

@@ -131,8 +131,7 @@ def install(trainer, callback) -> Session:
 
 
 def _configure_logger(args) -> None:
-    """Show the plan table by default: INFO on the main process unless `log_level` says otherwise, on stderr where no
-    logging is configured."""
+    """Show the plan table by default: INFO on the main process unless `log_level` says otherwise (stderr if unset)."""
     passive = args.should_log and args.log_level == "passive"
     logger.setLevel(logging.INFO if passive else args.get_process_log_level())
     if not any(isinstance(handler, _ShownWhereUnconfigured) for handler in logger.handlers):

@@ -1,6 +1,5 @@
-"""Custom losses at the plain Trainer's scale: a `compute_loss` that ignores `num_items_in_batch` returns each
-micro-batch's mean, so each is weighted as the plain Trainer's steps weigh it. See docs/how-it-works.md, "What it
-refuses, and why"."""
+"""Custom losses at the plain Trainer's scale: a `compute_loss` that ignores `num_items_in_batch` weighted as the
+plain Trainer's steps weigh it. See docs/how-it-works.md, "What it refuses, and why"."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import asdict
 
 from ..core.checkpoint import Adoption, PlanIdentity, StoredCheckpoint, check_schema, identity_error
 from ..core.plain_trainer import PlainBatching, plain_resume_mismatch
@@ -75,7 +76,7 @@ class Resume:
     def done_steps(self, dataset_size: int | None) -> DoneSteps | None:
         if self.adoption is None:
             return None
-        settings = self.adoption.to_dict()  # the plain Trainer's batch settings, and the step it reached
+        settings = asdict(self.adoption)  # the plain Trainer's batch settings, and the step it reached
         global_step = settings.pop("global_step")
         return PlainBatching(dataset_size, **settings).done_steps(global_step)
 
@@ -134,21 +135,15 @@ def adoption_message(plan, checkpoint: StoredCheckpoint, same_order: bool) -> st
 
 def guard_plain_resume(checkpoint_dir: str, global_step: int, run: RunPlan, args) -> None:
     """Make a Trainer without AdaptiveBatch refuse the checkpoint where it would resume at another sample or learning
-    rate: a top-level key of `trainer_state.json` that is the refusal's text, which `TrainerState(**json)` names in its
-    `TypeError`."""
+    rate: a key of `trainer_state.json` that is the refusal's text, which `TrainerState(**json)` names in its error."""
     file = os.path.join(checkpoint_dir, TRAINER_STATE_NAME)
     if not os.path.isfile(file):  # (saved elsewhere: a hyperparameter search's trial folder)
         return
     plan = run.plan
     plain = plain_batching(args, plan)
     position = plan.end_position(global_step - 1) if global_step > 0 else 0
-    reason = plain_resume_mismatch(
-        plain,
-        position,
-        global_step,
-        run.clock.nominal_steps,
-        plain.total_steps(args.num_train_epochs, args.max_steps),
-    )
+    plain_lr_steps = plain.total_steps(args.num_train_epochs, args.max_steps)
+    reason = plain_resume_mismatch(plain, position, global_step, run.clock.nominal_steps, plain_lr_steps)
     if reason is None:
         return
     refusal = (
@@ -165,8 +160,7 @@ def guard_plain_resume(checkpoint_dir: str, global_step: int, run: RunPlan, args
 
 @contextlib.contextmanager
 def readable_by_the_trainer(path: str | None) -> Iterator[str | None]:
-    """`path`, or where it carries [`guard_plain_resume`]'s key, a temporary view of it without the key (every other
-    entry linked or copied)."""
+    """`path`, or where it carries [`guard_plain_resume`]'s key, a temporary view of it without the key."""
     fields = {}
     if path is not None:
         with open(os.path.join(path, TRAINER_STATE_NAME), encoding="utf-8") as handle:

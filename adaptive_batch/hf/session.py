@@ -134,9 +134,8 @@ class Session:
         if args.should_log:
             logger.info("%s", plan_table(self.plan_rows()))
             epochs, given = traps.explicit_epochs(args.num_train_epochs), self.config.schedule is not None
-            for warning in traps.run_traps(self.run, self.schedule, epochs, schedule_given=given):
-                logger.warning("%s", warning)
-            for warning in self.assembly.probed_traps():
+            warnings = traps.run_traps(self.run, self.schedule, epochs, schedule_given=given)
+            for warning in warnings + self.assembly.probed_traps():
                 logger.warning("%s", warning)
             engine = self.assembly.runner.engine
             if self.config.measure_noise and not engine.measures_noise:
@@ -149,8 +148,7 @@ class Session:
             self.assembly.runner.close()
 
     def initial_training_values(self) -> tuple:
-        """The loop sees one epoch of all steps, each `gradient_accumulation_steps` batches; the callback tracks data
-        epochs."""
+        """The loop sees one epoch of all steps, each `gradient_accumulation_steps` batches (data epochs: callback)."""
         plan, accumulation = self.plan, self.trainer.args.gradient_accumulation_steps
         return (
             1,  # num_train_epochs of the loop
@@ -215,7 +213,7 @@ class Session:
         return {
             "schema": SCHEMA_VERSION,
             "plan": asdict(self.identity) if self.identity else None,
-            "adoption": adoption.to_dict() if adoption else None,
+            "adoption": asdict(adoption) if adoption else None,
             "settings": self.config.micro_batch_settings(),
             **self.status.state_dict(),
             **self.assembly.state_dict(),

@@ -127,8 +127,7 @@ class Status:
         return values
 
     def plan_rows(self, run: RunPlan, growth, schedule) -> list[tuple[str, str]]:
-        config, controller, args = self.config, self.assembly.controller, self.trainer.args
-        plan = run.plan
+        config, controller, args, plan = self.config, self.assembly.controller, self.trainer.args, run.plan
         plain = plain_batching(args, plan)
         plain_steps = plain.total_steps(args.num_train_epochs, args.max_steps)
         total_tokens = lengths.total_tokens(self.trainer.train_dataset)

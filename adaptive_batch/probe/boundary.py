@@ -1,6 +1,5 @@
-"""The probe's search, pure Python over a callable that runs trials: peak memory and step time are close to affine
-in the size, so a few trials predict the largest micro-batch that fits and the smallest near the best tokens/s
-(docs/how-it-works.md, "The commands")."""
+"""The probe's search over a callable that runs trials: affine fits of peak memory and step time predict the largest
+micro-batch that fits and the smallest near the best tokens/s (docs/how-it-works.md, "The commands")."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ def find_boundary(
     start: tuple[int, ...] = (2, 4),
     max_trials: int = 16,
 ) -> Search:
-    """Search for the largest size in `[1, max_size]` whose trial fits under `limit` bytes; a `ValueError` where
-    one sample does not fit."""
+    """The largest size up to `max_size` whose trial fits under `limit` bytes; `ValueError` where 1 does not."""
     trials: list[Trial] = []
     largest_fitting, smallest_failing, predicted = 0, None, None
 

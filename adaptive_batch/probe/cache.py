@@ -99,7 +99,7 @@ def describe_setup(model: torch.nn.Module, optim: str, gradient_checkpointing: b
     quantization = config.pop("quantization_config", None)
     for key in CONFIG_BOOKKEEPING_KEYS:
         config.pop(key, None)
-    peft_config = getattr(model, "peft_config", {}).get("default") if hasattr(model, "peft_config") else None
+    peft_config = getattr(model, "peft_config", {}).get("default")
     lora = None
     if peft_config is not None:
         targets = peft_config.target_modules

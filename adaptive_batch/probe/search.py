@@ -81,8 +81,7 @@ def probe(
     evaluation: bool = True,
 ) -> ProbeReport:
     """The boundary and a recommended micro-batch for `model` (as the run will train it) on full-length sequences of
-    `seq_len` tokens, with the Trainer's optimizer `optim`; `memory_budget` is required on the CPU, `setup` names the
-    setup for the report and the cache, `on_trial` is called after every trial, `evaluation` also finds the eval batch."""
+    `seq_len` tokens, with the Trainer's optimizer `optim`; `memory_budget` is required on the CPU."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
     limit = trial_limit(device, headroom, memory_budget)
     started = time.perf_counter()

@@ -47,8 +47,7 @@ class TrialRunner:
     ) -> Trial:
         """One training step on `size` samples, or its forward pass alone; with `evaluation`, an eval step: the forward
         in eval mode without gradients, its logits held as `Trainer.prediction_step` returns them."""
-        model = self.model
-        model.train(not evaluation)
+        self.model.train(not evaluation)
         seq_len = seq_len or self.seq_len
         ids = torch.randint(0, self.vocab_size, (size, seq_len), generator=self.generator).to(self.device)
         cpu = self.device.type == "cpu"
@@ -62,7 +61,7 @@ class TrialRunner:
         try:
             with stopwatch, meter if cpu else self._stop_over_limit(), self._autocast():
                 with torch.no_grad() if evaluation else contextlib.nullcontext():
-                    output = model(input_ids=ids, labels=ids)
+                    output = self.model(input_ids=ids, labels=ids)
                     output = output if evaluation else output.loss  # a training step holds its loss alone
                     synchronize(self.device)
                     forward_seconds = time.perf_counter() - started
@@ -87,8 +86,6 @@ class TrialRunner:
         until_stopped = time.perf_counter() - started
         # a step cut short leaves tensors in the traceback's reference cycles: collect those
         release_memory(self.device, collect=out_of_memory or stopped)
-        if out_of_memory or stopped:
-            forward_seconds = None
         seconds = None if out_of_memory or forward_only else until_stopped if stopped else stopwatch.seconds
         return Trial(
             size,
@@ -98,7 +95,7 @@ class TrialRunner:
             seconds,
             size * seq_len,
             stopped,
-            forward_seconds,
+            None if out_of_memory or stopped else forward_seconds,
             forward_only,
         )
 

@@ -1,6 +1,5 @@
 """Cutting one collated step batch into micro-batches without changing the step's gradient: rows longest first,
-trailing padding no row of a micro-batch uses cut off (only where exact: right padding, every sequence tensor
-`[rows, length]`, labels ignored beyond the cut). See docs/how-it-works.md, "Data, cuts and measurements"."""
+trailing padding cut off where exact. See docs/how-it-works.md, "Data, cuts and measurements"."""
 
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ class StepBatch:
         """Micro-batch of `size` rows from position `start` of the longest-first order, trailing padding cut."""
         index = self.order[start : start + size]
         length = self._kept_length(index) if self.trimmable else None
-        chunk = {key: _take(value, index, self.rows, length) for key, value in self.batch.items()}
+        chunk = {key: _take(value, index, length) for key, value in self.batch.items()}
         if self.unmasked:
             mask = chunk.pop("attention_mask")
             if self.positions or "position_ids" in chunk:
@@ -88,8 +87,7 @@ class StepBatch:
         return None
 
     def token_chunks(self, budget: int, row_cap: int | None = None, overhead: int | None = None) -> list[int]:
-        """Micro-batch sizes cutting the rows (longest first) into runs of at most `budget` padded tokens and
-        `row_cap` rows ([`cut.cheapest_chunks`] given an `overhead`, else [`cut.fewest_chunks`])."""
+        """Micro-batch sizes of at most `budget` padded tokens and `row_cap` rows, longest rows first ([`cut.py`])."""
         if overhead is None:
             return fewest_chunks(self.padded_lengths, budget, row_cap)
         return cheapest_chunks(self.padded_lengths, budget, row_cap, overhead)
@@ -147,9 +145,8 @@ MASK_BLIND_KEYS = {"input_ids", "attention_mask", "position_ids", *LABEL_KEYS}
 
 
 def mask_changes_nothing(batch: Mapping[str, Any]) -> bool:
-    """Whether a right-padded step batch of a causal LM trains the same without its padding mask: every pad comes
-    after its row's tokens (which attend only to earlier positions) and has no label, any `position_ids` count the
-    tokens from 0, and no other input reads the padding."""
+    """Whether a causal LM's right-padded step batch trains the same without its padding mask: no label on padding,
+    `position_ids` counting from 0, no other input (docs/how-it-works.md, "Variable-length data")."""
     mask = batch.get("attention_mask")
     if set(batch) - MASK_BLIND_KEYS or not isinstance(mask, torch.Tensor) or "input_ids" not in batch:
         return False
@@ -212,7 +209,7 @@ def _check_splittable(batch: Mapping[str, Any], rows: int) -> None:
             )
 
 
-def _take(value: Any, index: torch.Tensor, rows: int, length: int | None) -> Any:
+def _take(value: Any, index: torch.Tensor, length: int | None) -> Any:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             return value

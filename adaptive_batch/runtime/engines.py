@@ -144,9 +144,8 @@ def prepare(trainer) -> None:
     if config.get(MANAGED_ACCUMULATION) is False:
         config[MANAGED_ACCUMULATION] = True
         logger.warning(
-            "DeepSpeed: %s: false in the config is set to true: AdaptiveBatch marks each step's last micro-batch "
-            "as the accumulation boundary, so that its backward does the boundary's work.",
-            MANAGED_ACCUMULATION,
+            f"DeepSpeed: {MANAGED_ACCUMULATION}: false in the config is set to true: AdaptiveBatch marks each step's "
+            "last micro-batch as the accumulation boundary, so that its backward does the boundary's work."
         )
     logger.info(
         "DeepSpeed: AdaptiveBatch marks each step's accumulation boundary; the config's batch fields "

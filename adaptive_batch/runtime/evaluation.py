@@ -4,6 +4,7 @@ evaluations under `adapt_evaluation="grow"` ([`EvalGrowth`]). See docs/how-it-wo
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -55,12 +56,8 @@ class EvalPieces:
         self.largest, self.retried, self.rows, self.cut_batches = 0, 0, 0, 0
 
     def run(self, prediction_step, model, inputs, prediction_loss_only: bool, ignore_keys):
-        """The Trainer's `prediction_step` of the whole batch: loss-only batches cut by tokens where that pays
-        (`cut_by_tokens`), in pieces of at most `cap` rows after an OOM."""
-
-        def predict(piece):
-            return prediction_step(model, piece, prediction_loss_only, ignore_keys)
-
+        """The Trainer's `prediction_step` of the whole batch: cut by tokens where that pays, in pieces after OOM."""
+        predict = lambda piece: prediction_step(model, piece, prediction_loss_only, ignore_keys)
         rows = batch_rows(inputs)
         if rows is None:  # nothing to cut by rows: the Trainer's own step
             return predict(inputs)
@@ -89,11 +86,8 @@ class EvalPieces:
             size = max(1, size // 2)
             self.cap, retried = size, True
             logger.warning(
-                "AdaptiveBatch: out of memory in evaluation %s; running the eval batch again in pieces of %d %s (the "
-                "metrics are the whole batch's).",
-                where,
-                size,
-                "row" if size == 1 and pieces is None else "rows",
+                f"AdaptiveBatch: out of memory in evaluation {where}; running the eval batch again in pieces of "
+                f"{size} {'row' if size == 1 and pieces is None else 'rows'} (the metrics are the whole batch's)."
             )
             pieces = None
 
@@ -145,10 +139,8 @@ class EvalPieces:
 
         for index, width in pieces:
             name = self._piece_name()
-            key = ("eval", self.step, f"oom {name}")
-            if self.ranks.run(
-                partial(piece, index, width, name), partial(Report, True), self.tape, key
-            ).out_of_memory:
+            work, key = partial(piece, index, width, name), ("eval", self.step, f"oom {name}")
+            if self.ranks.run(work, partial(Report, True), self.tape, key).out_of_memory:
                 metrics.restore()
                 return None
         if len(outputs) > 1:
@@ -172,7 +164,7 @@ class EvalPieces:
 
     def _timed(self, inputs, rows: int, index, width: int | None, seconds: float) -> None:
         """A forward of rows `index` at `width` took `seconds`: a point for fitting a forward's fixed time."""
-        full = _width(inputs, rows)
+        full = _width(inputs)
         if full is None or seconds <= 0:
             return
         count = len(range(rows)[index]) if isinstance(index, slice) else len(index)
@@ -210,9 +202,7 @@ class EvalGrowth:
         self.built_at: int | None = None  # the batch size of the data loaders the Trainer may have kept
 
     def sizer(self, prefix: str) -> EvalSizer:
-        if prefix not in self.sizers:
-            self.sizers[prefix] = EvalSizer(self.start, self.growth_margin, self.memory_headroom)
-        return self.sizers[prefix]
+        return self.sizers.setdefault(prefix, EvalSizer(self.start, self.growth_margin, self.memory_headroom))
 
     @contextlib.contextmanager
     def sized(self, prefix: str):
@@ -316,12 +306,9 @@ def token_pieces(inputs: Mapping, rows: int, overhead: int) -> list[tuple[torch.
     sizes = cheapest_chunks([lengths[row] for row in order], rows * width, None, overhead=overhead)
     if len(sizes) < 2:
         return None
-    pieces, start = [], 0
-    for size in sizes:
-        group = order[start : start + size]
-        pieces.append((torch.tensor(group, device=mask.device), max(1, lengths[group[0]])))
-        start += size
-    return pieces
+    bounds = [0, *itertools.accumulate(sizes)]
+    groups = [order[start:end] for start, end in zip(bounds, bounds[1:])]
+    return [(torch.tensor(group, device=mask.device), max(1, lengths[group[0]])) for group in groups]
 
 
 def as_many_pieces(pieces: list, count: int, rows: int) -> list:
@@ -346,7 +333,7 @@ def as_many_pieces(pieces: list, count: int, rows: int) -> list:
 
 def take(inputs: Mapping, rows: int, index, width: int | None = None) -> dict:
     """Rows `index` of every per-row tensor, its columns cut to `width` where given (2-D ones of the batch's)."""
-    full = _width(inputs, rows)
+    full = _width(inputs)
     piece = {}
     for key, value in inputs.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
@@ -357,7 +344,7 @@ def take(inputs: Mapping, rows: int, index, width: int | None = None) -> dict:
     return piece
 
 
-def _width(inputs: Mapping, rows: int) -> int | None:
+def _width(inputs: Mapping) -> int | None:
     mask = inputs.get("attention_mask")
     return int(mask.shape[1]) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 

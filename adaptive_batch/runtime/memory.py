@@ -84,5 +84,4 @@ def reset_peak(device: torch.device) -> None:
 
 
 def peak_allocated(device: torch.device) -> float | None:
-    """Bytes allocated at most since the last reset; `None` off CUDA."""
     return float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None

@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from ..core.noise import PRECONDITIONERS, MicroBatchSums
+from ..core.noise import MicroBatchSums
 
 SPLIT = (
     "a parameter received its gradient in several parts within one micro-batch (a weight shared by layers "
@@ -23,8 +23,6 @@ class GradientNoiseMeter:
     then `step_sums` before the ranks' average and `step_norm_sq` after; `remove()` at the end."""
 
     def __init__(self, preconditioner: str = "none", device: torch.device | str = "cpu"):
-        if preconditioner not in PRECONDITIONERS:
-            raise ValueError(f"preconditioner={preconditioner!r} must be one of {PRECONDITIONERS}.")
         self.preconditioner = preconditioner
         self.device = torch.device(device)
         self.params: list[torch.nn.Parameter] = []

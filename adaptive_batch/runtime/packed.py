@@ -1,6 +1,5 @@
-"""Cutting a padding-free step batch (sequences flattened into one row) between its sequences: exact because the
-collators ignore (-100) each sequence's first label; [`flatten_padded`] makes such a row from a padded batch. See
-docs/how-it-works.md, "Padding-free and packed data"."""
+"""Cutting a padding-free step batch (sequences flattened into one row) between its sequences; [`flatten_padded`]
+makes such a row from a padded batch. See docs/how-it-works.md, "Padding-free and packed data"."""
 
 from __future__ import annotations
 

@@ -73,13 +73,6 @@ class MicroBatchRunner:
         self.tape = Tape()  # what decisions read of time and memory: measured, or replayed (the session's)
         self.last = StepStats()
 
-    @property
-    def distributed(self) -> bool:
-        return self.ranks.distributed
-
-    def agree(self, values: list[float]) -> list[float]:
-        return self.ranks.max(values)
-
     def run(
         self,
         inner_step: InnerStep,
@@ -96,11 +89,11 @@ class MicroBatchRunner:
         packed = self.packed or self.flatten or is_packed(inputs)
         if not (self.packed or self.flatten):
             # a collator not known to flatten: a rank whose flattened row holds one sequence cannot tell
-            packed = bool(self.agree([float(packed)])[0])
+            packed = bool(self.ranks.max([float(packed)])[0])
         batch = PackedStepBatch(inputs) if packed else StepBatch(inputs, *self.unmasked)
         if packed:  # its sequences are the rows, as many as the collator packed on each rank
             check_packed_inputs(inputs, model)
-            max_rows = int(self.agree([batch.rows])[0])
+            max_rows = int(self.ranks.max([batch.rows])[0])
         elif batch.rows not in (max_rows, max_rows - 1):
             raise RuntimeError(f"Step batch of {batch.rows} rows where the plan gives {max_rows} per rank.")
         step = _Step(
@@ -128,9 +121,11 @@ class MicroBatchRunner:
                 raise MicroBatchTooLargeError(_too_large_message(batch, self.device), error.tried) from None
             logger.warning("%s", self.controller.retry_message(failed.failed_rows, failed.failed_tokens))
         real_tokens = batch.real_tokens()
-        sums = self.noise.step_sums(self.ranks.count, self.distributed) if self.noise else MicroBatchSums()
+        sums = (
+            self.noise.step_sums(self.ranks.count, self.ranks.distributed) if self.noise else MicroBatchSums()
+        )
         self.engine.finish_step(model)
-        if self.distributed:  # the noise sums travel with the token count: no collective of their own
+        if self.ranks.distributed:  # the noise sums travel with the token count: no collective of their own
             totals = self.ranks.sum([real_tokens, *sums.to_list()])
             real_tokens, sums = int(totals[0]), MicroBatchSums.from_list(totals[1:])
         metrics.correct(real_tokens)
@@ -143,7 +138,7 @@ class MicroBatchRunner:
 
     def _attempt(self, step: _Step, max_rows: int, row_cap: int | None = None, attempt: int = 0) -> _Outcome:
         """Run the controller's cut of the step; stop at the first micro-batch that ran out of memory on any rank."""
-        cut = self.controller.cut(step.batch, max_rows, self.agree, row_cap)
+        cut = self.controller.cut(step.batch, max_rows, self.ranks.max, row_cap)
         outcome = _Outcome(loss=torch.zeros((), device=self.device))
         if self.noise is not None:
             self.noise.begin_attempt()
@@ -175,7 +170,7 @@ class MicroBatchRunner:
         if peak is not None:
             peak, thrashed = self.tape.measure("train", self._step, f"memory {attempt}", [peak, thrashed])
         # (a timed micro-batch reset the peak when it began: the step's is the larger of the two)
-        tokens, peak, thrashed = self.agree(
+        tokens, peak, thrashed = self.ranks.max(
             [outcome.largest_tokens, -1.0 if peak is None else max(peak, outcome.peak), float(thrashed)]
         )
         return StepMemory(outcome.largest, int(tokens), None if peak < 0 else peak, bool(thrashed))
@@ -190,7 +185,7 @@ class MicroBatchRunner:
 
     def _share_total(self, step: _Step) -> float:
         """What a micro-batch's units are divided by to give its share of the step gradient."""
-        if self.distributed and step.num_items is not None and loss_normalised_over_ranks(self.trainer):
+        if self.ranks.distributed and step.num_items is not None and loss_normalised_over_ranks(self.trainer):
             return float(step.num_items)
         return self.ranks.count * step.total()
 
@@ -215,16 +210,12 @@ class MicroBatchRunner:
 
     def _micro_batch(self, step: _Step, micro: MicroBatch, outcome: _Outcome, name: str) -> Report:
         """Forward and backward of the micro-batch, its loss added to `outcome`; the report the ranks agree on."""
+        work = partial(self._forward_backward, step, micro, outcome, name)
+        failed = partial(_failed, step.batch, micro.start, micro.rows)
         fatal = (
             None if self.engine.retries else partial(self.engine.out_of_memory, world_size=self.world_size)
         )
-        return self.ranks.run(
-            partial(self._forward_backward, step, micro, outcome, name),
-            partial(_failed, step.batch, micro.start, micro.rows),
-            self.tape,
-            ("train", self._step, f"oom {name}"),
-            fatal,
-        )
+        return self.ranks.run(work, failed, self.tape, ("train", self._step, f"oom {name}"), fatal)
 
     def _forward_backward(self, step: _Step, micro: MicroBatch, outcome: _Outcome, name: str) -> Report:
         trainer, batch = self.trainer, step.batch
@@ -235,8 +226,9 @@ class MicroBatchRunner:
                 chunk = batch.take(start, own)
                 # the Trainer divides a loss computed without `num_items_in_batch` by this
                 trainer.current_gradient_accumulation_steps = step.divisor(start, own)
-                if self.noise is not None:
-                    self._measure(step, start, own)
+                # rows without a label token add no gradient
+                if self.noise is not None and (units := step.units(start, own)) > 0:
+                    self.noise.begin_micro_batch(units, units / step.share_total)
             else:  # a rank with fewer rows: a row that adds nothing (a mean loss is divided by inf)
                 chunk = batch.dummy(count_items=step.num_items is not None)
                 trainer.current_gradient_accumulation_steps = float("inf")
@@ -256,11 +248,6 @@ class MicroBatchRunner:
             local.peak_bytes = peak if peak is not None else -math.inf
             local.real_tokens, local.padded_tokens = batch.tokens(start, max(own, 1))
         return local
-
-    def _measure(self, step: _Step, start: int, own: int) -> None:
-        units = step.units(start, own)
-        if units > 0:  # rows without a label token add no gradient
-            self.noise.begin_micro_batch(units, units / step.share_total)
 
 
 def _failed(batch: StepBatch, start: int, own: int) -> Report:
@@ -302,8 +289,7 @@ class _Outcome:
     largest: int = 0  # the largest micro-batch, in the controller's unit, and the most padded tokens one held
     largest_tokens: int = 0
     peak: float = 0.0  # the largest peak a timed micro-batch measured
-    # the report of the micro-batch that ran out of memory on some rank
-    failed: Report | None = None
+    failed: Report | None = None  # the report of the micro-batch that ran out of memory on some rank
 
 
 def _too_large_message(batch: StepBatch | PackedStepBatch, device: torch.device) -> str:

@@ -24,8 +24,6 @@ class StepStream(IterableDataset):
     """Yields, for each planned step, this rank's samples; `shared`: rank 0 reads the stream and scatters shares."""
 
     def __init__(self, stream, plan: StepPlan, rank: int, max_steps: int | None, shared: bool):
-        if not 0 <= rank < plan.world_size:
-            raise ValueError(f"rank={rank} is outside world_size={plan.world_size}.")
         self.stream, self.plan, self.rank, self.max_steps = stream, plan, rank, max_steps
         self.shared = shared and plan.world_size > 1
         self.issued = -1

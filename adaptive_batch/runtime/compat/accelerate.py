@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-# The collectives the Trainer and TRL call through the Accelerator inside a micro-batch (TRL's `compute_loss` gathers
-# its metrics with `gather_for_metrics`). A rank that ran out of memory before reaching one would leave the others
-# waiting in it for ever.
+# The collectives the Trainer and TRL (its metrics) call through the Accelerator inside a micro-batch: a rank
+# that ran out of memory before reaching one would leave the others waiting in it for ever.
 GUARDED_COLLECTIVES = ("gather", "gather_for_metrics", "reduce", "pad_across_processes")
 
 _ABSENT = object()

@@ -124,9 +124,8 @@ def padding_free(trainer) -> bool:
     )
 
 
-# The classes whose own `training_step` and `compute_loss` read `attention_mask` for the model's attention alone:
-# through Trainer's the model alone reads it; TRL's SFTTrainer also counts tokens from it, or from `position_ids`
-# where it is missing (True: they are given)
+# The classes whose own `training_step` and `compute_loss` read `attention_mask` for the model's attention
+# alone (True: SFTTrainer, which also counts tokens from it, is given `position_ids` in its place)
 MASK_BLIND_STEPS = {
     ("transformers.trainer", "Trainer"): False,
     ("trl.trainer.sft_trainer", "SFTTrainer"): True,
@@ -134,10 +133,9 @@ MASK_BLIND_STEPS = {
 
 
 def causal_rows(trainer) -> tuple[bool, bool]:
-    """`(causal, positions)`: whether right-padded rows may leave out their padding mask, the model a decoder-only
-    causal LM (every attention causal, no router loss averaged over the mask) and its inputs read by a library's own
-    `training_step` and `compute_loss` alone (a subclass's may read the mask); `positions`: `position_ids` are given
-    in its place, which SFTTrainer then counts tokens from."""
+    """`(causal, positions)`: whether right-padded rows may leave out their padding mask (a decoder-only causal LM
+    whose inputs only a library's own `training_step` and `compute_loss` read), and be given `position_ids` in its
+    place (SFTTrainer counts tokens from them). See docs/how-it-works.md, "Variable-length data"."""
     owners = [user_class(trainer, method) for method in ("training_step", "compute_loss")]
     readers = {MASK_BLIND_STEPS.get((owner.__module__, owner.__name__)) for owner in owners}
     positions = max(readers) if None not in readers else None
