@@ -11,7 +11,7 @@ from helpers import ORDER_ONLY, ORDER_TOLERANCE, Recording, assert_close_paramet
 from transformers import Trainer
 
 from adaptive_batch import AdaptiveBatch
-from adaptive_batch.core.controllers import FLEX_OVER_SDPA, SWITCH, choose_layout
+from adaptive_batch.core.controllers import FLEX_OVER_SDPA, SWITCH, UNMASKED_OVER_MASKED, choose_layout
 
 FLASH_LIKE = "flash_like_sdpa_for_tests"
 
@@ -55,9 +55,11 @@ def test_under_sdpa_a_causal_lms_padded_rows_leave_their_mask_out():
     for padding_free in (None, False):
         layout = choose_layout(padding_free, False, "sdpa", True, causal=True)
         assert layout.unmasked and not layout.flatten and "without the padding mask" in layout.text
-    # the estimate's sdpa side ran with the mask, and the text says so
+    # the estimate's sdpa side ran with the mask, and the text says so, and what leaving it out gained
     chosen = choose_layout(None, False, "sdpa", True, causal=True).text
-    assert "of sdpa with its padding mask" in chosen and "not measured yet" in chosen
+    low, high = UNMASKED_OVER_MASKED
+    assert "of sdpa with its padding mask" in chosen and f"ran {low:.2f}-{high:.2f}x that" in chosen
+    assert 1 < low <= high
     assert choose_layout(None, False, "sdpa", None, causal=True).unmasked  # (any padding the first step has)
     assert not choose_layout(None, False, "sdpa", True).unmasked  # not a causal LM read by the library alone
     assert not choose_layout(None, False, "sdpa", False, causal=True).unmasked  # one length: no padding
