@@ -2,7 +2,11 @@
 training, on a QLoRA Llama-2-7B shape (NF4, double quantisation, bf16 compute, LoRA r=16 on q/v, gradient
 checkpointing, paged_adamw_8bit) at one sequence length.
 
-Four phases, each in its own process (so that one phase's cached memory cannot shape the next one's readings):
+Four phases, each in its own process (so that one phase's cached memory cannot shape the next one's readings). Where
+both probe and auto_find are asked for, an unrecorded `warm` process (the model loaded, one short step) runs first,
+so that neither is the machine's first GPU process with cold caches, and the two run in `--rounds` order-reversed
+rounds (probe, auto_find, auto_find, probe; a later round's runs in the phase's `repeats`); the time ratio is pooled
+over the rounds:
 
 1. probe: `adaptive-batch probe MODEL ... --no-eval --json` (the training batch alone, as auto_find_batch_size
    finds it), timed with and without loading the model;
@@ -365,7 +369,19 @@ def train_record(marks: Marks, size: int, options, limit: float, error: str | No
     }
 
 
+def phase_warm(options, model_dir: str, _inputs: dict) -> dict:
+    """Unrecorded: the model loaded and one short training step, as a machine's first process pays for them."""
+    from adaptive_batch.probe.trials import TrialRunner, make_optimizer
+
+    model, device, dtype = load(options, model_dir)
+    optimizer = make_optimizer(model, "adamw_torch" if options.tiny else "paged_adamw_8bit", 2e-4)
+    autocast = None if options.tiny else dtype
+    runner = TrialRunner(model, optimizer, options.seq_len, model.config.vocab_size, device, autocast, None)
+    return {"warm_up_seconds": runner.warm_up().seconds}
+
+
 PHASES = {
+    "warm": phase_warm,
     "probe": phase_probe,
     "auto_find": phase_auto_find,
     "exhaustive": phase_exhaustive,
@@ -385,7 +401,11 @@ def main():
         "--train-sizes", default="recommended,boundary", help="which of the probe's sizes to train at"
     )
     parser.add_argument("--auto-find-start", type=int, help="auto_find_batch_size's first per-device size")
-    parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset, in order")
+    parser.add_argument(
+        "--phases",
+        default=",".join(p for p in PHASES if p != "warm"),
+        help="comma-separated subset, in order",
+    )
     parser.add_argument("--workdir", default="/tmp/adaptive-batch-bench")
     add_arguments(parser)  # the train phase's
     parser.add_argument("--tiny", action="store_true", help="a CPU dry run on a tiny model")
@@ -411,7 +431,7 @@ def main():
     report.update(environment(options))
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         save_random_llama(model_dir, TINY if options.tiny else LLAMA2_7B, on_gpu=not options.tiny)
-    for phase in options.phases.split(","):
+    for round_, phase in schedule(options.phases.split(","), options.rounds):
         inputs_path = os.path.join(options.workdir, "inputs.json")
         # named before the phase runs: a phase stopped partway (a train phase writes after every step) says which
         # command produced what it wrote
@@ -423,14 +443,36 @@ def main():
         done = subprocess.run(argv + ["--inputs", inputs_path], capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
-            report[phase] = {"error": done.stderr[-3000:], "returncode": done.returncode}
+            result = {"error": done.stderr[-3000:], "returncode": done.returncode}
         else:
-            report[phase] = json.loads(lines[-1][len("RESULT ") :])
-        report[phase]["process_seconds"] = time.perf_counter() - started
-        report[phase]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+            result = json.loads(lines[-1][len("RESULT ") :])
+        result["process_seconds"] = time.perf_counter() - started
+        result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        if round_ == 0:
+            report[phase] = result
+        else:  # a later round's run of a timed phase, kept beside the first
+            report[phase].setdefault("repeats", []).append({**result, "round": round_})
         write_report(options, report)
-        print(f"{phase}: {report[phase]['process_seconds']:.0f} s", flush=True)
+        print(
+            f"{phase}{f' (round {round_ + 1})' if round_ else ''}: {result['process_seconds']:.0f} s",
+            flush=True,
+        )
     print(summary(report))
+
+
+TIMED = ("probe", "auto_find")  # the two phases whose times are compared
+
+
+def schedule(phases: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, phase) in the order to run them. Where both timed phases are asked for, an unrecorded `warm` process
+    comes first (so that neither is the machine's first process on the GPU, with cold caches) and the two run in
+    `rounds` order-reversed rounds in place of the first of them; the other phases run once, in their place."""
+    if not all(p in phases for p in TIMED):
+        return [(0, p) for p in phases]
+    first = min(phases.index(p) for p in TIMED)
+    rest = [p for p in phases if p not in TIMED]
+    timed = [(0, "warm"), *interleaved(list(TIMED), rounds)]
+    return [(0, p) for p in rest[:first]] + [(r, p) for r, p in timed] + [(0, p) for p in rest[first:]]
 
 
 def environment(options) -> dict:
@@ -448,6 +490,18 @@ def environment(options) -> dict:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def time_ratios(report: dict) -> list[tuple[float, float]]:
+    """(probe seconds, auto_find's lost seconds) of each round both phases finished."""
+    probe, auto = report.get("probe", {}), report.get("auto_find", {})
+    probes = {0: probe, **{r.get("round"): r for r in probe.get("repeats", [])}}
+    autos = {0: auto, **{r.get("round"): r for r in auto.get("repeats", [])}}
+    return [
+        (probes[r]["seconds"], autos[r]["lost_seconds"])
+        for r in sorted(probes)
+        if r in autos and "seconds" in probes[r] and autos[r].get("lost_seconds")
+    ]
 
 
 def gib(value: float | None) -> str:
@@ -479,15 +533,15 @@ def summary(report: dict) -> str:
                 f"{probe['setup_seconds']:.2f} s, cleanup {probe['cleanup_seconds']:.2f} s)"
             )
     if "lost_seconds" in auto:
-        ratio = (
-            probe["seconds"] / auto["lost_seconds"]
-            if "seconds" in probe and auto["lost_seconds"]
-            else math.nan
-        )
         lines.append(
             f"auto_find_batch_size: from {auto['start']}, tried {auto['sizes_tried']}, lost "
-            f"{auto['lost_seconds']:.1f} s; probe / lost = {ratio:.2f}"
+            f"{auto['lost_seconds']:.1f} s"
         )
+        rounds = time_ratios(report)
+        if rounds:
+            by_round = ", ".join(f"{probe_s:.1f} / {lost:.1f} s" for probe_s, lost in rounds)
+            pooled = sum(p for p, _ in rounds) / sum(lost for _, lost in rounds)
+            lines.append(f"probe / lost = {pooled:.3f} over {len(rounds)} round(s) ({by_round})")
     if "true_boundary" in exhaustive:
         true = exhaustive["true_boundary"]
         off = abs(probe["boundary"] - true) / true if true else math.nan
