@@ -69,16 +69,6 @@ class MicroBatchSums:
         return cls(*values)
 
 
-def step_estimate(
-    micro_batches: Iterable[tuple[float, float]], step_norm_sq: float, total_units: float
-) -> StepEstimate | None:
-    """One step's estimates (per unit) from its micro-batches `(n_j, |d_j|^2)`, the loss averaged over `total_units`."""
-    sums = MicroBatchSums()
-    for units, norm_sq in micro_batches:
-        sums.add(units, units / total_units, norm_sq)
-    return sums.estimate(step_norm_sq)
-
-
 @dataclass
 class _Moments:
     """Exponentially weighted sums of the weights, both estimates and their squares; `weight`: bias correction."""
