@@ -157,9 +157,7 @@ def build_plan(
     notes: list[str] = []
     position = done.end  # samples trained so far: samples_before[-1]
     while position < budget_samples:
-        progress = Progress(
-            step=len(sizes), samples_seen=samples_before[-1], fraction=position / budget_samples
-        )
+        progress = Progress(len(sizes), samples_before[-1], position / budget_samples)
         effective = check_effective_batch_size(
             schedule(progress), where=f"The schedule at {_where(progress)}"
         )
