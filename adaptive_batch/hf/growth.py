@@ -94,10 +94,8 @@ class Growth:
 
     def after_step(self, session, step: int, timed: bool, split: bool) -> None:
         last = session.assembly.runner.last
-        self._timing = (
-            self._timing[0],
-            (session.plan.max_rows(step), last.accumulation_steps) if timed else None,
-        )
+        ran = (session.plan.max_rows(step), last.accumulation_steps) if timed else None
+        self._timing = (self._timing[0], ran)
         if not split:
             self._usual_micro_batches = last.accumulation_steps
         self._maybe_grow(session, step)

@@ -136,9 +136,7 @@ class Status:
             "cut by padded tokens from it on"
         )
         rows = report.plan_rows(
-            plan,
-            run.clock,
-            run.budget,
+            run,
             schedule_text=plan_text(schedule),
             micro_batch_text=controller.describe()
             + (unknown_lengths if self.assembly.lengths_pending else ""),

@@ -237,18 +237,12 @@ class EvalGrowth:
             base or 0.0,
         ]
         seconds, rows, failed, above, most_base = ranks.max(local)
-        measured_memory = peak is not None
         self.rows[prefix] = int(rows)
+        largest = min(size, self.pieces.cap or size) if failed else size
+        peak_and_base = (most_base + above, most_base) if peak is not None else (None, None)
+        limit = memory_limit(device, headroom=0.0)  # (the sizer leaves its headroom)
         line = self.sizer(prefix).record(
-            EvalMeasure(
-                size=size,
-                rows=int(rows),
-                seconds=seconds,
-                largest=min(size, self.pieces.cap or size) if failed else size,
-                peak_bytes=most_base + above if measured_memory else None,
-                base_bytes=most_base if measured_memory else None,
-                limit_bytes=memory_limit(device, headroom=0.0),  # (the sizer leaves its headroom)
-            )
+            EvalMeasure(size, int(rows), seconds, largest, *peak_and_base, limit)
         )
         if line and self.trainer.args.should_log:
             logger.info("AdaptiveBatch: %s", line)
