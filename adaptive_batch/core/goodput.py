@@ -286,9 +286,8 @@ class NoiseScaleSchedule:
 
     def state_dict(self) -> dict:
         noise = [None if math.isinf(c.noise_scale) else c.noise_scale for c in self.changes]
-        return {
-            "changes": [[c.step, c.size, c.samples_seen, c.reason, n] for c, n in zip(self.changes, noise)]
-        }
+        changes = [[c.step, c.size, c.samples_seen, c.reason, n] for c, n in zip(self.changes, noise)]
+        return {"changes": changes}
 
     def load_state_dict(self, state: dict) -> None:
         # (a checkpoint from before the noise scale was kept holds four fields: the gain rules then read infinity)

@@ -139,9 +139,8 @@ def plan_rows(
         ),
     ]
     if len(phases) > 1:
-        rows.append(
-            ("phases (steps: effective batch)", ", ".join(f"{a + 1}-{b + 1}: {e}" for a, b, e in phases))
-        )
+        text = ", ".join(f"{a + 1}-{b + 1}: {e}" for a, b, e in phases)
+        rows.append(("phases (steps: effective batch)", text))
     if uneven := plan.uneven_steps():
         rows.append(("uneven steps", _uneven_text(uneven, clock, plan)))
     if done := plan.done_steps:

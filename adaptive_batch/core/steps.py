@@ -158,9 +158,7 @@ def build_plan(
     position = done.end  # samples trained so far: samples_before[-1]
     while position < budget_samples:
         progress = Progress(len(sizes), samples_before[-1], position / budget_samples)
-        effective = check_effective_batch_size(
-            schedule(progress), where=f"The schedule at {_where(progress)}"
-        )
+        effective = check_effective_batch_size(schedule(progress), f"The schedule at {_where(progress)}")
         _check_fits(effective, world_size, dataset_size, progress, unit)
         epoch_left = dataset_size - position % dataset_size
         size = min(effective, epoch_left, budget_samples - position)

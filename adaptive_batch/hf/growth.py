@@ -32,7 +32,7 @@ class Growth:
     def check(
         self, config, engine: Engine, world_size: int, stream_workers: int, stored: dict | None
     ) -> None:
-        """The schedule's requirements; its changes: none, or the checkpoint's (`stored`)."""
+        """The schedule's requirements; its changes: none, or those of the checkpoint's state (`stored`)."""
         schedule = self.schedule
         if not config.measure_noise:
             raise ValueError(
@@ -57,8 +57,8 @@ class Growth:
                 "dataloader_num_workers=0, or a map-style dataset."
             )
         schedule.reset()
-        if stored:
-            schedule.load_state_dict(stored)
+        if stored and stored["schedule"]:
+            schedule.load_state_dict(stored["schedule"])
 
     def check_sizes(self, run: RunPlan, world_size: int) -> None:
         largest = self.schedule.sizes(world_size)[-1]

@@ -241,9 +241,8 @@ class EvalGrowth:
         largest = min(size, self.pieces.cap or size) if failed else size
         peak_and_base = (most_base + above, most_base) if peak is not None else (None, None)
         limit = memory_limit(device, headroom=0.0)  # (the sizer leaves its headroom)
-        line = self.sizer(prefix).record(
-            EvalMeasure(size, int(rows), seconds, largest, *peak_and_base, limit)
-        )
+        measure = EvalMeasure(size, int(rows), seconds, largest, *peak_and_base, limit)
+        line = self.sizer(prefix).record(measure)
         if line and self.trainer.args.should_log:
             logger.info("AdaptiveBatch: %s", line)
 
