@@ -128,9 +128,7 @@ class NoiseScale:
     @property
     def value(self) -> float | None:
         """tr(Sigma) / |G|^2 of the averages (a negative tr(Sigma) counts as 0; |G|^2 <= 0 gives `inf`)."""
-        if not self.steps:
-            return None
-        return _ratio(max(self.grad_variance, 0.0), self.grad_norm_sq)
+        return _ratio(max(self.grad_variance, 0.0), self.grad_norm_sq) if self.steps else None
 
     @property
     def effective_steps(self) -> float:
@@ -162,9 +160,7 @@ class NoiseScale:
             return 0.0
         error_variance, error_norm_sq = errors
         low = self.grad_variance - z * error_variance
-        if low <= 0.0:
-            return 0.0
-        return _ratio(low, self.grad_norm_sq + z * error_norm_sq)
+        return 0.0 if low <= 0.0 else _ratio(low, self.grad_norm_sq + z * error_norm_sq)
 
     def state_dict(self) -> dict:
         return {

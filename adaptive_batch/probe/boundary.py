@@ -194,9 +194,7 @@ def _predicted_within(trials: list[Trial], target: float) -> int | None:
     tokens_per_sample = points[0].tokens / points[0].size
     # size x tokens_per_sample / (fixed + slope x size) >= target, solved for size
     denominator = tokens_per_sample - target * slope
-    if denominator <= 0:
-        return None
-    return max(1, math.ceil(target * fixed / denominator))
+    return max(1, math.ceil(target * fixed / denominator)) if denominator > 0 else None
 
 
 def split_effective_batch(micro_batch_size: int, effective_batch_size: int, gpus: int) -> tuple[int, int]:
