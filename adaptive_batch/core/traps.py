@@ -31,8 +31,7 @@ def run_traps(
 
 
 def probed_traps(micro_batch_size: int | str, per_device_eval_batch_size: int, probed) -> list[str]:
-    """A start above what `adaptive-batch probe` found to fit at `probed.seq_len` tokens (its cached `boundary` and
-    `eval_boundary`, `None`: not found)."""
+    """A start above what `adaptive-batch probe` found to fit (`probed`'s `boundary`, `eval_boundary`)."""
     seq_len, boundary, eval_boundary = probed.seq_len, probed.boundary, probed.eval_boundary
     warnings = []
     if isinstance(micro_batch_size, int) and boundary is not None and micro_batch_size > boundary:

@@ -47,8 +47,8 @@ class EvalPieces:
         self.begin()
 
     def begin(self) -> None:
-        """A new evaluation starts: its counters from zero (the cap stays): the largest piece that ran, the batches
-        run again in pieces, the rows on this rank, the batches run in pieces of similar lengths."""
+        """A new evaluation starts: its counters from zero (the cap stays): the largest piece that ran, the
+        batches run again in pieces, the rows on this rank, the batches run in pieces of similar lengths."""
         self.largest, self.retried, self.rows, self.cut_batches = 0, 0, 0, 0
 
     def run(self, prediction_step, model, inputs, prediction_loss_only: bool, ignore_keys):
