@@ -239,7 +239,11 @@ def test_options_that_are_adaptive_batch_settings_show_the_config_s_help(capsys,
         for python in ("`", "NoiseScaleSchedule", "PhaseSchedule", "callable", "sqrt_gain", "'gain'", "None"):
             assert python not in entries[option], (option, python)
     for name in ("lr_scaling", "schedule"):
-        assert config.help_text(name).startswith(config.meaning(name) + ":")
+        assert (
+            config.AdaptiveBatchConfig.__dataclass_fields__[name]
+            .metadata["help"]
+            .startswith(config.meaning(name) + ":")
+        )
 
 
 @pytest.mark.parametrize(

@@ -26,11 +26,20 @@ from helpers import (
 
 from adaptive_batch import AdaptiveBatch, PhaseSchedule
 from adaptive_batch.core.config import AdaptiveBatchConfig
-from adaptive_batch.core.noise import MicroBatchSums, NoiseScale, StepEstimate, step_estimate
+from adaptive_batch.core.noise import MicroBatchSums, NoiseScale, StepEstimate
 from adaptive_batch.runtime.noise_hooks import GradientNoiseMeter
 from adaptive_batch.testing import FakeOutOfMemory
 
 NOISE_KEYS = ("adaptive_batch/noise_scale", "adaptive_batch/grad_norm_sq", "adaptive_batch/grad_variance")
+
+
+def step_estimate(micro_batches, step_norm_sq: float, total_units: float) -> StepEstimate | None:
+    """One step's estimates (per unit) from its micro-batches `(n_j, |d_j|^2)`, the loss averaged over `total_units`."""
+    sums = MicroBatchSums()
+    for units, norm_sq in micro_batches:
+        sums.add(units, units / total_units, norm_sq)
+    return sums.estimate(step_norm_sq)
+
 
 # -- the estimator -------------------------------------------------------------------------------------------------
 

@@ -181,9 +181,7 @@ def run(options: argparse.Namespace) -> dict:
             and bool({"per_device", "accumulation"} & set(options.given)),
         ),
         "table": report.plan_rows(
-            plan,
-            clock,
-            budget,
+            planned,
             schedule_text=describe(schedule),
             micro_batch_text="auto (decided while training)",
             tokens=tokens,

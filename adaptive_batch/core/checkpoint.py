@@ -81,9 +81,8 @@ def learned_state_applies(stored: dict, now: dict) -> tuple[bool, str]:
     """Whether what a checkpoint's run learned about micro-batches applies under the settings now (the same, or both
     `"auto"` alike but for `max_micro_batch_size`), and the line that says which."""
     if stored == now:
-        return (
-            True,
-            f"Micro-batches: as the run had learned them before the checkpoint ({describe_settings(now)}).",
+        return True, (
+            f"Micro-batches: as the run had learned them before the checkpoint ({describe_settings(now)})."
         )
     same_auto = stored["micro_batch_size"] == now["micro_batch_size"] == "auto" and all(
         stored[name] == now[name] for name in now if name not in ("micro_batch_size", "max_micro_batch_size")

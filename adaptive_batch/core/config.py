@@ -226,10 +226,6 @@ class AdaptiveBatchConfig:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["micro_batch"]}
 
 
-def help_text(name: str) -> str:
-    return next(f.metadata["help"] for f in fields(AdaptiveBatchConfig) if f.name == name)
-
-
 def meaning(name: str) -> str:
     """What one setting is, without the Python values it takes (its help where it states no separate meaning)."""
     f = next(f for f in fields(AdaptiveBatchConfig) if f.name == name)

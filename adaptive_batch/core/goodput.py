@@ -20,16 +20,12 @@ def goodput_gain(
 ) -> float:
     """goodput(candidate) / goodput(batch) (B0 cancels in the ratio)."""
     speed = (candidate / candidate_seconds) / (batch / seconds)
-    if math.isinf(noise_scale):
-        return speed
-    return speed * (noise_scale + batch) / (noise_scale + candidate)
+    return speed if math.isinf(noise_scale) else speed * (noise_scale + batch) / (noise_scale + candidate)
 
 
 def statistical_efficiency(batch: int, start: int, noise_scale: float) -> float:
     """The progress per sample at `batch` against `start`: (B_noise + B0) / (B_noise + B), 1 at infinite noise."""
-    if math.isinf(noise_scale):
-        return 1.0
-    return (noise_scale + start) / (noise_scale + batch)
+    return 1.0 if math.isinf(noise_scale) else (noise_scale + start) / (noise_scale + batch)
 
 
 class StepTimeModel:
@@ -262,9 +258,7 @@ class NoiseScaleSchedule:
         micro_next = micro_batches if cap is None else max(micro_batches, -(-rows_next // cap))
         seconds = costs.step_time.predict(rows, micro_batches)
         seconds_next = costs.step_time.predict(rows_next, micro_next)
-        if seconds is None or seconds_next is None:
-            return None
-        return candidate, seconds, seconds_next
+        return None if seconds is None or seconds_next is None else (candidate, seconds, seconds_next)
 
     def change(
         self, step: int, size: int, samples_seen: int, reason: str, noise_scale: float | None = None
@@ -286,9 +280,8 @@ class NoiseScaleSchedule:
 
     def state_dict(self) -> dict:
         noise = [None if math.isinf(c.noise_scale) else c.noise_scale for c in self.changes]
-        return {
-            "changes": [[c.step, c.size, c.samples_seen, c.reason, n] for c, n in zip(self.changes, noise)]
-        }
+        changes = [[c.step, c.size, c.samples_seen, c.reason, n] for c, n in zip(self.changes, noise)]
+        return {"changes": changes}
 
     def load_state_dict(self, state: dict) -> None:
         # (a checkpoint from before the noise scale was kept holds four fields: the gain rules then read infinity)

@@ -69,16 +69,6 @@ class MicroBatchSums:
         return cls(*values)
 
 
-def step_estimate(
-    micro_batches: Iterable[tuple[float, float]], step_norm_sq: float, total_units: float
-) -> StepEstimate | None:
-    """One step's estimates (per unit) from its micro-batches `(n_j, |d_j|^2)`, the loss averaged over `total_units`."""
-    sums = MicroBatchSums()
-    for units, norm_sq in micro_batches:
-        sums.add(units, units / total_units, norm_sq)
-    return sums.estimate(step_norm_sq)
-
-
 @dataclass
 class _Moments:
     """Exponentially weighted sums of the weights, both estimates and their squares; `weight`: bias correction."""
@@ -138,9 +128,7 @@ class NoiseScale:
     @property
     def value(self) -> float | None:
         """tr(Sigma) / |G|^2 of the averages (a negative tr(Sigma) counts as 0; |G|^2 <= 0 gives `inf`)."""
-        if not self.steps:
-            return None
-        return _ratio(max(self.grad_variance, 0.0), self.grad_norm_sq)
+        return _ratio(max(self.grad_variance, 0.0), self.grad_norm_sq) if self.steps else None
 
     @property
     def effective_steps(self) -> float:
@@ -172,9 +160,7 @@ class NoiseScale:
             return 0.0
         error_variance, error_norm_sq = errors
         low = self.grad_variance - z * error_variance
-        if low <= 0.0:
-            return 0.0
-        return _ratio(low, self.grad_norm_sq + z * error_norm_sq)
+        return 0.0 if low <= 0.0 else _ratio(low, self.grad_norm_sq + z * error_norm_sq)
 
     def state_dict(self) -> dict:
         return {

@@ -32,9 +32,7 @@ class PlainBatching:
         return max(1, math.ceil(per_rank / self.gradient_accumulation_steps))
 
     def total_steps(self, num_train_epochs: float, max_steps: int = -1) -> int:
-        if max_steps > 0:
-            return max_steps
-        return math.ceil(num_train_epochs * self.steps_per_epoch)
+        return max_steps if max_steps > 0 else math.ceil(num_train_epochs * self.steps_per_epoch)
 
     def step_sizes(self, num_steps: int) -> list[int]:
         effective, per_epoch = self.effective_batch_size, self.steps_per_epoch

@@ -51,14 +51,11 @@ class RunPlan:
     def starting_effective_batch_size(self) -> int:
         return self.clock.starting_effective_batch_size
 
-    def steps(self, schedule: Schedule) -> StepPlan:
+    def replan(self, schedule: Schedule) -> StepPlan:
         s = self.settings
-        return build_plan(
+        self.plan = self.clock.plan = build_plan(
             schedule, self.dataset_size, self.budget, s.world_size, s.drop_last, done=self.done, unit=s.unit
         )
-
-    def replan(self, schedule: Schedule) -> StepPlan:
-        self.plan = self.clock.plan = self.steps(schedule)
         return self.plan
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from .lr import SampleClock
 from .plain_trainer import PlainBatching
-from .steps import Budget, StepPlan
+from .planning import RunPlan
+from .steps import StepPlan
 
 
 @dataclass(frozen=True)
@@ -103,17 +104,16 @@ def _steps_text(steps: list[int], samples_before_step, shown: int = 6) -> str:
 
 
 def plan_rows(
-    plan: StepPlan,
-    clock: SampleClock,
-    budget: Budget,
+    run: RunPlan,
     schedule_text: str,
     micro_batch_text: str,
-    plain_steps: int | None = None,
+    rule_text: str,
+    layout_text: str,
     tokens: int | None = None,
-    rule_text: str = "none",
+    plain_steps: int | None = None,
     accumulation_text: str = "samples per rank per step / micro-batch, decided while training",
-    layout_text: str | None = None,
 ) -> list[tuple[str, str]]:
+    plan, clock = run.plan, run.clock
     phases = plan.phases()
     world = plan.world_size
     per_rank = " -> ".join(str(effective // world) for _, _, effective in phases)
@@ -124,12 +124,12 @@ def plan_rows(
     rows = [
         ("effective batch", schedule_text),
         ("micro-batch", micro_batch_text),
-        *([("layout", layout_text)] if layout_text is not None else []),
+        ("layout", layout_text),
         ("samples per rank per step", per_rank),
         ("accumulation", accumulation_text),
         ("world size", str(world)),
         ("optimizer steps", steps),
-        ("samples", f"{plan.num_samples:,} from {budget.origin}"),
+        ("samples", f"{plan.num_samples:,} from {run.budget.origin}"),
         ("tokens", f"{tokens:,} (non-padding)" if tokens is not None else "not known before training"),
         ("epochs", f"{plan.budget / plan.dataset_size:g} of {plan.dataset_size:,} samples"),
         (
@@ -139,9 +139,8 @@ def plan_rows(
         ),
     ]
     if len(phases) > 1:
-        rows.append(
-            ("phases (steps: effective batch)", ", ".join(f"{a + 1}-{b + 1}: {e}" for a, b, e in phases))
-        )
+        text = ", ".join(f"{a + 1}-{b + 1}: {e}" for a, b, e in phases)
+        rows.append(("phases (steps: effective batch)", text))
     if uneven := plan.uneven_steps():
         rows.append(("uneven steps", _uneven_text(uneven, clock, plan)))
     if done := plan.done_steps:

@@ -150,9 +150,7 @@ class RowController(MicroBatchSearch):
         )
 
     def _settle(self, because: str, by_limit: bool = False) -> None:
-        self.trial = None
-        self.settled_because = because
-        self.stopped_by_limit = by_limit
+        self.trial, self.settled_because, self.stopped_by_limit = None, because, by_limit
 
     def _limit_text(self, size: int) -> str:
         if self.max_size is not None and size >= self.max_size:

@@ -157,12 +157,8 @@ def build_plan(
     notes: list[str] = []
     position = done.end  # samples trained so far: samples_before[-1]
     while position < budget_samples:
-        progress = Progress(
-            step=len(sizes), samples_seen=samples_before[-1], fraction=position / budget_samples
-        )
-        effective = check_effective_batch_size(
-            schedule(progress), where=f"The schedule at {_where(progress)}"
-        )
+        progress = Progress(len(sizes), samples_before[-1], position / budget_samples)
+        effective = check_effective_batch_size(schedule(progress), f"The schedule at {_where(progress)}")
         _check_fits(effective, world_size, dataset_size, progress, unit)
         epoch_left = dataset_size - position % dataset_size
         size = min(effective, epoch_left, budget_samples - position)

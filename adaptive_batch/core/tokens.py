@@ -192,8 +192,7 @@ class TokenController(MicroBatchSearch):
         self.no_line = self.overhead is None
 
     def _stop_tuning(self, because: str) -> None:
-        self.tuning = False
-        self.budget_because = because
+        self.tuning, self.budget_because = False, because
 
     def state_dict(self) -> dict:
         return {

@@ -30,14 +30,9 @@ def run_traps(
     ]
 
 
-def probed_traps(
-    micro_batch_size: int | str,
-    per_device_eval_batch_size: int,
-    seq_len: int,
-    boundary: int | None,
-    eval_boundary: int | None,
-) -> list[str]:
-    """A start above what `adaptive-batch probe` found to fit at `seq_len` tokens (`None`: not found)."""
+def probed_traps(micro_batch_size: int | str, per_device_eval_batch_size: int, probed) -> list[str]:
+    """A start above what `adaptive-batch probe` found to fit (`probed`'s `boundary`, `eval_boundary`)."""
+    seq_len, boundary, eval_boundary = probed.seq_len, probed.boundary, probed.eval_boundary
     warnings = []
     if isinstance(micro_batch_size, int) and boundary is not None and micro_batch_size > boundary:
         warnings.append(

@@ -91,10 +91,5 @@ class TrainerFacts:
         probed = self.probed
         if probed is None or probed.seq_len is None:
             return []
-        return traps.probed_traps(
-            self.config.micro_batch_size,
-            self.trainer.args.per_device_eval_batch_size,
-            probed.seq_len,
-            probed.boundary,
-            probed.eval_boundary,
-        )
+        config, args = self.config, self.trainer.args
+        return traps.probed_traps(config.micro_batch_size, args.per_device_eval_batch_size, probed)

@@ -29,10 +29,8 @@ class Growth:
         # a step's micro-batches on a rank, outside the steps cut in two to measure
         self._usual_micro_batches = 1
 
-    def check(
-        self, config, engine: Engine, world_size: int, stream_workers: int, stored: dict | None
-    ) -> None:
-        """The schedule's requirements; its changes: none, or the checkpoint's (`stored`)."""
+    def check(self, config, engine: Engine, world_size: int, stream_workers: int, state: dict | None) -> None:
+        """The schedule's requirements; its changes: none, or those of a checkpoint's `state`."""
         schedule = self.schedule
         if not config.measure_noise:
             raise ValueError(
@@ -57,8 +55,8 @@ class Growth:
                 "dataloader_num_workers=0, or a map-style dataset."
             )
         schedule.reset()
-        if stored:
-            schedule.load_state_dict(stored)
+        if state and state["schedule"]:
+            schedule.load_state_dict(state["schedule"])
 
     def check_sizes(self, run: RunPlan, world_size: int) -> None:
         largest = self.schedule.sizes(world_size)[-1]
@@ -94,10 +92,8 @@ class Growth:
 
     def after_step(self, session, step: int, timed: bool, split: bool) -> None:
         last = session.assembly.runner.last
-        self._timing = (
-            self._timing[0],
-            (session.plan.max_rows(step), last.accumulation_steps) if timed else None,
-        )
+        ran = (session.plan.max_rows(step), last.accumulation_steps) if timed else None
+        self._timing = (self._timing[0], ran)
         if not split:
             self._usual_micro_batches = last.accumulation_steps
         self._maybe_grow(session, step)

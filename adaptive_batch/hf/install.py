@@ -143,14 +143,6 @@ def _configure_logger(args) -> None:
 class _ShownWhereUnconfigured(logging.StreamHandler):
     """Writes a record to stderr only where no other handler on its way up would receive it."""
 
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value):
-        pass
-
     def emit(self, record: logging.LogRecord) -> None:
         current = logging.getLogger(record.name)
         while current is not None:  # (the way up a record takes, as `Logger.callHandlers` walks it)
@@ -159,4 +151,5 @@ class _ShownWhereUnconfigured(logging.StreamHandler):
             if not current.propagate:
                 break
             current = current.parent
+        self.stream = sys.stderr  # the one now (pytest, notebooks and the user may have replaced it)
         super().emit(record)

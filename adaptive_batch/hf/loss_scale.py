@@ -73,9 +73,7 @@ class LossScale:
             return result
         # the micro-batch's share of the step (its divisor is the step's units over its own) x the plain micro-batches
         factor = self.plain_micro_batches / self.trainer.current_gradient_accumulation_steps
-        if isinstance(result, tuple):
-            return (result[0] * factor, *result[1:])
-        return result * factor
+        return (result[0] * factor, *result[1:]) if isinstance(result, tuple) else result * factor
 
     def _warning(self, func) -> str:
         where = "compute_loss_func"

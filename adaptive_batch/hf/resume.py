@@ -184,8 +184,5 @@ def readable_by_the_trainer(path: str | None) -> Iterator[str | None]:
 def _link(source: str, target: str) -> None:
     try:
         os.symlink(source, target, target_is_directory=os.path.isdir(source))
-    except OSError:
-        if os.path.isdir(source):
-            shutil.copytree(source, target)
-        else:
-            shutil.copy2(source, target)
+    except OSError:  # where no link can be made (Windows without the privilege, some filesystems): a copy
+        (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, target)

@@ -65,9 +65,7 @@ class Session:
         self.growth = growth_for(schedule)
         if self.growth is not None:
             workers = args.dataloader_num_workers if stream else 0
-            self.growth.check(
-                config, engine, self.world_size, workers, stored["schedule"] if stored else None
-            )
+            self.growth.check(config, engine, self.world_size, workers, stored)
         self.resume = Resume(checkpoint, args, self.world_size, stream)
         dataset_size = None if stream else len(trainer.train_dataset)
         unit = "samples"

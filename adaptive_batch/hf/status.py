@@ -136,9 +136,7 @@ class Status:
             "cut by padded tokens from it on"
         )
         rows = report.plan_rows(
-            plan,
-            run.clock,
-            run.budget,
+            run,
             schedule_text=plan_text(schedule),
             micro_batch_text=controller.describe()
             + (unknown_lengths if self.assembly.lengths_pending else ""),
@@ -152,9 +150,7 @@ class Status:
             layout_text=self.assembly.layout().text,
         )
         may_grow_to = growth.schedule.max_size if growth is not None else None
-        rows += report.step_strategy_rows(
-            plan, plain, plain_steps, step_strategies(args), may_grow_to=may_grow_to
-        )
+        rows += report.step_strategy_rows(plan, plain, plain_steps, step_strategies(args), may_grow_to)
         if is_stream(self.trainer.train_dataset):
             stream = ("epochs", f"a stream: its first {plan.budget:,} samples, read once in order")
             rows = [stream if label == "epochs" else (label, value) for label, value in rows]

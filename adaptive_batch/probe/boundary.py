@@ -10,6 +10,12 @@ from dataclasses import asdict, dataclass, replace
 from ..core.fit import affine
 from ..core.steps import nearest_multiples
 
+TOLERANCE = 0.05  # the search's steps are at least this much larger than the largest size that fitted
+FIRST_SIZES = (2, 4)  # tried before any prediction
+MAX_TRIALS = 16
+WITHIN = 0.02  # the recommendation: the smallest size within this share of the best tokens/s
+GRANULE = 8  # the throughput trials' sizes are multiples of this (above 2 x it)
+
 
 @dataclass(frozen=True)
 class Trial:
@@ -51,20 +57,13 @@ class Search:
     limit: float | None
 
 
-def find_boundary(
-    run: Callable[[int], Trial],
-    limit: float | None,
-    max_size: int,
-    tolerance: float = 0.05,
-    start: tuple[int, ...] = (2, 4),
-    max_trials: int = 16,
-) -> Search:
+def find_boundary(run: Callable[[int], Trial], limit: float | None, max_size: int) -> Search:
     """The largest size up to `max_size` whose trial fits under `limit` bytes; `ValueError` where 1 does not."""
     trials: list[Trial] = []
     largest_fitting, smallest_failing, predicted = 0, None, None
 
-    def above(size: int) -> int:  # at least `tolerance` above `size`
-        return max(size + 1, math.ceil(size * (1 + tolerance)))
+    def above(size: int) -> int:  # at least `TOLERANCE` above `size`
+        return max(size + 1, math.ceil(size * (1 + TOLERANCE)))
 
     def attempt(size: int) -> bool:
         nonlocal largest_fitting, smallest_failing
@@ -76,16 +75,16 @@ def find_boundary(
         smallest_failing = size if smallest_failing is None else min(smallest_failing, size)
         return False
 
-    for size in start:
+    for size in FIRST_SIZES:
         if size > max_size or not attempt(size):
             break
-    while len(trials) < max_trials and largest_fitting < max_size:
+    while len(trials) < MAX_TRIALS and largest_fitting < max_size:
         if smallest_failing is not None and (
             smallest_failing == 1 or largest_fitting > 0 and smallest_failing <= above(largest_fitting)
         ):
             break
         estimate = predict_boundary(trials, limit)
-        if smallest_failing is None:  # growing: the prediction first, then steps of at least `tolerance`
+        if smallest_failing is None:  # growing: the prediction first, then steps of at least `TOLERANCE`
             if estimate is not None and estimate > largest_fitting and predicted is None:
                 candidate = estimate  # the first prediction, however close
             elif estimate is None and (limit is None or not math.isfinite(limit)):
@@ -147,7 +146,7 @@ def with_estimated_step(trial: Trial, trials: list[Trial], limit: float | None) 
     return replace(trial, seconds=trial.forward_seconds * ratio)
 
 
-def recommend(trials: list[Trial], limit: float | None, within: float = 0.02, largest: bool = False) -> int:
+def recommend(trials: list[Trial], limit: float | None, within: float = WITHIN, largest: bool = False) -> int:
     """The smallest measured size within `within` of the best tokens/s, or the largest that fits with `largest`."""
     if largest:
         fitting = [t for t in trials if t.fits(limit) and t.tokens_per_second is not None]
@@ -161,25 +160,23 @@ def recommend(trials: list[Trial], limit: float | None, within: float = 0.02, la
     return min(t.size for t in fitting if t.tokens_per_second >= best * (1 - within))
 
 
-def next_throughput_size(
-    trials: list[Trial], limit: float | None, within: float = 0.02, granule: int = 8
-) -> int | None:
-    """The next size to time so that [`recommend`] finds a small size within `within` of the best (`None` once one
-    below the largest timed is): the affine fit's size for `within / 2`, the middle of the band, rounded to a multiple
-    of `granule`; one outside the gap between the sizes short of the band and in it halves the gap."""
+def next_throughput_size(trials: list[Trial], limit: float | None) -> int | None:
+    """The next size to time so that [`recommend`] finds a small size within `WITHIN` of the best (`None` once one
+    below the largest timed is): the affine fit's size for `WITHIN / 2`, the middle of the band, rounded to a multiple
+    of `GRANULE`; one outside the gap between the sizes short of the band and in it halves the gap."""
     fitting = _timed_and_fitting(trials, limit)
     if not fitting:
         return None
     best = max(t.tokens_per_second for t in fitting)
-    good = min(t.size for t in fitting if t.tokens_per_second >= best * (1 - within))
+    good = min(t.size for t in fitting if t.tokens_per_second >= best * (1 - WITHIN))
     if good < max(t.size for t in fitting):
         return None
     short = max((t.size for t in fitting if t.size < good), default=0)
-    candidate = _predicted_within(trials, best * (1 - within / 2))
+    candidate = _predicted_within(trials, best * (1 - WITHIN / 2))
     if candidate is None or not short < candidate < good:
         candidate = (short + good) // 2
-    if candidate >= 2 * granule:
-        candidate = round(candidate / granule) * granule
+    if candidate >= 2 * GRANULE:
+        candidate = round(candidate / GRANULE) * GRANULE
     if candidate >= good or candidate <= short or candidate in {t.size for t in trials}:
         return None
     return candidate
@@ -197,9 +194,7 @@ def _predicted_within(trials: list[Trial], target: float) -> int | None:
     tokens_per_sample = points[0].tokens / points[0].size
     # size x tokens_per_sample / (fixed + slope x size) >= target, solved for size
     denominator = tokens_per_sample - target * slope
-    if denominator <= 0:
-        return None
-    return max(1, math.ceil(target * fixed / denominator))
+    return max(1, math.ceil(target * fixed / denominator)) if denominator > 0 else None
 
 
 def split_effective_batch(micro_batch_size: int, effective_batch_size: int, gpus: int) -> tuple[int, int]:

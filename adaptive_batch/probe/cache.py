@@ -181,9 +181,7 @@ def _differences(cached, now, keys: tuple[str, ...] = ()) -> list[tuple[tuple[st
         for key in sorted(cached.keys() | now.keys()):
             found += _differences(cached.get(key, _ABSENT), now.get(key, _ABSENT), (*keys, key))
         return found
-    if cached == now:
-        return []
-    return [(keys, _show(cached), _show(now))]
+    return [] if cached == now else [(keys, _show(cached), _show(now))]
 
 
 class _Absent:

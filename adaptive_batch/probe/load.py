@@ -56,15 +56,10 @@ def load_model(
     if lora_r:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=lora_r,
-                lora_alpha=lora_alpha or 2 * lora_r,
-                target_modules=lora_targets,
-                task_type="CAUSAL_LM",
-            ),
+        lora = LoraConfig(
+            r=lora_r, lora_alpha=lora_alpha or 2 * lora_r, target_modules=lora_targets, task_type="CAUSAL_LM"
         )
+        model = get_peft_model(model, lora)
     return model
 
 

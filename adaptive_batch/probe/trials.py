@@ -87,16 +87,10 @@ class TrialRunner:
         # a step cut short leaves tensors in the traceback's reference cycles: collect those
         release_memory(self.device, collect=out_of_memory or stopped)
         seconds = None if out_of_memory or forward_only else until_stopped if stopped else stopwatch.seconds
+        forward_seconds = None if out_of_memory or stopped else forward_seconds
+        tokens = size * seq_len
         return Trial(
-            size,
-            out_of_memory,
-            peak,
-            allocated,
-            seconds,
-            size * seq_len,
-            stopped,
-            None if out_of_memory or stopped else forward_seconds,
-            forward_only,
+            size, out_of_memory, peak, allocated, seconds, tokens, stopped, forward_seconds, forward_only
         )
 
     def _held(self) -> dict[int, int]:

@@ -40,12 +40,11 @@ class StepBatch:
         mask = batch.get("attention_mask")
         self.mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         self.seq_len = _sequence_length(batch)
-        self.lengths = self.mask.sum(dim=1) if self.mask is not None else None
-        if self.lengths is not None:
+        if self.mask is not None:
+            self.lengths = self.mask.sum(dim=1)
             self.order = torch.argsort(self.lengths, descending=True, stable=True)
         else:
-            self.order = torch.arange(self.rows)
-
+            self.lengths, self.order = None, torch.arange(self.rows)
         self.trimmable = self._can_trim()
         self.unmasked = unmasked and self.trimmable and mask_changes_nothing(batch)
         self.positions = positions

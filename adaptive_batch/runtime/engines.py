@@ -64,8 +64,7 @@ class DataParallel(Engine):
     name = "DDP"
 
     def __init__(self, trainer, world_size: int):
-        self.trainer = trainer
-        self.world_size = world_size
+        self.trainer, self.world_size = trainer, world_size
 
     def micro_batch(self, model, last):
         return self.trainer.accelerator.no_sync(model)  # gradients local until the step's single reduction

@@ -36,23 +36,19 @@ class EvalPieces:
     """Runs eval batches through `prediction_step`, in pieces after an OOM (`cut_by_tokens`: by row lengths)."""
 
     def __init__(self, trainer, world_size: int, cut_by_tokens: bool = False):
-        self.trainer = trainer
-        self.ranks = Ranks(trainer, world_size)
-        self.cut_by_tokens = cut_by_tokens
+        self.trainer, self.ranks, self.cut_by_tokens = trainer, Ranks(trainer, world_size), cut_by_tokens
         # (padded tokens, seconds) of the forwards timed for that cut, and a forward's fixed time fitted from them
         self.points: list[tuple[float, float]] = []
         self.overhead: int | None = None
         self.cap: int | None = None  # the most rows a piece holds since an out-of-memory error (None: any)
         self.failed: list[int] = []  # the sizes that ran out of memory, in order
-        self.largest = 0  # the largest piece that ran in the current evaluation
-        self.retried = 0  # the batches of the current evaluation run again in pieces
-        self.rows = 0  # the rows of the current evaluation on this rank
-        self.cut_batches = 0  # the batches of the current evaluation run in pieces of similar lengths
         self.tape = Tape()  # what decisions read of time and memory: measured, or replayed (the session's)
         self._pieces_at: tuple[int, int] = (-1, 0)  # (step, pieces run at it): names a piece's measurements
+        self.begin()
 
     def begin(self) -> None:
-        """A new evaluation starts: its counters from zero (the cap stays)."""
+        """A new evaluation starts: its counters from zero (the cap stays): the largest piece that ran, the
+        batches run again in pieces, the rows on this rank, the batches run in pieces of similar lengths."""
         self.largest, self.retried, self.rows, self.cut_batches = 0, 0, 0, 0
 
     def run(self, prediction_step, model, inputs, prediction_loss_only: bool, ignore_keys):
@@ -237,19 +233,12 @@ class EvalGrowth:
             base or 0.0,
         ]
         seconds, rows, failed, above, most_base = ranks.max(local)
-        measured_memory = peak is not None
         self.rows[prefix] = int(rows)
-        line = self.sizer(prefix).record(
-            EvalMeasure(
-                size=size,
-                rows=int(rows),
-                seconds=seconds,
-                largest=min(size, self.pieces.cap or size) if failed else size,
-                peak_bytes=most_base + above if measured_memory else None,
-                base_bytes=most_base if measured_memory else None,
-                limit_bytes=memory_limit(device, headroom=0.0),  # (the sizer leaves its headroom)
-            )
-        )
+        largest = min(size, self.pieces.cap or size) if failed else size
+        peak_and_base = (most_base + above, most_base) if peak is not None else (None, None)
+        limit = memory_limit(device, headroom=0.0)  # (the sizer leaves its headroom)
+        measure = EvalMeasure(size, int(rows), seconds, largest, *peak_and_base, limit)
+        line = self.sizer(prefix).record(measure)
         if line and self.trainer.args.should_log:
             logger.info("AdaptiveBatch: %s", line)
 

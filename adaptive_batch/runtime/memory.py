@@ -73,9 +73,7 @@ def memory_limit(device: torch.device, headroom: float) -> float | None:
 
 def alloc_retries(device: torch.device) -> int:
     """The caching allocator's `num_alloc_retries` (it rises when memory is nearly full); 0 off CUDA."""
-    if device.type != "cuda":
-        return 0
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0
 
 
 def reset_peak(device: torch.device) -> None:

@@ -57,8 +57,7 @@ class Ranks:
     """The processes that train (or evaluate) together, and the exchanges between them (in one process, no-ops)."""
 
     def __init__(self, trainer, world_size: int):
-        self.trainer = trainer
-        self.world_size = world_size
+        self.trainer, self.world_size = trainer, world_size
         self.device: torch.device = trainer.args.device
 
     @property

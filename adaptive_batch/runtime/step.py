@@ -74,13 +74,7 @@ class MicroBatchRunner:
         self.last = StepStats()
 
     def run(
-        self,
-        inner_step: InnerStep,
-        model,
-        inputs: dict,
-        num_items_in_batch,
-        max_rows: int,
-        split: bool = False,
+        self, inner_step: InnerStep, model, inputs: dict, num_items_in_batch, max_rows: int, split: bool
     ) -> torch.Tensor:
         """Forward and backward of this rank's share of a step batch through the user's `training_step`; returns
         the detached loss. `split`: at least two micro-batches (so that one process measures the noise)."""
@@ -252,10 +246,8 @@ class MicroBatchRunner:
 
 def _failed(batch: StepBatch, start: int, own: int) -> Report:
     """The report of a micro-batch that ran out of memory (a row that adds nothing, `own` 0, counts as one)."""
-    rows = own or 1
-    return Report(
-        True, failed_rows=rows, failed_tokens=batch.tokens(start if own else batch.rows - 1, rows)[1]
-    )
+    first, rows = (start, own) if own else (batch.rows - 1, 1)
+    return Report(True, failed_rows=rows, failed_tokens=batch.tokens(first, rows)[1])
 
 
 @dataclass
