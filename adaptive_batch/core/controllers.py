@@ -1,6 +1,5 @@
-"""Which controller cuts a run's steps: by padded tokens ([`tokens.TokenController`]) where the budget is stated or
-`"auto"` meets padded rows of varying length, else by rows ([`rows.RowController`]); and the layout of a padding
-collator's steps ([`choose_layout`]). See docs/how-it-works.md, "Variable-length data". Pure Python."""
+"""Which controller cuts a run's steps (by padded tokens, [`tokens.TokenController`], or by rows), and the layout of a
+padding collator's steps ([`choose_layout`]). See docs/how-it-works.md, "Variable-length data". Pure Python."""
 
 from __future__ import annotations
 

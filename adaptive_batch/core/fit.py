@@ -51,9 +51,8 @@ def plane(
 
 
 def predict_peak(points: list[tuple[float, float]], tokens: float, cautious: bool = False) -> float:
-    """Peak bytes at `tokens` per micro-batch, from the line of peak bytes against tokens. With fewer than two
-    distinct token counts: 0 (a retry is cheap), or `cautious`, the largest measured peak scaled up in proportion
-    (a peak affine with a non-negative intercept grows no faster), infinity with no point."""
+    """Peak bytes at `tokens` per micro-batch, from the line of peak bytes against tokens; without a line, 0 (a retry
+    is cheap), or `cautious` the largest measured peak scaled up in proportion (infinity with no point)."""
     line = affine(points)
     if line is not None:
         intercept, slope = line

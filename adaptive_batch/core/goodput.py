@@ -103,10 +103,8 @@ class Change:
 
 
 class NoiseScaleSchedule:
-    """An effective batch that grows from `start` up to `max_size` when the measured goodput gains more than `margin`,
-    decided on the noise scale's lower bound at `confidence_z`; `measure_every`: on one process, cut every n-th step in
-    two to measure; `min_efficiency`: with a finite budget, the run's modelled statistical efficiency to keep. See
-    docs/how-it-works.md, "An effective batch chosen by goodput"; `changes` are saved in checkpoints."""
+    """An effective batch that grows by `factor` from `start` up to `max_size` while the modelled goodput gains more
+    than `margin`; each setting is explained in docs/how-it-works.md, "An effective batch chosen by goodput"."""
 
     def __init__(
         self,

@@ -82,8 +82,7 @@ class CutController(Protocol):
 
 class MicroBatchSearch:
     """What the row and the token controller share: the peaks measured, the micro-batches that ran out of memory, and
-    a size that failed, shrunk and tried again `REGROW_AFTER_STEPS` later where the peaks predict it fits (at most
-    `MAX_FAILURES` times; never one no step had run). Subclasses give the rest:"""
+    a size that failed tried again `REGROW_AFTER_STEPS` later where the peaks predict it fits. Subclasses give:"""
 
     kind: str  # the checkpoint's name of the cut
     largest_key: str  # the checkpoint's name of `largest_run`

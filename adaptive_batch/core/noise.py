@@ -25,10 +25,8 @@ class StepEstimate:
 
 @dataclass
 class MicroBatchSums:
-    """A step's micro-batches as sums: S_small = sum_j |d_j|^2 / a_j (`small`), A = sum_j a_j / n_j, B = sum_j a_j^2 /
-    n_j, the shares sum_j a_j (1 when every micro-batch was counted), the units sum_j n_j (label tokens, or rows) and
-    the count M. With E|g_j|^2 = |G|^2 + tr(Sigma) / n_j: E S_small = |G|^2 + tr(Sigma) A, E S_big = |G|^2 + tr(Sigma)
-    B."""
+    """A step's micro-batches as sums: S_small (`small`), A = sum_j a_j / n_j, B = sum_j a_j^2 / n_j, the shares sum_j
+    a_j (1 when all counted), the units sum_j n_j and the count M (docs/how-it-works.md, "Gradient noise scale")."""
 
     small: float = 0.0
     share_per_unit: float = 0.0
@@ -92,8 +90,7 @@ class _Moments:
 
 class NoiseScale:
     """Smoothed |G|^2, tr(Sigma) and their ratio, the noise scale in samples: bias-corrected averages that forget with
-    exp(-samples / `time_constant_samples`), counted in the run's samples since the last step averaged where given;
-    steps whose estimates are not finite are skipped."""
+    exp(-samples / `time_constant_samples`); steps whose estimates are not finite are skipped."""
 
     def __init__(self, time_constant_samples: float):  # (checked as `noise_time_constant_samples`)
         self.time_constant_samples = float(time_constant_samples)

@@ -162,8 +162,7 @@ def recommend(trials: list[Trial], limit: float | None, within: float = WITHIN, 
 
 def next_throughput_size(trials: list[Trial], limit: float | None) -> int | None:
     """The next size to time so that [`recommend`] finds a small size within `WITHIN` of the best (`None` once one
-    below the largest timed is): the affine fit's size for `WITHIN / 2`, the middle of the band, rounded to a multiple
-    of `GRANULE`; one outside the gap between the sizes short of the band and in it halves the gap."""
+    below the largest timed is): the fit's size for `WITHIN / 2`, else the gap's middle, rounded to `GRANULE`."""
     fitting = _timed_and_fitting(trials, limit)
     if not fitting:
         return None

@@ -130,9 +130,8 @@ class _OverLimit(Exception):
 
 
 class PeakMeter(TorchDispatchMode):
-    """Peak bytes of the tensors that ops create while active (the CPU has no allocator statistics); raises
-    `_OverLimit` once they pass `budget`. Storages in `held` (weights, optimizer state: counted by the caller) are
-    left out, any other one counted once."""
+    """Peak bytes of the tensors that ops create while active (the CPU has no allocator statistics), each storage once
+    and those `held` (counted by the caller) left out; raises `_OverLimit` once they pass `budget`."""
 
     def __init__(self, budget: float | None = None, held: Iterable[int] = ()):
         super().__init__()

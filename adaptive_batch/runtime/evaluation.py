@@ -134,7 +134,9 @@ class EvalPieces:
             return Report()
 
         for index, width in pieces:
-            name = self._piece_name()
+            step, count = self._pieces_at
+            self._pieces_at = (self.step, count + 1 if step == self.step else 0)
+            name = str(self._pieces_at[1])
             work, key = partial(piece, index, width, name), ("eval", self.step, f"oom {name}")
             if self.ranks.run(work, partial(Report, True), self.tape, key).out_of_memory:
                 metrics.restore()
@@ -150,13 +152,6 @@ class EvalPieces:
     @property
     def step(self) -> int:
         return self.trainer.state.global_step
-
-    def _piece_name(self) -> str:
-        """The piece's number among those run at this step (the key of its measurements)."""
-        step, count = self._pieces_at
-        count = count + 1 if step == self.step else 0
-        self._pieces_at = (self.step, count)
-        return str(count)
 
     def _timed(self, inputs, rows: int, index, width: int | None, seconds: float) -> None:
         """A forward of rows `index` at `width` took `seconds`: a point for fitting a forward's fixed time."""

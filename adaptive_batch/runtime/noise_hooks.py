@@ -18,9 +18,8 @@ SPLIT = (
 
 
 class GradientNoiseMeter:
-    """Squared norms of every micro-batch's contribution to the step gradient, and of the step gradient. Per step:
-    `begin_step`, per attempt `begin_attempt`, around each micro-batch `begin_micro_batch` and `end_micro_batch`,
-    then `step_sums` before the ranks' average and `step_norm_sq` after; `remove()` at the end."""
+    """Squared norms of every micro-batch's contribution to the step gradient (`step_sums`, before the ranks' average)
+    and of the step gradient (`step_norm_sq`, after it); the step runner calls the rest in order."""
 
     def __init__(self, preconditioner: str = "none", device: torch.device | str = "cpu"):
         self.preconditioner = preconditioner

@@ -112,7 +112,14 @@ class MicroBatchRunner:
             try:
                 self.controller.on_out_of_memory(failed.failed_rows, failed.failed_tokens)
             except MicroBatchTooLargeError as error:
-                raise MicroBatchTooLargeError(_too_large_message(batch, self.device), error.tried) from None
+                length = f" of {batch.seq_len} tokens" if batch.seq_len else ""
+                message = (
+                    f"One sample per micro-batch{length} does not fit in memory on {self.device}, so no micro-batch "
+                    "size can run this step. Free memory per sample: enable gradient_checkpointing=True, load the "
+                    "base model in 4-bit (QLoRA), use an 8-bit or paged optimizer (optim='paged_adamw_8bit'), or "
+                    "lower max_length."
+                )
+                raise MicroBatchTooLargeError(message, error.tried) from None
             logger.warning("%s", self.controller.retry_message(failed.failed_rows, failed.failed_tokens))
         real_tokens = batch.real_tokens()
         sums = (
@@ -282,12 +289,3 @@ class _Outcome:
     largest_tokens: int = 0
     peak: float = 0.0  # the largest peak a timed micro-batch measured
     failed: Report | None = None  # the report of the micro-batch that ran out of memory on some rank
-
-
-def _too_large_message(batch: StepBatch | PackedStepBatch, device: torch.device) -> str:
-    length = f" of {batch.seq_len} tokens" if batch.seq_len else ""
-    return (
-        f"One sample per micro-batch{length} does not fit in memory on {device}, so no micro-batch size can run "
-        "this step. Free memory per sample: enable gradient_checkpointing=True, load the base model in 4-bit "
-        "(QLoRA), use an 8-bit or paged optimizer (optim='paged_adamw_8bit'), or lower max_length."
-    )

@@ -28,9 +28,8 @@ def deepspeed_backward_only(trainer, boundary: bool) -> Iterator[None]:
 
 
 def deepspeed_reset(engine) -> None:
-    """Undo a forward or backward an error cut short, every gradient gone. DeepSpeed has no public reset:
-    `zero_grad` leaves ZeRO-2's reduced gradients, buckets and flags, and ZeRO-3's gathered parameters
-    (tests/test_deepspeed.py checks it on DeepSpeed 0.19.8)."""
+    """Undo a forward or backward an error cut short, every gradient gone: DeepSpeed has no public reset; `zero_grad`
+    leaves ZeRO-2's reduced gradients, buckets and flags, ZeRO-3's gathered parameters (tests/test_deepspeed.py)."""
     optimizer = engine.optimizer
     stage = engine.zero_optimization_stage()
     engine.zero_grad()  # first: ZeRO-3's optimizer.zero_grad fails on a CPU gradient still set
