@@ -112,13 +112,10 @@ class FakeOutOfMemory:
                 f"CUDA out of memory in backward (fake: {rows} rows of {tokens} tokens)."
             )
 
-        values = (
-            output.values()  # a model's output (a ModelOutput), or a layer's tuple, or a layer's tensor
-            if isinstance(output, Mapping)
-            else output
-            if isinstance(output, tuple)
-            else [output]
-        )
+        if isinstance(output, Mapping):  # a model's output (a ModelOutput); else a layer's tuple or tensor
+            values = output.values()
+        else:
+            values = output if isinstance(output, tuple) else [output]
         for value in values:  # the loss, logits or log-probabilities, whichever the backward starts from
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 value.register_hook(explode)

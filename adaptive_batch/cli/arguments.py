@@ -25,8 +25,7 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def setting_help(name: str, command_line: str) -> str:
-    """The help of an option that takes the `AdaptiveBatch` setting `name`: the setting's meaning, then
-    `command_line`, the values in the option's own syntax (a callable cannot be typed on a command line)."""
+    """The help of an option for the `AdaptiveBatch` setting `name`: its meaning, then `command_line`, its values."""
     text = f"{meaning(name)}: {command_line}"
     return text.replace("%", "%%")  # argparse formats help with %, so a literal one must be doubled
 

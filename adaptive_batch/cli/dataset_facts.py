@@ -15,8 +15,7 @@ from .sft_args import SFTArgs
 
 @dataclasses.dataclass
 class DatasetFacts:
-    """The rows the run trains on per epoch, their tokens (`None`: not known), how they were counted, and one line
-    for each given setting the count could not follow."""
+    """The rows trained on per epoch, their tokens (`None`: unknown), how they were counted, settings not followed."""
 
     rows: int
     tokens: int | None
@@ -25,8 +24,7 @@ class DatasetFacts:
 
 
 def dataset_facts(path: Path, tokenizer_dir: Path | None, sft: SFTArgs) -> DatasetFacts:
-    """The rows and tokens per epoch of a .jsonl/.json file or a `datasets.save_to_disk` folder, as the run trains
-    on them; tokens `None` where they cannot be counted (text without --tokenizer)."""
+    """The rows and tokens per epoch of a .jsonl/.json file or a `save_to_disk` folder, as the run trains on them."""
     if not path.exists():
         raise ValueError(
             f"--dataset {path} does not exist; pass a .jsonl/.json file or a save_to_disk folder."

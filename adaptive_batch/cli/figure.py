@@ -92,8 +92,7 @@ def load_log_history(state_file: str | Path) -> list[dict]:
 
 
 def read_series(log_history: list[dict], source: str = "the log history") -> RunSeries:
-    """The run's series from a Trainer's `log_history` (e.g. `trainer.state.log_history`): every log with
-    `adaptive_batch/samples_seen` is a training log, every log with `eval_loss` an evaluation; values as logged."""
+    """The run's series from a Trainer's `log_history`: the logs with `adaptive_batch/samples_seen`, evaluations."""
     series = RunSeries(source=source)
     training = [log for log in log_history if isinstance(log, dict) and SAMPLES_SEEN in log]
     if not training:

@@ -39,9 +39,8 @@ BOOLEANS = dict(zip("true t yes y 1 false f no n 0".split(), [True] * 5 + [False
 
 @dataclasses.dataclass
 class SFTArgs:
-    """The SFT fields given (by the script's arguments, else by --args), whether the run is an SFTTrainer run by its
-    arguments (an SFT field given, or --args an SFTConfig), the options after -- that are no field at all, and the
-    installed SFTConfig's defaults ([`sft_defaults`]; `None` without TRL)."""
+    """The SFT fields given (by the script's arguments, else by --args), whether the run is an SFTTrainer run, the
+    options after -- that are no field at all, and the installed SFTConfig's defaults (`None` without TRL)."""
 
     given: dict = dataclasses.field(default_factory=dict)
     is_sft: bool = False
@@ -52,8 +51,7 @@ class SFTArgs:
     defaults: dict | None = None
 
     def changed(self, leave_out: tuple[str, ...] = ("seed",)) -> str:
-        """The given fields but `leave_out` whose value is not SFTConfig's default (all of them without TRL), as the
-        lines name them: "max_length=128, packing=True" ('' where none)."""
+        """The given fields but `leave_out` not at SFTConfig's default (all without TRL): "max_length=128, ..."."""
         return ", ".join(
             f"{name}={value!r}"
             for name, value in self.given.items()

@@ -24,9 +24,8 @@ FIELDS = (
 
 
 def apply_training_args(options: argparse.Namespace) -> None:
-    """Fill the plan's settings left unset by its flags from the script's arguments (after --), then from --args,
-    then from the defaults, each checked before any compute. Sets `options.script_fields`, `options.saved_args` (or
-    `None`) and `options.given` (each flag not defaulted: where its value came from, "flag", "script" or "args")."""
+    """Fill the plan's settings left unset by its flags from the script's arguments (after --), then from --args, then
+    from the defaults, each checked; `options.given` says where each flag not defaulted came from."""
     options.script_fields = script_fields(options.script_args)
     # as HfArgumentParser takes them; a value that is not a number (or a bool) kept as given, to be refused below
     script = {field: _script_value(field, text) for field, text in options.script_fields.items()}
@@ -99,8 +98,7 @@ def read_training_args(path: Path) -> dict:
 
 
 def script_fields(argv: list[str]) -> dict[str, str]:
-    """The text of each field plan reads (the TrainingArguments ones of [`FIELDS`], the SFTConfig ones of
-    `sft_args`) among a script's arguments, HfArgumentParser style (`--a_b`, `--a-b=1`); a bare bool reads 'true'."""
+    """The text of each field plan reads among a script's arguments, HfArgumentParser style (a bare bool: 'true')."""
     parser = _ScriptParser(add_help=False, allow_abbrev=False)
     switches = {"dataloader_drop_last", *sft_args.BOOLEAN_FIELDS, *sft_args.EVAL_ONLY}
     for field in (*(row[1] for row in FIELDS), *sft_args.FIELDS, *sft_args.EVAL_ONLY):

@@ -78,8 +78,7 @@ def describe_settings(settings: dict) -> str:
 
 
 def learned_state_applies(stored: dict, now: dict) -> tuple[bool, str]:
-    """Whether what a checkpoint's run learned about micro-batches applies under the settings now (the same, or both
-    `"auto"` alike but for `max_micro_batch_size`), and the line that says which."""
+    """Whether what a checkpoint's run learned about micro-batches applies under the settings now; the line why."""
     if stored == now:
         return True, (
             f"Micro-batches: as the run had learned them before the checkpoint ({describe_settings(now)})."

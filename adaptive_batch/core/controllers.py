@@ -127,12 +127,9 @@ def choose_layout(
     )
 
 
-# A stated estimate, not a measurement of this run: AdaptiveBatch() on the ragged benchmark's two length mixes (QLoRA
-# 7B, H200, two calls on one machine, two rounds each) ran 5,785 and 5,501 real tokens/s under sdpa and 8,291 and
-# 8,352 padding-free under flex attention (bimodal, sft; every step after the first; benchmarks/RESULTS.md).
+# a stated estimate, not a measurement of this run: real tokens/s under flex over sdpa (benchmarks/RESULTS.md)
 FLEX_OVER_SDPA = (8291 / 5785, 8352 / 5501)  # the least and the most of the two mixes
-# Measured once: AdaptiveBatch() under sdpa without the padding mask against the same with it, in one call (sft mix,
-# QLoRA 7B, H100, two rounds): 4,872 against 4,622 real tokens/s over steady steps, 4,681 against 4,284 after the first.
+# measured once: sdpa without the padding mask over with it, steady and after the first step (benchmarks/RESULTS.md)
 UNMASKED_OVER_MASKED = (4872 / 4622, 4681 / 4284)
 
 SWITCH = (

@@ -20,8 +20,7 @@ def fewest_chunks(lengths: list[int], budget: int, row_cap: int | None, packed: 
 
 
 def cheapest_chunks(lengths: list[int], budget: int, row_cap: int | None, overhead: int) -> list[int]:
-    """The chunks that minimise `overhead` x chunks + padded tokens, by dynamic programming; among equal costs, the
-    fewest chunks, then the lowest peak."""
+    """The chunks minimising `overhead` x chunks + padded tokens (dynamic programming); ties: fewest, lowest peak."""
     count = len(lengths)
     # best[end]: (cost, chunks, peak) of the best cut of the first `end` rows; last[end]: where its last chunk starts
     best: list[tuple[int, int, int] | None] = [(0, 0, 0)] + [None] * count

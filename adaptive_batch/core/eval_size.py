@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class EvalMeasure:
-    """One evaluation over all ranks: `rows` per rank, `seconds` of the slowest, and `largest` the largest piece that
-    ran (below `size` after an out-of-memory error)."""
+    """One evaluation over all ranks: `rows` per rank, `seconds` of the slowest, `largest` the largest piece run."""
 
     size: int
     rows: int

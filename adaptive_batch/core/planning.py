@@ -14,9 +14,8 @@ from .steps import Budget, DoneSteps, StepPlan, build_plan
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What a run's plan depends on besides its schedule, from the Trainer's arguments. `dataset_size` is `None` for
-    a stream; `per_device_train_batch_size` x `gradient_accumulation_steps` decide how the plain Trainer cuts an
-    epoch where their product (x world size) is the starting batch, else steps of it at accumulation 1."""
+    """What a run's plan depends on besides its schedule, from the Trainer's arguments (`dataset_size` `None`: a
+    stream); the batch settings tell how the plain Trainer cuts an epoch ([`plain_trainer`])."""
 
     dataset_size: int | None
     num_train_epochs: float = 3.0

@@ -42,8 +42,7 @@ class Tape:
         self.streams = copy.deepcopy(record["streams"])
 
     def measure(self, stream: str, step: int, tag: str, live: list) -> list:
-        """`live` was measured now (`tag` names what); returns what decisions read: the recorded values while
-        replaying, else `live`. Recorded either way."""
+        """Records `live` (`tag` names what); returns what decisions read: the record's values while replaying."""
         values = live
         if self.replaying:
             recorded, matched = self._take(stream, step, tag)

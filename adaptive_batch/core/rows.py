@@ -21,9 +21,8 @@ FIXED = "fixed by micro_batch_size"
 
 
 class RowController(MicroBatchSearch):
-    """Chooses the rows of every micro-batch (a [`microbatch.CutController`] whose unit is rows). `row_tokens`: a
-    packed row's tokens (TRL's `packing=True`), a micro-batch of `size` rows then being a run of whole sequences of at
-    most `size x row_tokens` tokens."""
+    """Chooses the rows of every micro-batch (a [`microbatch.CutController`] whose unit is rows); `row_tokens`: a
+    packed row's tokens (TRL's `packing=True`), its micro-batches then runs of whole sequences ([`PackedRowCut`])."""
 
     kind = "rows"
     max_tokens = None  # the cut counts rows

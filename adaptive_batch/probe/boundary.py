@@ -50,11 +50,9 @@ class Trial:
 
 @dataclass
 class Search:
-    trials: list[Trial]
     boundary: int
     first_failing: int | None
     predicted: int | None
-    limit: float | None
 
 
 def find_boundary(run: Callable[[int], Trial], limit: float | None, max_size: int) -> Search:
@@ -108,7 +106,7 @@ def find_boundary(run: Callable[[int], Trial], limit: float | None, max_size: in
             + ": enable gradient checkpointing, load the model in 4-bit, use an 8-bit or paged optimizer, or "
             "shorten the sequences."
         )
-    return Search(trials, largest_fitting, smallest_failing, predicted, limit)
+    return Search(largest_fitting, smallest_failing, predicted)
 
 
 def predict_boundary(trials: list[Trial], limit: float | None, secant: bool = False) -> int | None:

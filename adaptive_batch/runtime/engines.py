@@ -20,8 +20,7 @@ class EngineOutOfMemoryError(RuntimeError):
 
 
 class Engine:
-    """What the step runner asks of an engine, done as one process without an engine does it: gradients accumulate
-    in `.grad`, a failed attempt is forgotten by zeroing them."""
+    """What the step runner asks of an engine, done as one process without one does it (`.grad` zeroed to forget)."""
 
     name = "one process"
     retries = True  # an out-of-memory error can be retried

@@ -47,8 +47,7 @@ class EvalPieces:
         self.begin()
 
     def begin(self) -> None:
-        """A new evaluation starts: its counters from zero (the cap stays): the largest piece that ran, the
-        batches run again in pieces, the rows on this rank, the batches run in pieces of similar lengths."""
+        """A new evaluation starts: its counters from zero (the cap stays)."""
         self.largest, self.retried, self.rows, self.cut_batches = 0, 0, 0, 0
 
     def run(self, prediction_step, model, inputs, prediction_loss_only: bool, ignore_keys):
@@ -272,8 +271,7 @@ def halves(rows: int, size: int) -> list[tuple[slice, None]]:
 
 
 def token_pieces(inputs: Mapping, rows: int, overhead: int) -> list[tuple[torch.Tensor, int]] | None:
-    """A right-padded batch's rows grouped by length ([`core.cut.cheapest_chunks`]), each at its longest row's
-    width; `None` where the batch cannot be cut so or one piece is best."""
+    """A right-padded batch's rows grouped by length, each at its longest row's width; `None`: one piece is best."""
     mask = inputs.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != rows or rows < 2:
         return None

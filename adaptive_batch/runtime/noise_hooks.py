@@ -18,8 +18,7 @@ SPLIT = (
 
 
 class GradientNoiseMeter:
-    """Squared norms of every micro-batch's contribution to the step gradient (`step_sums`, before the ranks' average)
-    and of the step gradient (`step_norm_sq`, after it); the step runner calls the rest in order."""
+    """Squared norms of every micro-batch's contribution to the step gradient, and of the step gradient."""
 
     def __init__(self, preconditioner: str = "none", device: torch.device | str = "cpu"):
         self.preconditioner = preconditioner
