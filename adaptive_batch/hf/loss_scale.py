@@ -33,8 +33,7 @@ def _watched(tensor: torch.Tensor):
 
 
 class LossScale:
-    """Weights a `compute_loss` that ignores `num_items_in_batch` as the plain Trainer's steps weigh it; `step(...)`
-    is entered around each optimizer step's micro-batches."""
+    """Weights a `compute_loss` that ignores `num_items_in_batch` as the plain Trainer's steps weigh it."""
 
     def __init__(self, trainer):
         self.trainer = trainer

@@ -63,9 +63,8 @@ def deepspeed_reset(engine) -> None:
     if hasattr(optimizer, "_backward_active_depth"):  # the backward cut short is still counted as running
         optimizer._backward_active_depth = 0
     if hasattr(optimizer, "micro_step_id"):
-        # what step() leaves, so that the next backward is the step's first: ZeRO-3 counts from 0, ZeRO-1/2 from -1
-        # (a backward adds one first). Left one higher, an offloaded backward adds the CPU buffers, which still hold
-        # the failed attempt's gradients.
+        # what step() leaves, so that the next backward is the step's first (ZeRO-3 counts from 0, ZeRO-1/2 from -1):
+        # left one higher, an offloaded backward adds the CPU buffers, which still hold the failed attempt's gradients
         optimizer.micro_step_id = 0 if stage == 3 else -1
     if callable(getattr(optimizer, "reset_cpu_buffers", None)) and getattr(optimizer, "cpu_offload", False):
         optimizer.reset_cpu_buffers()  # a boundary backward cut short: norms and the overflow flag it set
