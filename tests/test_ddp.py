@@ -15,8 +15,32 @@ import torch
 from helpers import regression_truth
 from launch import assert_close_weights, assert_same_weights, launch
 
-pytestmark = pytest.mark.slow
+# under `pytest -n 2 --dist loadgroup`, one worker runs the tests that launch several processes, one after another
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("launch")]
 NOISE_KEYS = ("adaptive_batch/noise_scale", "adaptive_batch/grad_norm_sq", "adaptive_batch/grad_variance")
+
+
+def test_a_forked_launch_runs_as_torchrun_runs_it_bit_for_bit(tmp_path):
+    """launch.py forks its ranks from a fork server that imported the libraries once: the same run under torchrun
+    itself gives the same logs, micro-batches, out-of-memory retries and weights, to the last bit."""
+    forked, forked_weights = launch(tmp_path, "forked", "trainer", micro=2, world_size=2, fake_oom_rank=1)
+    real, real_weights = launch(
+        tmp_path, "torchrun", "trainer", micro=2, world_size=2, fake_oom_rank=1, via_torchrun=True
+    )
+    assert forked[1]["raised"], "the fake out-of-memory error never came"
+    for name in ("rank", "world_size", "plan", "logs", "raised", "micro_batches"):
+        assert [rank[name] for rank in forked] == [rank[name] for rank in real], name
+    for mine, theirs in zip(forked_weights, real_weights):
+        assert_same_weights(mine, theirs)
+
+
+def test_a_forked_launch_whose_rank_fails_ends_with_that_ranks_error(tmp_path):
+    """The launch of test_under_fsdp2_one_ranks_out_of_memory_ends_every_rank_with_the_error, forked: it ends (no
+    rank left waiting) with the failing rank's traceback."""
+    with pytest.raises(
+        pytest.fail.Exception, match=r"(?s)rank \d ended with exit code 1:.*EngineOutOfMemoryError"
+    ):
+        launch(tmp_path, "oom", "fsdp2", micro=2, world_size=2, fake_oom_rank=1)
 
 
 @pytest.mark.parametrize("kind", ["trainer", "stream", "stream_workers", "sft", "fsdp2"])

@@ -15,7 +15,8 @@ import json
 import pytest
 from launch import assert_same_weights, launch
 
-pytestmark = pytest.mark.slow
+# under `pytest -n 2 --dist loadgroup`, one worker runs the tests that launch several processes, one after another
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("launch")]
 DEEPSPEED_TOLERANCE = 1e-6
 COUNTS = ("adaptive_batch/effective_batch_size", "adaptive_batch/samples_seen", "adaptive_batch/tokens_seen")
 

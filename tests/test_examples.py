@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-pytestmark = pytest.mark.slow
+# under `pytest -n 2 --dist loadgroup`, one worker runs the tests that launch several processes, one after another
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("launch")]
 
 
 @pytest.mark.parametrize(
