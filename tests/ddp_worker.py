@@ -1,5 +1,5 @@
-"""Run by launch.py for test_ddp.py and test_deepspeed.py, under torchrun (2 ranks, gloo) or alone: a short run
-whose results the test compares.
+"""Run by launch.py for test_ddp.py and test_deepspeed.py, as 2 ranks (gloo: forked with torchrun's environment,
+or under torchrun) or alone: a short run whose results the test compares.
 
 usage: ddp_worker.py OUTPUT_DIR {trainer,stream,stream_workers,sft,tokens,packed,noise,growing,eval,branches}
        MICRO_BATCH_SIZE [FAKE_OOM_RANK]

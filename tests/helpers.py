@@ -2,7 +2,7 @@
 that record their micro-batches, and a model whose gradient noise is known in closed form.
 
 A plain module, imported by name (`from helpers import ORDER_ONLY`): by the test files, by conftest.py's fixtures
-and by ddp_worker.py, which torchrun runs as a script (tests/ is on sys.path in all three). Test files import no
+and by ddp_worker.py, which launch.py runs as a script (tests/ is on sys.path in all three). Test files import no
 other test file and not conftest (tests/test_suite_layout.py checks it); launching processes is in launch.py."""
 
 from __future__ import annotations
