@@ -17,9 +17,8 @@ from transformers import Trainer
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-if os.environ.get(
-    "PYTEST_XDIST_WORKER"
-):  # `pytest -n 2`: one thread per worker, as many threads as cores in all
+# under `pytest -n 2`, one torch thread per worker: as many threads as cores in all
+if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 

@@ -36,12 +36,12 @@ def launch(
     micro,
     world_size,
     fake_oom_rank=None,
-    torchrun=False,
+    distributed=False,
     fails=False,
     env=None,
     via_torchrun=False,
 ):
-    """Run the worker in `world_size` processes (with torchrun's environment if more than one, or if `torchrun`);
+    """Run the worker in `world_size` processes (with torchrun's environment if more than one, or if `distributed`);
     return every rank's results and weights, or with `fails`, the launcher's stderr of a run that must fail.
 
     A run that succeeds is kept for the session: a later launch with the same arguments (the reference runs that
@@ -52,7 +52,7 @@ def launch(
         str(micro),
         world_size,
         fake_oom_rank,
-        torchrun,
+        distributed,
         json.dumps(env or {}, sort_keys=True),
         via_torchrun,
     )
@@ -67,7 +67,7 @@ def launch(
         if fails:
             return stderr
     else:
-        _forked(name, out, argv, world_size if (world_size > 1 or torchrun) else None, env)
+        _forked(name, out, argv, world_size, world_size > 1 or distributed, env)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
     weights = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
     _RUNS[key] = results, weights
@@ -102,16 +102,15 @@ def _torchrun(name, argv, world_size, env, fails):
     return stderr
 
 
-def _forked(name, out, argv, world_size, env):
-    """The ranks forked from the fork server (`world_size` None: one process without a distributed environment).
-    Where a rank fails, the others are killed, as torchrun does; each rank's output is in `out/rank<r>.log`."""
-    ranks = 1 if world_size is None else world_size
-    dist = {} if world_size is None else _torchrun_env(world_size)
+def _forked(name, out, argv, world_size, distributed, env):
+    """The ranks forked from the fork server, with torchrun's environment where `distributed`. Where a rank fails,
+    the others are killed, as torchrun does; each rank's output is in `out/rank<r>.log`."""
+    dist = _torchrun_env(world_size) if distributed else {}
     processes = [
         _context().Process(
             target=_run_rank, args=(str(out / f"rank{r}.log"), argv, {**env, **dist.get(r, {})})
         )
-        for r in range(ranks)
+        for r in range(world_size)
     ]
     for process in processes:
         process.start()
@@ -165,9 +164,8 @@ def _run_rank(log: str, argv: list[str], env: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(1)
-    multiprocessing.set_start_method(
-        "fork", force=True
-    )  # a script's default here (DataLoader workers), not ours
+    # a script's default start method here (its DataLoader workers fork), not the fork server's
+    multiprocessing.set_start_method("fork", force=True)
     sys.argv = [str(WORKER), *argv]
     sys.path.insert(0, str(WORKER.parent))
     runpy.run_path(str(WORKER), run_name="__main__")

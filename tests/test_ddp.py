@@ -140,10 +140,12 @@ def test_one_ranks_out_of_memory_makes_every_rank_retry(tmp_path, kind):
 def test_under_fsdp2_one_process_retries_an_out_of_memory_error_exactly(tmp_path):
     # raised in the middle of the backward: the root's and the last layer's gradients were made, some of them
     # reduce-scattered; FSDP's reset_iter_state must undo them (without it the weights differ by 10%)
-    retried, weights = launch(tmp_path, "oom", "fsdp2", micro=2, world_size=1, fake_oom_rank=0, torchrun=True)
+    retried, weights = launch(
+        tmp_path, "oom", "fsdp2", micro=2, world_size=1, fake_oom_rank=0, distributed=True
+    )
     assert retried[0]["raised"] == [2]
     assert {log["adaptive_batch/micro_batch_size"] for log in retried[0]["logs"]} == {1}
-    clean, clean_weights = launch(tmp_path, "clean", "fsdp2", micro=1, world_size=1, torchrun=True)
+    clean, clean_weights = launch(tmp_path, "clean", "fsdp2", micro=1, world_size=1, distributed=True)
     assert [log["loss"] for log in retried[0]["logs"]] == [log["loss"] for log in clean[0]["logs"]]
     assert_same_weights(weights[0], clean_weights[0])
 

@@ -84,12 +84,12 @@ def test_one_process_under_zero_retries_an_out_of_memory_error_exactly(tmp_path,
         micro=2,
         world_size=1,
         fake_oom_rank=0,
-        torchrun=True,
+        distributed=True,
         env={**(env or {}), "WORKER_OOM_AFTER": "1"},
     )
     assert retried[0]["raised"] == [2]
     assert {log["adaptive_batch/micro_batch_size"] for log in retried[0]["logs"]} == {1}
-    clean, clean_weights = launch(tmp_path, "clean", kind, micro=1, world_size=1, torchrun=True, env=env)
+    clean, clean_weights = launch(tmp_path, "clean", kind, micro=1, world_size=1, distributed=True, env=env)
     assert [log["loss"] for log in retried[0]["logs"]] == [log["loss"] for log in clean[0]["logs"]]
     assert_same_weights(weights[0], clean_weights[0])
 
