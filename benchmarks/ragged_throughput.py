@@ -534,15 +534,19 @@ def print_table(report):
         f"\n{'pooled':>10} {'real tok/s':>11} {'x random':>9} {'x flat':>7} {'repeats apart':>14} {'steady':>8} "
         f"{'st x flat':>9} {'st x fixed':>10} {'whole':>7} {'wh x flat':>9} {'graphs':>8}"
     )
+
+    def ratio(value, width: int) -> str:  # "-" where the call ran no arm to compare with
+        return f"{value:>{width}.2f}" if value is not None else f"{'-':>{width}}"
+
     for name, row in summary.items():
         if isinstance(row, dict):
             steady = row.get("real_tokens_per_second_steady")
             print(
-                f"{name:>10} {row['real_tokens_per_second']:>11,.0f} {row['over_random'] or 0:>9.2f} "
-                f"{row['over_best_plain_flat'] or 0:>7.2f} {row['spread_between_repeats']:>14.1%} "
-                f"{f'{steady:,.0f}' if steady else '-':>8} {row['steady_over_best_plain_flat'] or 0:>9.2f} "
-                f"{row['steady_over_fixed'] or 0:>10.2f} {row['whole_run_real_tokens_per_second']:>7,.0f} "
-                f"{row['whole_run_over_best_plain_flat'] or 0:>9.2f} "
+                f"{name:>10} {row['real_tokens_per_second']:>11,.0f} {ratio(row['over_random'], 9)} "
+                f"{ratio(row['over_best_plain_flat'], 7)} {row['spread_between_repeats']:>14.1%} "
+                f"{f'{steady:,.0f}' if steady else '-':>8} {ratio(row['steady_over_best_plain_flat'], 9)} "
+                f"{ratio(row['steady_over_fixed'], 10)} {row['whole_run_real_tokens_per_second']:>7,.0f} "
+                f"{ratio(row['whole_run_over_best_plain_flat'], 9)} "
                 f"{','.join(map(str, row['graphs_compiled_per_run'])):>8}"
             )
     if "torch_over_list" in summary:

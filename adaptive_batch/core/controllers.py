@@ -107,7 +107,7 @@ def choose_layout(
             # the estimate was measured against sdpa with the mask
             switch = SWITCH.replace("of this layout", "of sdpa with its padding mask")
             low, high = UNMASKED_OVER_MASKED
-            switch += f"; sdpa without the mask, as here, ran {low:.2f}-{high:.2f}x that (one mix, H100)"
+            switch += f"; sdpa without the mask, as here, ran {low:.2f}-{high:.2f}x that (two mixes, H100)"
             return Layout(False, f"padded{without_mask}; {switch}", True)
         name = attention or "this attention"
         return Layout(
@@ -129,8 +129,9 @@ def choose_layout(
 
 # a stated estimate, not a measurement of this run: real tokens/s under flex over sdpa (benchmarks/RESULTS.md)
 FLEX_OVER_SDPA = (8291 / 5785, 8352 / 5501)  # the least and the most of the two mixes
-# measured once: sdpa without the padding mask over with it, steady and after the first step (benchmarks/RESULTS.md)
-UNMASKED_OVER_MASKED = (4872 / 4622, 4681 / 4284)
+# sdpa without the padding mask over with it, steady and after the first step, the least and the most of two mixes
+# (sft 4872 / 4622 and 4681 / 4284, bimodal 4386 / 4451 and 4348 / 4229; H100, benchmarks/RESULTS.md)
+UNMASKED_OVER_MASKED = (4386 / 4451, 4681 / 4284)
 
 SWITCH = (
     'on rows of varying length padding-free steps under attn_implementation="flex_attention" (or a flash '
