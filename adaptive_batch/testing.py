@@ -125,11 +125,6 @@ class FakeOutOfMemory:
         self.handle.remove()
 
 
-def eval_pieces(trainer):
-    """The [`runtime.evaluation.EvalPieces`] running `trainer`'s eval batches (`None`: the Trainer's own)."""
-    return trainer._adaptive_batch.assembly.eval_pieces
-
-
 def eval_growth(trainer):
     """The [`runtime.evaluation.EvalGrowth`] sizing `trainer`'s evaluations under `adapt_evaluation="grow"` (else `None`)."""
     return trainer._adaptive_batch.assembly.eval_growth

@@ -418,13 +418,12 @@ def eval_run(output_dir: str, eval_batch: int, fake_oom_rank: str | None) -> Non
     WORKER_RAGGED: rows cut to lengths 3 to 24 and no `compute_metrics` (the Trainer keeps no logits);
     WORKER_OVERHEAD_RANK0=N: rank 0's fitted fixed time of an eval forward, N tokens (the other ranks' unknown)."""
     import numpy as np
-    from helpers import QUIET_CPU_RUN, keep_loss_in_float64
+    from helpers import QUIET_CPU_RUN, eval_pieces, keep_loss_in_float64
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     from adaptive_batch import AdaptiveBatch
     from adaptive_batch.testing import (
         FakeOutOfMemory,
-        eval_pieces,
         text_corpus,
         tiny_llama,
         token_dataset,

@@ -95,6 +95,11 @@ def adaptive_of(trainer):
     return adaptive
 
 
+def eval_pieces(trainer):
+    """The [`runtime.evaluation.EvalPieces`] running `trainer`'s eval batches (`None`: the Trainer's own)."""
+    return trainer._adaptive_batch.assembly.eval_pieces
+
+
 def saved_state(trainer) -> dict:
     """What AdaptiveBatch writes into the Trainer's checkpoints now (`ExportableState.state()`)."""
     return adaptive_of(trainer).state()["attributes"]["checkpoint"]

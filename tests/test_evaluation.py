@@ -5,11 +5,11 @@ raises the real `torch.OutOfMemoryError` above a number of rows, in evaluation t
 import numpy as np
 import pytest
 import torch
-from helpers import BlockClock
+from helpers import BlockClock, eval_pieces
 
 import adaptive_batch.runtime.memory
 from adaptive_batch import AdaptiveBatch, MicroBatchTooLargeError
-from adaptive_batch.testing import FakeOutOfMemory, eval_pieces
+from adaptive_batch.testing import FakeOutOfMemory
 
 EVAL = dict(per_device_eval_batch_size=8, dtype=torch.float64)
 

@@ -32,11 +32,10 @@ def dataset_facts(path: Path, tokenizer_dir: Path | None, sft: SFTArgs) -> Datas
     rows = _load(path)
     if len(rows) == 0:
         raise ValueError(f"--dataset {path} holds no records.")
-    tokenized = (
-        "input_ids" in rows.column_names
-        if hasattr(rows, "column_names")
-        else all(isinstance(row, dict) and isinstance(row.get("input_ids"), list) for row in rows)
-    )
+    if hasattr(rows, "column_names"):
+        tokenized = "input_ids" in rows.column_names
+    else:
+        tokenized = all(isinstance(row, dict) and isinstance(row.get("input_ids"), list) for row in rows)
     given = sft.changed()
     if tokenized and not sft.is_sft:
         return DatasetFacts(len(rows), lengths.total_tokens(rows))

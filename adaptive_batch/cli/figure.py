@@ -171,9 +171,8 @@ def draw(series: RunSeries):
     micro = _numbers(series.micro_batch_size[:1] + series.micro_batch_size)
     batch_axes.step(steps_x, effective, where="pre", linewidth=2.5, label="effective batch (all ranks)")
     batch_axes.step(steps_x, micro, where="pre", linestyle="--", label="micro-batch (per rank)")
-    batch_axes.set_ylabel("samples")
     tallest = max((size for size in effective + micro if math.isfinite(size)), default=1)
-    batch_axes.set_ylim(0, 1.3 * tallest)  # room for the legend above the largest size
+    batch_axes.set(ylabel="samples", ylim=(0, 1.3 * tallest))  # room for the legend above the largest size
     batch_axes.legend(loc="upper left")
     noise_axes.step(steps_x, effective, where="pre", color="C0", linestyle="--", label="effective batch")
     if series.noise_measured:
@@ -183,10 +182,9 @@ def draw(series: RunSeries):
         noise_axes.text(
             0.5, 0.5, "noise scale not measured", transform=noise_axes.transAxes, ha="center", va="center"
         )
-    noise_axes.set_yscale("log")
+    noise_axes.set(yscale="log", ylabel="samples (log)")
     for axis_formatter in (noise_axes.yaxis.set_major_formatter, noise_axes.yaxis.set_minor_formatter):
         axis_formatter(LogFormatter(labelOnlyBase=False))  # 20, not 2 x 10^1
-    noise_axes.set_ylabel("samples (log)")
     noise_axes.legend(loc="upper left")
     lr_axes.plot(x, _numbers(series.learning_rate), color="C3")
     lr_axes.set_ylabel("learning rate")
@@ -194,8 +192,7 @@ def draw(series: RunSeries):
     if series.eval_loss:
         # "o": a marker at each evaluation, no line between them
         loss_axes.plot(series.eval_samples_seen, series.eval_loss, "o", color="C4", label="eval loss")
-    loss_axes.set_ylabel("loss")
-    loss_axes.set_xlabel("samples seen")
+    loss_axes.set(ylabel="loss", xlabel="samples seen")
     loss_axes.legend(loc="upper right")
     for axes in (batch_axes, noise_axes, lr_axes, loss_axes):
         axes.grid(True, alpha=0.3)

@@ -21,24 +21,25 @@ HELP = "print the steps, samples, tokens and LR of a run before it starts"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
     data = parser.add_mutually_exclusive_group(required=True)
     data.add_argument("--dataset-size", type=positive_int(1000, "--dataset-size"), help="training samples")
     data.add_argument("--dataset", type=Path, help="a .jsonl/.json file or a datasets.save_to_disk folder")
-    parser.add_argument(
+    add(
         "--tokenizer",
         type=Path,
         help="a tokenizer folder (save_pretrained): prepare --dataset rows that hold 'text', 'messages' or "
         "'prompt'/'completion' as TRL's SFTTrainer does (chat template, EOS, truncation at max_length, packing, with "
         "the SFTConfig fields of --args and the script arguments) and count its rows and tokens",
     )
-    parser.add_argument(
+    add(
         "--args",
         type=Path,
         help="the run's saved TrainingArguments or SFTConfig: a JSON of them (args.to_json_string()) or the "
         "training_args.bin the Trainer writes in each checkpoint (unpickled: only your own files); the flags below "
         "override it",
     )
-    parser.add_argument(
+    add(
         "script_args",
         nargs="*",
         metavar="-- SCRIPT ARGS",
@@ -46,24 +47,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--per_device_train_batch_size 4 --num_train_epochs 2 --max_length 1024 --packing); the TrainingArguments "
         "and SFTConfig fields among them override --args; options that are neither are named, not read",
     )
-    parser.add_argument(
-        "--per-device", type=positive_int(8), help="per_device_train_batch_size (default: --args, else 8)"
-    )
-    parser.add_argument(
-        "--accumulation", type=positive_int(4), help="gradient_accumulation_steps (default: --args, else 1)"
-    )
-    parser.add_argument(
-        "--gpus", type=positive_int(2), default=1, help="data-parallel processes (world size)"
-    )
-    parser.add_argument(
+    add("--per-device", type=positive_int(8), help="per_device_train_batch_size (default: --args, else 8)")
+    add("--accumulation", type=positive_int(4), help="gradient_accumulation_steps (default: --args, else 1)")
+    add("--gpus", type=positive_int(2), default=1, help="data-parallel processes (world size)")
+    add(
         "--epochs", type=positive_number("3"), help="num_train_epochs (default: --args, else the Trainer's 3)"
     )
-    parser.add_argument(
+    add(
         "--max-steps",
         type=integer("500"),
         help="max_steps (overrides --epochs, as in the Trainer; default: --args, else -1: not set)",
     )
-    parser.add_argument(
+    add(
         "--schedule",
         help=setting_help(
             "schedule",
@@ -72,16 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "so it is not planned here)",
         ),
     )
-    parser.add_argument(
-        "--boundaries", default="", help="where phases 2.. start, e.g. 0.1,0.3 (default: none, one phase)"
-    )
-    parser.add_argument(
+    add("--boundaries", default="", help="where phases 2.. start, e.g. 0.1,0.3 (default: none, one phase)")
+    add(
         "--unit",
         choices=("fraction", "samples", "steps"),
         default="fraction",
         help="what --boundaries count: a fraction of the budget, samples or optimizer steps",
     )
-    parser.add_argument(
+    add(
         "--lr-scaling",
         choices=("none", "sqrt", "linear"),
         default="none",
@@ -91,10 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "linear (SGD: x B / B0)",
         ),
     )
-    parser.add_argument(
-        "--drop-last", action="store_true", help="dataloader_drop_last (default: --args, else off)"
-    )
-    parser.add_argument(
+    add("--drop-last", action="store_true", help="dataloader_drop_last (default: --args, else off)")
+    add(
         "--attention",
         default="sdpa",
         help="the model's attn_implementation (from_pretrained's argument; transformers' default is sdpa): the "

@@ -14,38 +14,37 @@ HELP = "find the largest micro-batch that fits, and the fastest one"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", help="a folder written by save_pretrained")
-    parser.add_argument("--seq-len", type=positive_int(1024), required=True, help="tokens per sample")
-    parser.add_argument(
-        "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weights / compute dtype"
-    )
-    parser.add_argument("--load-in-4bit", action="store_true", help="NF4 with double quantisation (QLoRA)")
-    parser.add_argument("--lora-r", type=positive_int(16), help="LoRA rank (no LoRA without it)")
-    parser.add_argument("--lora-alpha", type=positive_int(32), help="LoRA alpha (default: 2 x r)")
-    parser.add_argument("--lora-target", default="q_proj,v_proj", help="comma-separated module names")
-    parser.add_argument(
+    add = parser.add_argument
+    add("model_dir", help="a folder written by save_pretrained")
+    add("--seq-len", type=positive_int(1024), required=True, help="tokens per sample")
+    add("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weights / compute dtype")
+    add("--load-in-4bit", action="store_true", help="NF4 with double quantisation (QLoRA)")
+    add("--lora-r", type=positive_int(16), help="LoRA rank (no LoRA without it)")
+    add("--lora-alpha", type=positive_int(32), help="LoRA alpha (default: 2 x r)")
+    add("--lora-target", default="q_proj,v_proj", help="comma-separated module names")
+    add(
         "--no-gradient-checkpointing",
         action="store_true",
         help="probe without gradient checkpointing (the run must then train without it too)",
     )
-    parser.add_argument("--optim", help="a TrainingArguments.optim name (default: the Trainer's default)")
-    parser.add_argument(
+    add("--optim", help="a TrainingArguments.optim name (default: the Trainer's default)")
+    add(
         "--effective-batch",
         type=positive_int(64),
         help="also print per-device x accumulation for this many samples per step",
     )
-    parser.add_argument("--gpus", type=positive_int(2), default=1, help="GPUs sharing the effective batch")
-    parser.add_argument("--headroom", type=float, default=0.05, help="share of GPU memory to keep free")
-    parser.add_argument("--max", action="store_true", help="recommend the largest size that fits")
-    parser.add_argument("--max-size", type=positive_int(4096), default=4096, help="largest size to try")
-    parser.add_argument("--cpu", action="store_true", help="probe on the CPU (needs --memory-budget)")
-    parser.add_argument(
+    add("--gpus", type=positive_int(2), default=1, help="GPUs sharing the effective batch")
+    add("--headroom", type=float, default=0.05, help="share of GPU memory to keep free")
+    add("--max", action="store_true", help="recommend the largest size that fits")
+    add("--max-size", type=positive_int(4096), default=4096, help="largest size to try")
+    add("--cpu", action="store_true", help="probe on the CPU (needs --memory-budget)")
+    add(
         "--memory-budget",
         type=float,
         help="GiB a training step may use (required with --cpu; on a GPU, a cap)",
     )
-    parser.add_argument("--no-cache", action="store_true", help="do not write the result to the cache")
-    parser.add_argument(
+    add("--no-cache", action="store_true", help="do not write the result to the cache")
+    add(
         "--no-eval",
         action="store_true",
         help="skip the search for the largest eval batch (a forward without gradients beside the training state)",

@@ -152,11 +152,8 @@ class AdaptiveBatchConfig:
             raise ValueError(
                 f"max_micro_batch_size={self.max_micro_batch_size!r} must be a positive int or None, e.g. 64."
             )
-        if (
-            _positive_int(self.micro_batch_size)
-            and self.max_micro_batch_size is not None
-            and self.micro_batch_size > self.max_micro_batch_size
-        ):
+        largest = self.max_micro_batch_size
+        if _positive_int(self.micro_batch_size) and largest is not None and self.micro_batch_size > largest:
             raise ValueError(
                 f"micro_batch_size={self.micro_batch_size} exceeds max_micro_batch_size={self.max_micro_batch_size};"
                 f" use micro_batch_size<={self.max_micro_batch_size}."

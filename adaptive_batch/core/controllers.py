@@ -53,12 +53,8 @@ def controller_for(config: AdaptiveBatchConfig, facts: RunFacts, row_limit: int)
 
 def waits_for_lengths(config: AdaptiveBatchConfig, facts: RunFacts) -> bool:
     """Whether the choice waits for the first step's lengths (`"auto"`, padded, lengths unknown before training)."""
-    return (
-        config.auto
-        and config.max_tokens_per_micro_batch is None
-        and facts.lengths_vary is None
-        and not facts.padding_free
-    )
+    auto_cut = config.auto and config.max_tokens_per_micro_batch is None
+    return auto_cut and facts.lengths_vary is None and not facts.padding_free
 
 
 # attention implementations that read a flattened step's sequences at work in proportion to their tokens (eager and
@@ -94,11 +90,8 @@ def choose_layout(
     )
     if padding_free is not None:
         chosen = "padding-free" if padding_free else "padded"
-        return Layout(
-            padding_free,
-            f"{chosen} (padding_free={padding_free}){without_mask if unmasked else ''}",
-            unmasked,
-        )
+        text = f"{chosen} (padding_free={padding_free}){without_mask if unmasked else ''}"
+        return Layout(padding_free, text, unmasked)
     packs = attention is not None and any(name in attention for name in PACKED_ATTENTION)
     if not packs:
         if lengths_vary is False:

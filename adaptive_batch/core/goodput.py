@@ -150,10 +150,9 @@ class NoiseScaleSchedule:
         _check_real(
             measure_every, "measure_every", lambda x: isinstance(x, numbers.Integral) and x >= 0, rule
         )
+        rule = "in (0, 1], e.g. 0.9, or None"
         if min_efficiency is not None:
-            _check_real(
-                min_efficiency, "min_efficiency", lambda x: 0 < x <= 1, "in (0, 1], e.g. 0.9, or None"
-            )
+            _check_real(min_efficiency, "min_efficiency", lambda x: 0 < x <= 1, rule)
         self.min_efficiency = None if min_efficiency is None else float(min_efficiency)
         self.factor, self.margin, self.confidence_z = float(factor), float(margin), float(confidence_z)
         self.min_samples_between_changes = min_samples_between_changes

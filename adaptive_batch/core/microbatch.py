@@ -138,9 +138,8 @@ class MicroBatchSearch:
             return None
         self.steps_since_shrink += 1
         size = self.shrunk_from
-        if self.steps_since_shrink < REGROW_AFTER_STEPS or not self.fits(
-            size * tokens_per_unit, cautious=True
-        ):
+        fits = self.fits(size * tokens_per_unit, cautious=True)
+        if self.steps_since_shrink < REGROW_AFTER_STEPS or not fits:
             return None
         self.shrunk_from = None
         self.tried_again.append(size)

@@ -114,8 +114,7 @@ def plan_rows(
     accumulation_text: str = "samples per rank per step / micro-batch, decided while training",
 ) -> list[tuple[str, str]]:
     plan, clock = run.plan, run.clock
-    phases = plan.phases()
-    world = plan.world_size
+    phases, world = plan.phases(), plan.world_size
     per_rank = " -> ".join(str(effective // world) for _, _, effective in phases)
     scales = " -> ".join(f"x{clock.multiplier(effective):.3g}" for _, _, effective in phases)
     steps = f"{plan.num_steps:,}"

@@ -184,8 +184,7 @@ class RowController(MicroBatchSearch):
     def limit_to(self, max_size: int | None) -> None:
         if max_size is None:
             return
-        self.max_size = max_size
-        self.size = min(self.size, max_size)
+        self.max_size, self.size = max_size, min(self.size, max_size)
         if self.trial is not None and self.trial > max_size:
             self._settle(f"max_micro_batch_size={max_size}")
 

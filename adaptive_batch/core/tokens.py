@@ -35,8 +35,7 @@ class TokenController(MicroBatchSearch):
         super().__init__(memory_limit, oom_is_fatal)
         self.max_tokens, self.max_rows, self.row_limit = max_tokens, max_rows, row_limit
         self.tuning, self.overhead = tune, overhead
-        self.calibrating = overhead is None
-        self.measures_overhead = overhead is None  # a stated one is kept as stated
+        self.calibrating = self.measures_overhead = overhead is None  # a stated one is kept as stated
         self.no_line = False  # measured, but the times gave no rising line: one longest row's worth
         self.line_missed: float | None = None  # how much slower than the line a grown budget's last step ran
         self.steps_measured = 0

@@ -171,11 +171,8 @@ class Assembly:
             accumulation_steps=int(state["last_accumulation_steps"]),
         )
         learned = state["micro_batch"]
-        if (
-            self.lengths_pending
-            and learned is not None
-            and (learned["kind"] == "tokens" or state.get("flattened"))
-        ):
+        varied = learned is not None and (learned["kind"] == "tokens" or state.get("flattened"))
+        if self.lengths_pending and varied:
             # the run's first step told that its rows vary: padding-free or cut by tokens as then (the budget learned)
             self._choose_from_lengths(longest_row=1)
         self.lengths_pending = False  # (rows: the first step's rows were of one length)

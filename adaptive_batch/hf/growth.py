@@ -131,9 +131,8 @@ class Growth:
             )
 
     def _costs(self, session) -> StepCosts:
-        cap = session.controller.larger_step_cap(
-            session.assembly.runner.last.micro_batch_size, self._usual_micro_batches
-        )
+        last_size = session.assembly.runner.last.micro_batch_size
+        cap = session.controller.larger_step_cap(last_size, self._usual_micro_batches)
         return StepCosts(self.step_time, session.world_size, self._usual_micro_batches, cap)
 
     def state_dict(self) -> dict:

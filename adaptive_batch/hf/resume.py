@@ -174,10 +174,9 @@ def readable_by_the_trainer(path: str | None) -> Iterator[str | None]:
         for name in os.listdir(path):
             if name != TRAINER_STATE_NAME:
                 _link(os.path.abspath(os.path.join(path, name)), os.path.join(view, name))
+        kept = {key: value for key, value in fields.items() if not key.startswith(PLAIN_RESUME_KEY)}
         with open(os.path.join(view, TRAINER_STATE_NAME), "w", encoding="utf-8") as handle:
-            json.dump(
-                {key: value for key, value in fields.items() if not key.startswith(PLAIN_RESUME_KEY)}, handle
-            )
+            json.dump(kept, handle)
         yield view
 
 

@@ -168,11 +168,8 @@ class Session:
     def batch_changes(self) -> bool:
         """Whether the learning rate must follow the batch: it changes, or a rule scales it."""
         plan = self.plan
-        return (
-            len(set(plan.sizes[plan.done_steps :])) > 1
-            or self.config.lr_scaling != "none"
-            or self.growth is not None
-        )
+        sizes_change = len(set(plan.sizes[plan.done_steps :])) > 1
+        return sizes_change or self.config.lr_scaling != "none" or self.growth is not None
 
     def training_step(self, inner_step, model, inputs, num_items_in_batch):
         step, growth, assembly = self.trainer.state.global_step, self.growth, self.assembly
@@ -182,11 +179,9 @@ class Session:
         split = growth is not None and growth.split(self, step)
         if assembly.lengths_pending:
             assembly.lengths_from_step(inputs)
-        per_device = self.trainer.args.per_device_train_batch_size
+        per_device, max_rows = self.trainer.args.per_device_train_batch_size, self.plan.max_rows(step)
         with self.loss_scale.step(self.plan.sizes[step], per_device, self.world_size):
-            loss = assembly.runner.run(
-                inner_step, model, inputs, num_items_in_batch, self.plan.max_rows(step), split=split
-            )
+            loss = assembly.runner.run(inner_step, model, inputs, num_items_in_batch, max_rows, split=split)
         self.status.after_step(step, self.plan, exploring)
         if growth is not None:
             timed = not exploring and not self.controller.exploring and not assembly.runner.last.retries

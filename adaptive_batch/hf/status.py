@@ -131,6 +131,7 @@ class Status:
         plain = plain_batching(args, plan)
         plain_steps = plain.total_steps(args.num_train_epochs, args.max_steps)
         total_tokens = lengths.total_tokens(self.trainer.train_dataset)
+        per_rank = [effective // plan.world_size for _, _, effective in plan.phases()]
         unknown_lengths = (
             "; the dataset cannot tell its rows' lengths before training: where the first step's vary, steps are "
             "cut by padded tokens from it on"
@@ -143,10 +144,7 @@ class Status:
             plain_steps=plain_steps,
             tokens=total_tokens and round(total_tokens * run.budget.samples / plan.dataset_size),
             rule_text=plan_text(config.lr_scaling),
-            accumulation_text=controller.accumulation_text(
-                [effective // plan.world_size for _, _, effective in plan.phases()],
-                args.gradient_accumulation_steps,
-            ),
+            accumulation_text=controller.accumulation_text(per_rank, args.gradient_accumulation_steps),
             layout_text=self.assembly.layout().text,
         )
         may_grow_to = growth.schedule.max_size if growth is not None else None

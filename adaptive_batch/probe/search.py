@@ -159,8 +159,7 @@ def probe(
     )
     if effective_batch_size is not None:
         report.effective_batch_size = effective_batch_size
-        report.per_device_train_batch_size, report.gradient_accumulation_steps = split_effective_batch(
-            recommended, effective_batch_size, gpus
-        )
+        split = split_effective_batch(recommended, effective_batch_size, gpus)
+        report.per_device_train_batch_size, report.gradient_accumulation_steps = split
         report.split_reason = split_reason(recommended, effective_batch_size, gpus)
     return report

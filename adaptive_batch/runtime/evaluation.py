@@ -126,9 +126,8 @@ class EvalPieces:
             outputs.append(predict(take(inputs, rows, index, width)))
             if timed:
                 synchronize(device)
-                (seconds,) = self.tape.measure(
-                    "eval", self.step, f"forward {name}", [time.perf_counter() - began]
-                )
+                elapsed = [time.perf_counter() - began]
+                (seconds,) = self.tape.measure("eval", self.step, f"forward {name}", elapsed)
                 self._timed(inputs, rows, index, width, seconds)
             return Report()
 
@@ -169,11 +168,9 @@ class EvalPieces:
             labels = inputs.get("labels")
             if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and loss_shifts_labels(self.trainer):
                 labels = labels[..., 1:]
-        per_row = (
-            (labels != IGNORE_INDEX).reshape(rows, -1).sum(dim=1).double().cpu()
-            if isinstance(labels, torch.Tensor) and labels.dim() >= 1 and labels.shape[0] == rows
-            else torch.ones(rows, dtype=torch.float64)
-        )
+        per_row = torch.ones(rows, dtype=torch.float64)
+        if isinstance(labels, torch.Tensor) and labels.dim() >= 1 and labels.shape[0] == rows:
+            per_row = (labels != IGNORE_INDEX).reshape(rows, -1).sum(dim=1).double().cpu()
         return [
             float(per_row[index.cpu() if isinstance(index, torch.Tensor) else index].sum())
             for index, _ in pieces
@@ -216,9 +213,8 @@ class EvalGrowth:
         base = float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
         with Stopwatch(device) as watch:
             yield
-        seconds, peak, base = self.pieces.tape.measure(
-            "eval", self.pieces.step, "evaluation", [watch.seconds, watch.peak_bytes, base]
-        )
+        readings = [watch.seconds, watch.peak_bytes, base]
+        seconds, peak, base = self.pieces.tape.measure("eval", self.pieces.step, "evaluation", readings)
         local = [
             seconds,
             float(self.pieces.rows if is_stream(dataset) else math.ceil(len(dataset) / ranks.world_size)),

@@ -42,6 +42,4 @@ def step_row_lengths(batch) -> list[int] | None:
     import torch
 
     mask = batch.get("attention_mask") if hasattr(batch, "get") else None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        return None
-    return mask.sum(dim=1).tolist()
+    return mask.sum(dim=1).tolist() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None

@@ -50,9 +50,8 @@ class PackedStepBatch:
         if "seq_idx" in self.batch:
             seq_idx = self.batch["seq_idx"]
             counts = torch.tensor(lengths, device=seq_idx.device)
-            taken["seq_idx"] = torch.repeat_interleave(
-                torch.arange(size, device=seq_idx.device, dtype=seq_idx.dtype), counts
-            ).unsqueeze(0)
+            ids = torch.arange(size, device=seq_idx.device, dtype=seq_idx.dtype)
+            taken["seq_idx"] = torch.repeat_interleave(ids, counts).unsqueeze(0)
         return taken
 
     def dummy(self, count_items: bool) -> dict[str, Any]:
@@ -80,9 +79,7 @@ class PackedStepBatch:
 
     def label_counts(self, shifted: bool) -> torch.Tensor | None:
         """Labelled tokens of each sequence (each starts with an ignored label, so a shift changes nothing)."""
-        labels = next(
-            (self.batch[k] for k in LABEL_KEYS if isinstance(self.batch.get(k), torch.Tensor)), None
-        )
+        labels = next((self.batch[k] for k in LABEL_KEYS if torch.is_tensor(self.batch.get(k))), None)
         if labels is None:
             return None
         labelled = (labels[0] != IGNORE_INDEX).long()

@@ -31,9 +31,8 @@ class Report:
 
     def to_list(self) -> list[float]:
         *values, rows, tokens = astuple(self)
-        return [float(value) for value in values] + [
-            -math.inf if n is None else -float(n) for n in (rows, tokens)
-        ]
+        failed = [-math.inf if n is None else -float(n) for n in (rows, tokens)]
+        return [float(value) for value in values] + failed
 
     @classmethod
     def from_list(cls, values: list[float]) -> Report:

@@ -90,9 +90,8 @@ class MicroBatchRunner:
             max_rows = int(self.ranks.max([batch.rows])[0])
         elif batch.rows not in (max_rows, max_rows - 1):
             raise RuntimeError(f"Step batch of {batch.rows} rows where the plan gives {max_rows} per rank.")
-        step = _Step(
-            inner_step, model, batch, num_items_in_batch, batch.label_counts(loss_shifts_labels(self.trainer))
-        )
+        counts = batch.label_counts(loss_shifts_labels(self.trainer))
+        step = _Step(inner_step, model, batch, num_items_in_batch, counts)
         if self.noise is not None:
             step.share_total = self._share_total(step)
             self.noise.begin_step(model, self.trainer.optimizer)
@@ -154,9 +153,8 @@ class MicroBatchRunner:
             cut.record(micro, report)
             outcome.chunks += 1
             outcome.largest = max(outcome.largest, micro.size)
-            outcome.largest_tokens = max(
-                outcome.largest_tokens, step.batch.padded_tokens(micro.start, micro.rows)
-            )
+            tokens = step.batch.padded_tokens(micro.start, micro.rows)
+            outcome.largest_tokens = max(outcome.largest_tokens, tokens)
             if report.measured_peak is not None:
                 outcome.peak = max(outcome.peak, report.measured_peak)
         notice = cut.finish(self._step_memory(outcome, retries_before, attempt))
@@ -242,9 +240,8 @@ class MicroBatchRunner:
         del loss
         local = Report()
         if stopwatch is not None:
-            seconds, peak = self.tape.measure(
-                "train", self._step, f"micro {name}", [stopwatch.seconds, stopwatch.peak_bytes]
-            )
+            readings = [stopwatch.seconds, stopwatch.peak_bytes]
+            seconds, peak = self.tape.measure("train", self._step, f"micro {name}", readings)
             local.seconds = seconds
             local.peak_bytes = peak if peak is not None else -math.inf
             local.real_tokens, local.padded_tokens = batch.tokens(start, max(own, 1))

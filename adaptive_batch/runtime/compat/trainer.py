@@ -96,9 +96,8 @@ def loss_shifts_labels(trainer) -> bool:
 
 def loss_normalised_over_ranks(trainer) -> bool:
     """Whether `Trainer.compute_loss` normalises the loss by `num_items_in_batch` counted over all ranks."""
-    takes_items = bool(getattr(trainer, "model_accepts_loss_kwargs", False)) or (
-        getattr(trainer, "compute_loss_func", None) is not None
-    )
+    custom_loss = getattr(trainer, "compute_loss_func", None) is not None
+    takes_items = bool(getattr(trainer, "model_accepts_loss_kwargs", False)) or custom_loss
     return bool(getattr(trainer.args, "average_tokens_across_devices", False)) and takes_items
 
 
@@ -117,11 +116,9 @@ def padding_free(trainer) -> bool:
     from transformers import DataCollatorWithFlattening
 
     collator = trainer.data_collator
-    return (
-        isinstance(collator, DataCollatorWithFlattening)
-        or bool(getattr(collator, "padding_free", False))
-        or bool(getattr(trainer, "padding_free", False))
-    )
+    if isinstance(collator, DataCollatorWithFlattening):
+        return True
+    return bool(getattr(collator, "padding_free", False) or getattr(trainer, "padding_free", False))
 
 
 # The classes whose own `training_step` and `compute_loss` read `attention_mask` for the model's attention

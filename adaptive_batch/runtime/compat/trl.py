@@ -27,9 +27,7 @@ class TrlMetrics:
         # and exposes them only through its logs
         metrics = getattr(trainer, "_metrics", None)
         self.lists = metrics.get(mode) if isinstance(metrics, dict) else None
-        self.lengths = (
-            {key: len(values) for key, values in self.lists.items()} if self.lists is not None else {}
-        )
+        self.lengths = {key: len(values) for key, values in (self.lists or {}).items()}
         self.total_tokens = getattr(trainer, "_total_train_tokens", None)
 
     def restore(self) -> None:
