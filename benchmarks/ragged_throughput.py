@@ -37,6 +37,12 @@ compilation included) beside the steady figure. `--cold` resets dynamo before ev
 its own compilation as a user's fresh process does (run it with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 so no arm
 inherits another's kernels from disk); without it a round after the first finds its graphs compiled.
 
+An arm name with the suffix `@nocudnn` (`auto@nocudnn`) runs that arm with torch's cuDNN attention backend turned
+off (`torch.backends.cuda.enable_cudnn_sdp(False)` around its training, then restored): torch prefers cuDNN for sdpa
+on Hopper (H100, H200) with cuDNN newer than 9.15, and cuDNN builds an attention graph for each new shape, which
+ragged micro-batches keep making. Such arms are compared with the arms of the same suffix (their random and
+padding-free arms), so that one call measures both backends, interleaved.
+
 `--attention flex_attention` runs every arm with flex attention instead of sdpa: on a padding-free row its block
 mask skips the blocks between sequences, where sdpa's packed mask is dense (quadratic in the whole row). It needs a
 GPU for training (torch has no flex attention backward on the CPU).
@@ -95,6 +101,15 @@ ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments o
     "auto_torch": (8, 8, "pad", {}, {}),
     "fixed": (8, 2, "pad", None, {}),  # rows of FIXED_LENGTH tokens, micro-batch 8 (8,192 tokens)
 }
+SUFFIXES = ("", "@nocudnn")  # an arm as listed; the same with sdpa's cuDNN backend off
+
+
+def split_arm(name: str) -> tuple[str, str]:
+    """`("auto", "@nocudnn")` of "auto@nocudnn": the arm of ARMS, and the suffix that says how sdpa runs it."""
+    arm, at, suffix = name.partition("@")
+    return arm, at + suffix
+
+
 TORCH_DATASET = {"auto_torch"}  # arms whose rows are served by a torch Dataset instead of a list
 MASKED = {"auto_masked"}  # arms whose Trainer has a compute_loss of its own, so that the padding mask stays
 TORCH_OVER_LIST_AIM = 0.05  # auto_torch within 5% of auto
@@ -223,7 +238,8 @@ def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
 
     from adaptive_batch import AdaptiveBatch
 
-    per_device, accumulation, kind, adaptive, extra = ARMS[name]
+    arm, suffix = split_arm(name)
+    per_device, accumulation, kind, adaptive, extra = ARMS[arm]
     clock, collator = StepClock(), CountingCollator(kind)
     graphs = []
 
@@ -239,7 +255,7 @@ def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
         callbacks.append(callback)
     trainer = qlora_trainer(
         model,
-        TorchRows(dataset) if name in TORCH_DATASET else dataset,
+        TorchRows(dataset) if arm in TORCH_DATASET else dataset,
         callbacks,
         os.path.join(workdir, "trainer"),
         per_device,
@@ -247,7 +263,7 @@ def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
         steps,
         tiny,
         data_collator=collator,
-        trainer_class=OwnLoss() if name in MASKED else None,
+        trainer_class=OwnLoss() if arm in MASKED else None,
         **extra,
     )
     if torch.cuda.is_available():
@@ -256,8 +272,13 @@ def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
         torch._dynamo.reset()
     compilations = Compilations()
     compilations.start()
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(cudnn and suffix != "@nocudnn")
     started = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
     train_seconds = time.perf_counter() - started
     seconds = clock.step_seconds
     tokens = tokens_seen.per_step
@@ -267,7 +288,8 @@ def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
         "per_device_train_batch_size": per_device,
         "gradient_accumulation_steps": accumulation,
         "collator": "padding" if kind == "pad" else "DataCollatorWithFlattening",
-        "dataset": "torch Dataset" if name in TORCH_DATASET else "list",
+        "dataset": "torch Dataset" if arm in TORCH_DATASET else "list",
+        "sdpa_cudnn": torch.backends.cuda.cudnn_sdp_enabled() and suffix != "@nocudnn",
         "adaptive_batch": adaptive,
         "training_arguments": extra,
         **step_record(seconds, tokens),
@@ -333,7 +355,9 @@ def main():
     parser.add_argument(
         "--arms",
         default=",".join(name for name in ARMS if name not in TORCH_DATASET),
-        help="comma-separated, from: " + ", ".join(ARMS),
+        help="comma-separated, from: "
+        + ", ".join(ARMS)
+        + f" (each also with {SUFFIXES[1]}: sdpa's cuDNN backend off)",
     )
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps of each plain arm")
     parser.add_argument(
@@ -355,6 +379,15 @@ def main():
         "compilation (set TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 too)",
     )
     options = parser.parse_args()
+    wrong = [
+        name
+        for name in options.arms.split(",")
+        if split_arm(name)[0] not in ARMS or split_arm(name)[1] not in SUFFIXES
+    ]
+    if wrong:
+        parser.error(
+            f"--arms {options.arms}: {', '.join(wrong)}: choose from {', '.join(ARMS)}, each with {SUFFIXES[1]} or not"
+        )
     unknown = [mix for mix in options.mix.split(",") if mix not in MIXES]
     if unknown:
         parser.error(
@@ -386,7 +419,7 @@ def run_mix(options, model, config, mix: str) -> None:
             {"input_ids": torch.randint(0, config.vocab_size, (FIXED_LENGTH,), generator=generator).tolist()}
             for _ in range(16 * max(options.fixed_steps, options.warmup_steps))
         ]
-        if "fixed" in arms
+        if any(split_arm(name)[0] == "fixed" for name in arms)
         else []
     )
     longest = max(row_lengths)
@@ -396,6 +429,9 @@ def run_mix(options, model, config, mix: str) -> None:
         "attention": options.attention,
         "cold_runs": options.cold,
         "inductor_caches_disabled": os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1",
+        "cudnn_version": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "sdpa_cudnn_enabled": torch.backends.cuda.cudnn_sdp_enabled(),
+        "TORCH_CUDNN_SDPA_DEPRIORITIZED": os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED"),
         "lengths": {
             "mix": mix,
             "distribution": MIXES[mix],
@@ -417,12 +453,12 @@ def run_mix(options, model, config, mix: str) -> None:
     report["warmup"] = warm_ups.record()
     path = os.path.join(options.out, f"ragged_throughput_{options.attention}_{mix}.json")
     for round_, name in interleaved(arms, options.rounds):
-        rows = fixed if name == "fixed" else dataset
+        rows = fixed if split_arm(name)[0] == "fixed" else dataset
         print(f"{time.strftime('%H:%M:%S')} {mix} round {round_}: {name}", flush=True)
         warm_ups.before(name, run_arm, name, model, rows, options.warmup_steps, options.tiny, options.workdir)
         started = time.perf_counter()
-        steps = options.adaptive_steps if ARMS[name][3] is not None else options.steps
-        steps = options.fixed_steps if name == "fixed" else steps
+        steps = options.adaptive_steps if ARMS[split_arm(name)[0]][3] is not None else options.steps
+        steps = options.fixed_steps if split_arm(name)[0] == "fixed" else steps
         result = run_arm(name, model, rows, steps, options.tiny, options.workdir, cold=options.cold)
         result["round"] = round_
         report["runs"].append(result)
@@ -472,16 +508,24 @@ def summarise(report):
         by_arm.setdefault(run["arm"], []).append(run)
     parts = {name: [after_first_part(run) for run in runs] for name, runs in by_arm.items()}
     pooled = {name: pool(own) for name, own in parts.items()}
-    base = pooled.get("random")
-    flat = [speed for name, speed in pooled.items() if name.startswith("flat")]
     whole = {  # every step's tokens over the seconds of trainer.train(), compilation and AdaptiveBatch's search in
         name: sum(sum(run["real_tokens_per_step"]) for run in runs)
         / sum(run["train_seconds"] for run in runs)
         for name, runs in by_arm.items()
     }
-    flat_whole = [speed for name, speed in whole.items() if name.startswith("flat")]
     steadies = {name: pool([steady_part(run) for run in runs]) for name, runs in by_arm.items()}
-    flat_steady = [speed for name, speed in steadies.items() if name.startswith("flat")]
+
+    def peers(speeds: dict, name: str, arm: str | None = None) -> list[float]:
+        """The speeds of the arms of `name`'s suffix that are `arm` (or, without one, padding-free plain arms)."""
+        suffix = split_arm(name)[1]
+        return [
+            speed
+            for other, speed in speeds.items()
+            if split_arm(other)[1] == suffix
+            and (split_arm(other)[0] == arm if arm else split_arm(other)[0].startswith("flat"))
+        ]
+
+    base = pooled.get("random")
     ceiling = steadies.get("fixed")
     summary = {"random_real_tokens_per_second": base, "fixed_real_tokens_per_second": ceiling}
     if "auto" in pooled and "auto_torch" in pooled:
@@ -492,6 +536,11 @@ def summarise(report):
         summary["torch_over_list_steady"] = steady["auto_torch"] / steady["auto"]
     for name, speed in pooled.items():
         speeds = [t / s for t, s in parts[name]]
+        base, ceiling = (
+            (peers(pooled, name, "random") or [None])[0],
+            (peers(steadies, name, "fixed") or [None])[0],
+        )
+        flat, flat_whole, flat_steady = peers(pooled, name), peers(whole, name), peers(steadies, name)
         summary[name] = {
             "real_tokens_per_second": speed,
             "over_random": speed / base if base else None,
