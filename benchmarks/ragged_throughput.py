@@ -273,7 +273,8 @@ def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
     compilations = Compilations()
     compilations.start()
     cudnn = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(cudnn and suffix != "@nocudnn")
+    use_cudnn = cudnn and suffix != "@nocudnn"
+    torch.backends.cuda.enable_cudnn_sdp(use_cudnn)
     started = time.perf_counter()
     try:
         trainer.train()
@@ -289,7 +290,7 @@ def run_arm(name, model, dataset, steps, tiny, workdir, cold=False):
         "gradient_accumulation_steps": accumulation,
         "collator": "padding" if kind == "pad" else "DataCollatorWithFlattening",
         "dataset": "torch Dataset" if arm in TORCH_DATASET else "list",
-        "sdpa_cudnn": torch.backends.cuda.cudnn_sdp_enabled() and suffix != "@nocudnn",
+        "sdpa_cudnn": use_cudnn,
         "adaptive_batch": adaptive,
         "training_arguments": extra,
         **step_record(seconds, tokens),
@@ -453,12 +454,13 @@ def run_mix(options, model, config, mix: str) -> None:
     report["warmup"] = warm_ups.record()
     path = os.path.join(options.out, f"ragged_throughput_{options.attention}_{mix}.json")
     for round_, name in interleaved(arms, options.rounds):
-        rows = fixed if split_arm(name)[0] == "fixed" else dataset
+        arm = split_arm(name)[0]
+        rows = fixed if arm == "fixed" else dataset
         print(f"{time.strftime('%H:%M:%S')} {mix} round {round_}: {name}", flush=True)
         warm_ups.before(name, run_arm, name, model, rows, options.warmup_steps, options.tiny, options.workdir)
         started = time.perf_counter()
-        steps = options.adaptive_steps if ARMS[split_arm(name)[0]][3] is not None else options.steps
-        steps = options.fixed_steps if split_arm(name)[0] == "fixed" else steps
+        steps = options.adaptive_steps if ARMS[arm][3] is not None else options.steps
+        steps = options.fixed_steps if arm == "fixed" else steps
         result = run_arm(name, model, rows, steps, options.tiny, options.workdir, cold=options.cold)
         result["round"] = round_
         report["runs"].append(result)
@@ -525,9 +527,10 @@ def summarise(report):
             and (split_arm(other)[0] == arm if arm else split_arm(other)[0].startswith("flat"))
         ]
 
-    base = pooled.get("random")
-    ceiling = steadies.get("fixed")
-    summary = {"random_real_tokens_per_second": base, "fixed_real_tokens_per_second": ceiling}
+    summary = {
+        "random_real_tokens_per_second": pooled.get("random"),
+        "fixed_real_tokens_per_second": steadies.get("fixed"),
+    }
     if "auto" in pooled and "auto_torch" in pooled:
         ratio = pooled["auto_torch"] / pooled["auto"]
         summary["torch_over_list"] = ratio
@@ -536,14 +539,12 @@ def summarise(report):
         summary["torch_over_list_steady"] = steady["auto_torch"] / steady["auto"]
     for name, speed in pooled.items():
         speeds = [t / s for t, s in parts[name]]
-        base, ceiling = (
-            (peers(pooled, name, "random") or [None])[0],
-            (peers(steadies, name, "fixed") or [None])[0],
-        )
+        random_speed = (peers(pooled, name, "random") or [None])[0]  # of this arm's suffix, as below
+        fixed_speed = (peers(steadies, name, "fixed") or [None])[0]
         flat, flat_whole, flat_steady = peers(pooled, name), peers(whole, name), peers(steadies, name)
         summary[name] = {
             "real_tokens_per_second": speed,
-            "over_random": speed / base if base else None,
+            "over_random": speed / random_speed if random_speed else None,
             "over_best_plain_flat": speed / max(flat) if flat else None,
             "repeats": len(speeds),
             "spread_between_repeats": max(speeds) / min(speeds) - 1,
@@ -554,7 +555,7 @@ def summarise(report):
         steady = steadies[name]
         summary[name]["real_tokens_per_second_steady"] = steady
         summary[name]["steady_over_best_plain_flat"] = steady / max(flat_steady) if flat_steady else None
-        summary[name]["steady_over_fixed"] = steady / ceiling if ceiling else None
+        summary[name]["steady_over_fixed"] = steady / fixed_speed if fixed_speed else None
     report["summary"] = summary
 
 

@@ -158,7 +158,8 @@ def main():
             if round_ == 0:
                 run_step(model, layout(name, steps[0], options))  # its own warm-up step, unrecorded
             losses, seconds, ran, micro = [], [], [], []
-            torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
             for step in steps[1:]:
                 batches = layout(name, step, options)
                 sync()
