@@ -89,12 +89,14 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         json.loads(os.environ.get("WORKER_ARGS", "{}"))
     )  # checkpoints, the GPU (benchmarks/engine_resets.py)
     schedule = PhaseSchedule([4, 8], boundaries=[0.5])
+    # a fake out-of-memory error counts padded rows (a causal LM's ragged rows run padding-free in rows by default)
+    layout = {"padding_free": False} if fake_oom_rank is not None and kind not in ("tokens", "packed") else {}
     if micro == "auto":  # on rows of varying length: cut by tokens, the overhead and budget measured
-        callback = AdaptiveBatch(schedule=schedule)
+        callback = AdaptiveBatch(schedule=schedule, **layout)
     elif kind in ("tokens", "packed"):
         callback = AdaptiveBatch(schedule=schedule, max_tokens_per_micro_batch=int(micro))
     else:
-        callback = AdaptiveBatch(schedule=schedule, micro_batch_size=int(micro))
+        callback = AdaptiveBatch(schedule=schedule, micro_batch_size=int(micro), **layout)
     if kind in ("tokens", "packed"):
         rows = token_dataset(tokenizer, texts[:43], max_length=24)
         trainer = Recording(

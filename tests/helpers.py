@@ -115,13 +115,21 @@ def logged_or_none(trainer, key: str) -> list:
 
 
 def sequences(inputs: dict) -> list[tuple[int, ...]]:
-    """The token ids of every row of a collated batch without padding, or of every sequence of a flattened one."""
+    """The token ids of every row of a collated batch without padding, or of every sequence of a flattened one (in
+    one row, or packed into several rows, each row's unused tail left out)."""
     ids, mask = inputs["input_ids"], inputs.get("attention_mask")
     if mask is not None:
         return [tuple(r[m.bool()].tolist()) for r, m in zip(ids, mask)]
-    positions = inputs["position_ids"][0]
-    starts = [0] + ((positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1).tolist() + [ids.shape[1]]
-    return [tuple(ids[0, a:b].tolist()) for a, b in zip(starts, starts[1:])]
+    found, labels, width = [], inputs.get("labels"), ids.shape[1]
+    for row, positions in enumerate(inputs["position_ids"].expand(ids.shape)):
+        breaks = ((positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1).tolist()
+        starts = [0, *breaks, width]
+        for a, b in zip(starts, starts[1:]):
+            unlabelled = labels is None or bool((labels[row, a:b] == -100).all())
+            tail = b == width and unlabelled and not ids[row, a:b].any()  # a packed row's unused tail
+            if not tail:
+                found.append(tuple(ids[row, a:b].tolist()))
+    return found
 
 
 class RecordingMixin:

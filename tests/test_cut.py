@@ -4,7 +4,7 @@ overhead of a micro-batch fitted from timings, the budget grown while the cut ne
 import json
 import random
 
-from adaptive_batch.core.cut import cheapest_chunks, fewest_chunks
+from adaptive_batch.core.cut import cheapest_chunks, fewest_chunks, rows_first_fit
 from adaptive_batch.core.tokens import CALIBRATION_STEPS, TokenController, fitted_overhead
 
 
@@ -74,6 +74,44 @@ def test_a_large_overhead_gives_the_fewest_micro_batches():
 
 
 # -- the overhead, measured ------------------------------------------------------------------------------------------
+
+
+def test_sequences_packed_into_rows_first_fit_fill_each_row_within_its_width():
+    generator = random.Random(0)
+    for _ in range(200):
+        width = generator.choice([64, 128, 192])
+        lengths = sorted((generator.randint(1, width) for _ in range(generator.randint(1, 30))), reverse=True)
+        rows = rows_first_fit(lengths, width)
+        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))  # each sequence once
+        assert all(sum(lengths[i] for i in row) <= width for row in rows)
+        # first fit: no sequence would have fitted in an earlier row when it was placed
+        for r, row in enumerate(rows):
+            for i in row:
+                for earlier in rows[:r]:
+                    assert sum(lengths[j] for j in earlier if j < i) + lengths[i] > width
+        assert len(rows) <= 2 * -(
+            -sum(lengths) // width
+        )  # first fit decreasing: at most about twice the least
+
+
+def test_the_fewest_chunks_of_sequences_in_rows_keep_each_chunks_rows_within_the_budget():
+    generator = random.Random(1)
+    for _ in range(200):
+        width = 64 * generator.randint(1, 4)
+        lengths = sorted((generator.randint(1, width) for _ in range(generator.randint(1, 40))), reverse=True)
+        budget = width * generator.randint(1, 8)
+        sizes = fewest_chunks(lengths, budget, None, packed=True, width=width)
+        assert sum(sizes) == len(lengths) and all(size >= 1 for size in sizes)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        chunks = [lengths[start : start + size] for start, size in zip(starts, sizes)]
+        assert all(len(rows_first_fit(chunk, width)) * width <= budget for chunk in chunks)
+        # as few as any cut into runs of consecutive sequences allows (dynamic programming over every cut)
+        least = [0] + [len(lengths) + 1] * len(lengths)
+        for end in range(1, len(lengths) + 1):
+            for start in range(end):
+                if len(rows_first_fit(lengths[start:end], width)) * width <= budget:
+                    least[end] = min(least[end], least[start] + 1)
+        assert len(sizes) == least[-1]
 
 
 def test_the_fitted_overhead_is_the_intercept_over_the_slope():

@@ -16,7 +16,11 @@ from adaptive_batch.testing import FakeOutOfMemory
 def run(make_trainer, micro_batch_size, max_rows=None, resume=None, output_dir=None, **fake):
     saving = dict(save_strategy="steps", save_steps=1, output_dir=str(output_dir)) if output_dir else {}
     trainer = make_trainer(
-        [AdaptiveBatch(micro_batch_size=micro_batch_size)], num_rows=32, dtype=torch.float64, **saving
+        # padded rows, which the fake error counts (a causal LM's ragged rows run padding-free in rows by default)
+        [AdaptiveBatch(micro_batch_size=micro_batch_size, padding_free=False)],
+        num_rows=32,
+        dtype=torch.float64,
+        **saving,
     )
     watcher = FakeOutOfMemory(trainer.model, max_rows, **fake) if max_rows is not None else None
     trainer.train(resume_from_checkpoint=resume)

@@ -157,8 +157,13 @@ def test_sft_out_of_memory_retry_counts_tokens_once(base_model_dir, tokenizer, t
     assert_same_parameters(retried.model, at_two.model)
 
 
-def test_sft_padded_rows_run_without_their_mask_and_count_the_same_tokens(
-    base_model_dir, tokenizer, texts, tmp_path
+@pytest.mark.parametrize(
+    "padding_free, layout",
+    [(None, "padding-free in rows"), (False, "padded (padding_free=False), without the padding mask")],
+    ids=["in rows", "padded"],
+)
+def test_sft_ragged_rows_run_without_their_mask_and_count_the_same_tokens(
+    base_model_dir, tokenizer, texts, tmp_path, padding_free, layout
 ):
     def run(callbacks, name):
         trainer = qlora_trainer(
@@ -182,12 +187,13 @@ def test_sft_padded_rows_run_without_their_mask_and_count_the_same_tokens(
         return trainer, inputs
 
     plain, plain_inputs = run([], "plain")
-    adaptive = AdaptiveBatch(micro_batch_size=2)
+    adaptive = AdaptiveBatch(micro_batch_size=2, padding_free=padding_free)
     trainer, inputs = run([adaptive], "adaptive")
     assert all("attention_mask" in names for names in plain_inputs)
-    # SFTTrainer counts tokens from position_ids where the mask is missing: they are given, 0 to n - 1 in each row
+    # SFTTrainer counts tokens from position_ids where the mask is missing (every row's width, packed rows' tails
+    # too): the step's real tokens are set in their place
     assert inputs and all("attention_mask" not in names and "position_ids" in names for names in inputs)
-    assert dict(adaptive.plan_table())["layout"].startswith("padded, without the padding mask")
+    assert dict(adaptive.plan_table())["layout"].startswith(layout)
     assert logged(trainer, "num_tokens") == logged(plain, "num_tokens")
     # the rows come longest first into other micro-batches: the bf16 sums round differently
     assert logged(trainer, "loss") == pytest.approx(logged(plain, "loss"), rel=0.05)

@@ -78,6 +78,8 @@ def ragged(rows):
 
 
 RAGGED = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_train_epochs=2)
+# the padded token cut, which measures (under sdpa a causal LM's ragged rows run padding-free in rows by default)
+BY_TOKENS = {"padding_free": False}
 ROWS = dict(per_device_train_batch_size=2, gradient_accumulation_steps=8, num_train_epochs=1)
 
 
@@ -92,7 +94,10 @@ def run(make_trainer, monkeypatch, tmp_path, name, seed, dataset, settings, repl
 
 @pytest.mark.parametrize(
     "case, settings",
-    [("ragged rows cut by tokens", {}), ("rows, micro_batch_size='auto'", {"micro_batch_size": "auto"})],
+    [
+        ("ragged rows cut by tokens", BY_TOKENS),
+        ("rows, micro_batch_size='auto'", {"micro_batch_size": "auto"}),
+    ],
 )
 def test_a_replayed_run_is_bit_for_bit_the_recorded_one_whatever_its_clock_measures(
     make_trainer, monkeypatch, tmp_path, ragged, fixed_rows, case, settings
@@ -128,14 +133,22 @@ def test_a_replay_killed_and_resumed_is_still_the_recorded_run(make_trainer, mon
     """A checkpoint taken while the token cut still measures: resumed with the record, the steps after it read the
     recorded run's measurements of their own steps."""
     saving = dict(RAGGED, save_strategy="steps", save_steps=1)
-    recorded = run(make_trainer, monkeypatch, tmp_path, "recorded", 1, ragged, {}, **saving)
+    recorded = run(make_trainer, monkeypatch, tmp_path, "recorded", 1, ragged, BY_TOKENS, **saving)
     checkpoint = tmp_path / "recorded" / "checkpoint-2"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["stateful_callbacks"]["AdaptiveBatch"]["attributes"]["checkpoint"]["micro_batch"][
         "calibrating"
     ]
     unreplayed = run(
-        make_trainer, monkeypatch, tmp_path, "unreplayed", 2, ragged, {}, resume=str(checkpoint), **RAGGED
+        make_trainer,
+        monkeypatch,
+        tmp_path,
+        "unreplayed",
+        2,
+        ragged,
+        BY_TOKENS,
+        resume=str(checkpoint),
+        **RAGGED,
     )
     # (a resumed Trainer's log history starts with the checkpoint's)
     assert cuts(unreplayed)[:2] == cuts(recorded)[:2] and cuts(unreplayed) != cuts(recorded)
@@ -146,7 +159,7 @@ def test_a_replay_killed_and_resumed_is_still_the_recorded_run(make_trainer, mon
         "resumed",
         2,
         ragged,
-        {},
+        BY_TOKENS,
         replay=str(tmp_path / "recorded"),
         resume=str(checkpoint),
         **RAGGED,

@@ -64,12 +64,14 @@ PACKED_ATTENTION = ("flex", "flash")
 
 @dataclass(frozen=True)
 class Layout:
-    """How a padding collator's steps run: `flatten`ed into one row of sequences, or padded (`unmasked`: without the
+    """How a padding collator's steps run: `flatten`ed into one row of sequences (`in_rows`: each micro-batch's
+    sequences packed into rows as wide as the step's longest, for eager and sdpa), or padded (`unmasked`: without the
     padding mask, where the rows are a causal LM's, right-padded); `text` says why."""
 
     flatten: bool
     text: str
     unmasked: bool = False
+    in_rows: bool = False
 
 
 def choose_layout(
@@ -88,23 +90,28 @@ def choose_layout(
         ", without the padding mask: a causal LM's right-padded rows need none (every pad comes after its row's "
         "tokens and has no label), so sdpa runs its fused causal kernel"
     )
-    if padding_free is not None:
-        chosen = "padding-free" if padding_free else "padded"
-        text = f"{chosen} (padding_free={padding_free}){without_mask if unmasked else ''}"
-        return Layout(padding_free, text, unmasked)
     packs = attention is not None and any(name in attention for name in PACKED_ATTENTION)
+    if padding_free is not None:
+        chosen = ("padding-free" + ("" if packs else " in rows")) if padding_free else "padded"
+        return Layout(
+            padding_free,
+            f"{chosen} (padding_free={padding_free}){without_mask if unmasked else ''}",
+            unmasked,
+            padding_free and not packs,
+        )
     if not packs:
         if lengths_vary is False:
             return Layout(False, "padded: the rows are of one length")
-        if unmasked:
-            # the estimate was measured against sdpa with the mask
-            switch = SWITCH.replace("of this layout", "of sdpa with its padding mask")
-            low, high = UNMASKED_OVER_MASKED
-            switch += f"; sdpa without the mask, as here, ran {low:.2f}-{high:.2f}x that (two mixes, H100)"
-            return Layout(False, f"padded{without_mask}; {switch}", True)
         name = attention or "this attention"
+        if causal and lengths_vary:
+            return Layout(True, f"{IN_ROWS.format(attention=name)}; {OVER_ROWS}", in_rows=True)
+        if causal:
+            pending = f"until the first step tells the rows' lengths; padding-free in rows if they vary; {OVER_ROWS}"
+            return Layout(False, f"padded{without_mask if unmasked else ''} {pending}", unmasked)
         return Layout(
-            False, f"padded: under {name} a flattened step's mask is quadratic in all its tokens; {SWITCH}"
+            False,
+            "padded: padding-free steps in rows need a causal LM whose inputs only the library's own training_step "
+            f"and compute_loss read (a loss of its own may read the padding mask); {SWITCH}",
         )
     if lengths_vary is False:
         return Layout(False, "padded: the rows are of one length, nothing to leave out")
@@ -122,9 +129,21 @@ def choose_layout(
 
 # a stated estimate, not a measurement of this run: real tokens/s under flex over sdpa (benchmarks/RESULTS.md)
 FLEX_OVER_SDPA = (8291 / 5785, 8352 / 5501)  # the least and the most of the two mixes
-# sdpa without the padding mask over with it, steady and after the first step, the least and the most of two mixes
-# (sft 4872 / 4622 and 4681 / 4284, bimodal 4386 / 4451 and 4348 / 4229; H100, benchmarks/RESULTS.md)
-UNMASKED_OVER_MASKED = (4386 / 4451, 4681 / 4284)
+# a stated estimate: the default under flex attention (padding-free) over the default under sdpa (padding-free in
+# rows), real tokens/s after each run's first step, sft and bimodal mixes (two calls minutes apart on one H100,
+# benchmarks/RESULTS.md)
+FLEX_OVER_ROWS = (7487 / 6876, 7433 / 6692)
+
+IN_ROWS = (
+    "padding-free in rows: each micro-batch's sequences are packed into rows as wide as the step's longest, "
+    "position_ids starting again at each, so {attention} masks every row block-diagonally: no padding but the rows' "
+    "tails, and no mask over all the step's tokens (padding_free=False keeps the padded cut)"
+)
+OVER_ROWS = (
+    'under attn_implementation="flex_attention" (or a flash attention) padding-free steps need neither rows nor a '
+    f"mask: an estimated {FLEX_OVER_ROWS[0]:.2f}-{FLEX_OVER_ROWS[1]:.2f}x the real tokens/s of padding-free in rows "
+    "under sdpa (measured on two length mixes, QLoRA 7B, H100; benchmarks/RESULTS.md)"
+)
 
 SWITCH = (
     'on rows of varying length padding-free steps under attn_implementation="flex_attention" (or a flash '

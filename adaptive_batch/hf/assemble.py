@@ -68,6 +68,8 @@ class Assembly:
             engine,
             packed=padding_free(self.trainer),
             flatten=facts.layout.flatten,
+            in_rows=facts.layout.in_rows,
+            flatten_stated=self.config.padding_free is True,
             unmasked=(facts.layout.unmasked, facts.causal_rows[1]),
             noise=GradientNoiseMeter(self.config.noise_preconditioner, self.trainer.args.device)
             if measures
@@ -150,7 +152,7 @@ class Assembly:
         """Rows of varying length from now on: flattened where the layout says so (returned), else cut by tokens."""
         facts = TrainerFacts(self.trainer, self.config, self.runner.engine)
         facts.observe(True, longest_row)
-        self.runner.flatten = facts.layout.flatten
+        self.runner.flatten, self.runner.in_rows = facts.layout.flatten, facts.layout.in_rows
         self.runner.unmasked = (facts.layout.unmasked, facts.causal_rows[1])
         self.controller = self.runner.controller = controller_for(self.config, facts, self.row_limit)
         return facts.layout.flatten

@@ -1,5 +1,6 @@
-"""Cutting a padding-free step batch (sequences flattened into one row) between its sequences; [`flatten_padded`]
-makes such a row from a padded batch. See docs/how-it-works.md, "Padding-free and packed data"."""
+"""Cutting a padding-free step batch (sequences flattened into one row) between its sequences, each micro-batch one row
+or (`width`) rows of that many tokens; [`flatten_padded`] makes such a row from a padded batch. See
+docs/how-it-works.md, "Padding-free and packed data"."""
 
 from __future__ import annotations
 
@@ -8,31 +9,43 @@ from typing import Any
 
 import torch
 
-from ..core.cut import fewest_chunks
+from ..core.cut import fewest_chunks, rows_first_fit
 from .batch import IGNORE_INDEX, LABEL_KEYS, labels_ignored
 
 # the per-sequence fields a micro-batch of sequences gets rebuilt
 SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+ROW_ALIGN = 64  # a packed row's width is a multiple of this (fewer shapes, aligned kernels)
 
 
 class PackedStepBatch:
-    """One rank's share of a padding-free step batch (`[1, tokens]`), cut between its sequences, its "rows"."""
+    """One rank's share of a padding-free step batch (`[1, tokens]`), cut between its sequences, its "rows".
+
+    `rows`: each micro-batch packed into rows as wide as the step's longest sequence (rounded up to `ROW_ALIGN`),
+    longest first, each into the first row with room, `position_ids` starting again at every sequence and at every
+    row's unused tail, so that eager and sdpa attention mask each row block-diagonally at a cost in proportion to its
+    width, not to all the micro-batch's tokens."""
 
     packed = True  # its "rows" are sequences flattened into one row
 
-    def __init__(self, batch: Mapping[str, Any]):
+    def __init__(self, batch: Mapping[str, Any], rows: bool = False):
         self.batch = batch
         self.tokens_total = _token_count(batch)
         self.starts = _sequence_starts(batch, self.tokens_total)
         self.ends = self.starts[1:] + [self.tokens_total]
         self.lengths_list = [end - start for start, end in zip(self.starts, self.ends)]
         self.rows = len(self.starts)
-        self.order = torch.arange(self.rows)  # sequences keep their order: there is no padding to group away
         self.seq_len = max(self.lengths_list)
+        self.width = -(-self.seq_len // ROW_ALIGN) * ROW_ALIGN if rows else None
+        # sequences keep their order (no padding to group away), or go longest first to be packed into rows
+        lengths = torch.tensor(self.lengths_list)
+        self.order = torch.argsort(lengths, descending=True, stable=True) if rows else torch.arange(self.rows)
+        self.ordered = lengths[self.order].tolist()
         _check_cuts(batch, self.starts, self.tokens_total)
 
     def take(self, start: int, size: int) -> dict[str, Any]:
         """The micro-batch of sequences `start` to `start + size`, its per-sequence fields rebuilt."""
+        if self.width is not None:
+            return self._rows(self.order[start : start + size].tolist())
         first, last = self.starts[start], self.ends[start + size - 1]
         lengths = self.lengths_list[start : start + size]
         taken = {
@@ -56,23 +69,24 @@ class PackedStepBatch:
 
     def dummy(self, count_items: bool) -> dict[str, Any]:
         """The shortest sequence, adding nothing (see `StepBatch.dummy`)."""
-        shortest = min(range(self.rows), key=lambda i: self.lengths_list[i])
+        shortest = min(range(self.rows), key=lambda i: self.ordered[i])
         chunk = self.take(shortest, 1)
         return labels_ignored(chunk) if count_items else chunk
 
     def tokens(self, start: int, size: int) -> tuple[int, int]:
-        count = self.padded_tokens(start, size)  # no padding: real tokens are the tokens run
-        return count, count
+        return sum(self.ordered[start : start + size]), self.padded_tokens(start, size)
 
     def token_chunks(self, budget: int, row_cap: int | None = None, overhead: int | None = None) -> list[int]:
         """The fewest micro-batches of at most `budget` tokens, in order: without padding also the cheapest."""
-        return fewest_chunks(self.lengths_list, budget, row_cap, packed=True)
+        return fewest_chunks(self.ordered, budget, row_cap, packed=True, width=self.width)
 
     def longest_row(self) -> int:
-        return self.seq_len
+        return self.width or self.seq_len
 
     def padded_tokens(self, start: int, size: int) -> int:
-        return sum(self.lengths_list[start : start + size])
+        """The tokens `take(start, size)` runs: its sequences', or its rows' where packed into rows."""
+        lengths = self.ordered[start : start + size]
+        return len(rows_first_fit(lengths, self.width)) * self.width if self.width else sum(lengths)
 
     def real_tokens(self) -> int:
         return self.tokens_total
@@ -85,41 +99,83 @@ class PackedStepBatch:
         labelled = (labels[0] != IGNORE_INDEX).long()
         return torch.stack([labelled[s:e].sum() for s, e in zip(self.starts, self.ends)])
 
+    def _rows(self, sequences: list[int]) -> dict[str, Any]:
+        """`sequences` (indices) packed into rows of `width` tokens ([`cut.rows_first_fit`]); a row's unused tail is a
+        sequence of its own (no label), so that no real token attends to it."""
+        packing = rows_first_fit([self.lengths_list[i] for i in sequences], self.width)
+        spans = [[(self.starts[sequences[i]], self.ends[sequences[i]]) for i in row] for row in packing]
+        pieces = [[end - start for start, end in row] for row in spans]
+        used = [sum(sizes) for sizes in pieces]
+        # a sequence's first token is no target (where it starts a row, none is)
+        firsts = [torch.tensor([0, *sizes[:-1]]).cumsum(0) for sizes in pieces]
+        out: dict[str, Any] = {}
+        for key, value in self.batch.items():
+            if key in SEQUENCE_KEYS or not isinstance(value, torch.Tensor) or value.dim() != 2:
+                continue
+            labels = key in LABEL_KEYS
+            rows = value.new_full((len(spans), self.width), IGNORE_INDEX if labels else 0)
+            for r, row in enumerate(spans):
+                rows[r, : used[r]] = torch.cat([value[0, start:end] for start, end in row])
+                if labels:
+                    rows[r, firsts[r]] = IGNORE_INDEX
+            out[key] = rows
+        # positions start again at each sequence and at the row's unused tail
+        restarts = [[*sizes, self.width - total] for sizes, total in zip(pieces, used)]
+        positions = torch.stack([torch.cat([torch.arange(n) for n in sizes]) for sizes in restarts])
+        out["position_ids"] = positions.to(next(iter(out.values())).device)
+        return out
+
+
+FLATTEN_FIX = (
+    "use a right-padding collator, or pass AdaptiveBatch(padding_free=False) to keep the padded rows"
+)
+
+
+def why_not_flat(batch: Mapping[str, Any]) -> str | None:
+    """Why a padded step batch cannot be flattened with the same loss terms ([`flatten_padded`]); `None`: it can."""
+    mask = batch.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return (
+            "Padding-free steps (padding_free=True, or chosen for the attention) need the step batch's attention_mask "
+            "([rows, length]) to flatten it"
+        )
+    rows, width = mask.shape
+    if not bool((mask[:, :-1] >= mask[:, 1:]).all()):
+        return (
+            "Padding-free steps flatten right-padded rows, and this step batch's attention_mask has padding before a "
+            "token (left padding would move every position)"
+        )
+    for key, value in batch.items():
+        if key == "attention_mask":
+            continue
+        if key == "shift_labels" or not isinstance(value, torch.Tensor) or value.shape[:2] != (rows, width):
+            shape = list(value.shape) if isinstance(value, torch.Tensor) else "a " + type(value).__name__
+            return (
+                f"Padding-free steps flatten per-token tensors ([{rows}, {width}]), and the step batch's {key!r} is "
+                f"{shape}"
+            )
+        if key == "labels" and bool((value[~mask.bool()] != IGNORE_INDEX).any()):
+            return "The step batch has labels on padding, which padding-free steps would drop"
+    return None
+
 
 def flatten_padded(batch: Mapping[str, Any]) -> dict[str, Any]:
     """A right-padded step batch as one padding-free row: each row's real tokens end to end, `position_ids` starting
     again at each, each row's first label ignored (never a target), so the loss terms are the padded batch's."""
-    mask = batch.get("attention_mask")
-    fix = "use a right-padding collator, or pass AdaptiveBatch(padding_free=False) to keep the padded rows"
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        raise ValueError(
-            f"Padding-free steps (padding_free=True, or chosen for flex or flash attention) need the step batch's attention_mask ([rows, length]) to flatten it; {fix}."
-        )
-    rows, width = mask.shape
-    if not bool((mask[:, :-1] >= mask[:, 1:]).all()):
-        raise ValueError(
-            "Padding-free steps flatten right-padded rows, and this step batch's attention_mask has padding before a "
-            f"token (left padding would move every position); {fix}."
-        )
-    lengths = mask.sum(dim=1)
+    why = why_not_flat(batch)
+    if why is not None:
+        raise ValueError(f"{why}; {FLATTEN_FIX}.")
+    mask = batch["attention_mask"]
     keep = mask.bool()
     flat: dict[str, Any] = {}
     for key, value in batch.items():
         if key == "attention_mask":
             continue
-        if key == "shift_labels" or not isinstance(value, torch.Tensor) or value.shape[:2] != (rows, width):
-            raise ValueError(
-                f"Padding-free steps flatten per-token tensors ([{rows}, {width}]), and the step batch's {key!r} is "
-                f"{'a ' + type(value).__name__ if not isinstance(value, torch.Tensor) else list(value.shape)}; {fix}."
-            )
         if key == "labels":
-            if bool((value[~keep] != IGNORE_INDEX).any()):
-                raise ValueError(
-                    f"The step batch has labels on padding, which padding-free steps would drop; {fix}."
-                )
             value = value.clone()
             value[:, 0] = IGNORE_INDEX  # never a target within its row; no target across rows once flattened
         flat[key] = value[keep].unsqueeze(0)
+    lengths = mask.sum(dim=1)
     flat["position_ids"] = torch.cat([torch.arange(int(n), device=mask.device) for n in lengths]).unsqueeze(0)
     return flat
 

@@ -21,7 +21,7 @@ from .compat.trl import TrlMetrics
 from .engines import Engine
 from .memory import Stopwatch, alloc_retries, peak_allocated, release_memory, reset_peak
 from .noise_hooks import GradientNoiseMeter
-from .packed import PackedStepBatch, check_packed_inputs, flatten_padded
+from .packed import PackedStepBatch, check_packed_inputs, flatten_padded, why_not_flat
 from .ranks import Ranks, Report
 
 logger = logging.getLogger(__name__)
@@ -59,13 +59,17 @@ class MicroBatchRunner:
         engine: Engine,
         packed: bool = False,
         flatten: bool = False,
+        in_rows: bool = False,
+        flatten_stated: bool = False,
         noise: GradientNoiseMeter | None = None,
         unmasked: tuple[bool, bool] = (False, False),
     ):
         self.trainer, self.controller, self.world_size, self.engine = trainer, controller, world_size, engine
         self.ranks = Ranks(trainer, world_size)
         self.packed = packed  # the collator flattens every batch (a step of one sequence looks unpacked)
-        self.flatten = flatten
+        # in_rows: each flattened micro-batch packed into rows (sdpa, eager); flatten_stated: padding_free=True
+        self.flatten, self.in_rows, self.flatten_stated = flatten, in_rows, flatten_stated
+        self.refusal_logged = False
         # padded rows without their mask where exact; with `position_ids` in its place
         self.unmasked = unmasked
         self.device = trainer.args.device
@@ -78,13 +82,24 @@ class MicroBatchRunner:
     ) -> torch.Tensor:
         """Forward and backward of this rank's share of a step batch through the user's `training_step`; returns
         the detached loss. `split`: at least two micro-batches (so that one process measures the noise)."""
-        if self.flatten and not is_packed(inputs):
+        flatten = self.flatten and not is_packed(inputs)
+        if flatten and not self.flatten_stated:
+            # a layout chosen, not asked for: a step batch that cannot be flattened exactly (left padding, labels on
+            # padding, a per-row input; on any rank) runs padded, as the plain Trainer's
+            why = why_not_flat(inputs)
+            if self.ranks.max([float(why is not None)])[0]:
+                flatten = False
+                if not self.refusal_logged:
+                    self.refusal_logged = True
+                    logger.warning("AdaptiveBatch: steps run padded: %s.", why or "so on another rank")
+        if flatten:
             inputs = flatten_padded(inputs)
-        packed = self.packed or self.flatten or is_packed(inputs)
+        packed = self.packed or flatten or is_packed(inputs)
         if not (self.packed or self.flatten):
             # a collator not known to flatten: a rank whose flattened row holds one sequence cannot tell
             packed = bool(self.ranks.max([float(packed)])[0])
-        batch = PackedStepBatch(inputs) if packed else StepBatch(inputs, *self.unmasked)
+        rows = flatten and self.in_rows
+        batch = PackedStepBatch(inputs, rows) if packed else StepBatch(inputs, *self.unmasked)
         if packed:  # its sequences are the rows, as many as the collator packed on each rank
             check_packed_inputs(inputs, model)
             max_rows = int(self.ranks.max([batch.rows])[0])
