@@ -89,8 +89,10 @@ def main(output_dir: str, kind: str, micro: str, fake_oom_rank: str | None = Non
         json.loads(os.environ.get("WORKER_ARGS", "{}"))
     )  # checkpoints, the GPU (benchmarks/engine_resets.py)
     schedule = PhaseSchedule([4, 8], boundaries=[0.5])
-    # a fake out-of-memory error counts padded rows (a causal LM's ragged rows run padding-free in rows by default)
-    layout = {"padding_free": False} if fake_oom_rank is not None and kind not in ("tokens", "packed") else {}
+    # a fake out-of-memory error counts padded rows (a causal LM's ragged rows run padding-free in rows by default):
+    # its runs, and the clean runs they are compared with (WORKER_PADDED), state the padded layout
+    padded = fake_oom_rank is not None or os.environ.get("WORKER_PADDED")
+    layout = {"padding_free": False} if padded and kind not in ("tokens", "packed") else {}
     if micro == "auto":  # on rows of varying length: cut by tokens, the overhead and budget measured
         callback = AdaptiveBatch(schedule=schedule, **layout)
     elif kind in ("tokens", "packed"):

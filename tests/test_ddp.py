@@ -18,6 +18,8 @@ from launch import assert_close_weights, assert_same_weights, launch
 # under `pytest -n 2 --dist loadgroup`, one worker runs the tests that launch several processes, one after another
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("launch")]
 NOISE_KEYS = ("adaptive_batch/noise_scale", "adaptive_batch/grad_norm_sq", "adaptive_batch/grad_variance")
+# the padded layout of the runs with a fake out-of-memory error, which counts padded rows (tests/ddp_worker.py)
+PADDED = {"WORKER_PADDED": "1"}
 
 
 def test_a_forked_launch_runs_as_torchrun_runs_it_bit_for_bit(tmp_path):
@@ -130,7 +132,7 @@ def test_one_ranks_out_of_memory_makes_every_rank_retry(tmp_path, kind):
     assert {log["adaptive_batch/micro_batch_size"] for log in ranks[0]["logs"]} == {1}  # rank 0 shrank too
     assert_same_weights(weights[0], weights[1])
     # the run it should equal: both ranks at 1 from the start, bit for bit (TRL's token count included)
-    clean, clean_weights = launch(tmp_path, "clean", kind, micro=1, world_size=2)
+    clean, clean_weights = launch(tmp_path, "clean", kind, micro=1, world_size=2, env=PADDED)
     keys = ("loss", "adaptive_batch/tokens_seen") + (("num_tokens",) if kind == "sft" else ())
     for key in keys:
         assert [log[key] for log in ranks[0]["logs"]] == [log[key] for log in clean[0]["logs"]], key
@@ -145,7 +147,9 @@ def test_under_fsdp2_one_process_retries_an_out_of_memory_error_exactly(tmp_path
     )
     assert retried[0]["raised"] == [2]
     assert {log["adaptive_batch/micro_batch_size"] for log in retried[0]["logs"]} == {1}
-    clean, clean_weights = launch(tmp_path, "clean", "fsdp2", micro=1, world_size=1, distributed=True)
+    clean, clean_weights = launch(
+        tmp_path, "clean", "fsdp2", micro=1, world_size=1, distributed=True, env=PADDED
+    )
     assert [log["loss"] for log in retried[0]["logs"]] == [log["loss"] for log in clean[0]["logs"]]
     assert_same_weights(weights[0], clean_weights[0])
 

@@ -89,7 +89,10 @@ def test_one_process_under_zero_retries_an_out_of_memory_error_exactly(tmp_path,
     )
     assert retried[0]["raised"] == [2]
     assert {log["adaptive_batch/micro_batch_size"] for log in retried[0]["logs"]} == {1}
-    clean, clean_weights = launch(tmp_path, "clean", kind, micro=1, world_size=1, distributed=True, env=env)
+    clean_env = {**(env or {}), "WORKER_PADDED": "1"}  # the layout of the run with the fake error
+    clean, clean_weights = launch(
+        tmp_path, "clean", kind, micro=1, world_size=1, distributed=True, env=clean_env
+    )
     assert [log["loss"] for log in retried[0]["logs"]] == [log["loss"] for log in clean[0]["logs"]]
     assert_same_weights(weights[0], clean_weights[0])
 

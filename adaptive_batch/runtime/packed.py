@@ -165,6 +165,11 @@ def flatten_padded(batch: Mapping[str, Any]) -> dict[str, Any]:
     why = why_not_flat(batch)
     if why is not None:
         raise ValueError(f"{why}; {FLATTEN_FIX}.")
+    return flattened(batch)
+
+
+def flattened(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """[`flatten_padded`] of a batch that [`why_not_flat`] passed."""
     mask = batch["attention_mask"]
     keep = mask.bool()
     flat: dict[str, Any] = {}

@@ -21,7 +21,7 @@ from .compat.trl import TrlMetrics
 from .engines import Engine
 from .memory import Stopwatch, alloc_retries, peak_allocated, release_memory, reset_peak
 from .noise_hooks import GradientNoiseMeter
-from .packed import PackedStepBatch, check_packed_inputs, flatten_padded, why_not_flat
+from .packed import FLATTEN_FIX, PackedStepBatch, check_packed_inputs, flattened, why_not_flat
 from .ranks import Ranks, Report
 
 logger = logging.getLogger(__name__)
@@ -83,17 +83,17 @@ class MicroBatchRunner:
         """Forward and backward of this rank's share of a step batch through the user's `training_step`; returns
         the detached loss. `split`: at least two micro-batches (so that one process measures the noise)."""
         flatten = self.flatten and not is_packed(inputs)
-        if flatten and not self.flatten_stated:
-            # a layout chosen, not asked for: a step batch that cannot be flattened exactly (left padding, labels on
-            # padding, a per-row input; on any rank) runs padded, as the plain Trainer's
-            why = why_not_flat(inputs)
-            if self.ranks.max([float(why is not None)])[0]:
-                flatten = False
-                if not self.refusal_logged:
-                    self.refusal_logged = True
-                    logger.warning("AdaptiveBatch: steps run padded: %s.", why or "so on another rank")
         if flatten:
-            inputs = flatten_padded(inputs)
+            why = why_not_flat(inputs)  # (left padding, labels on padding, a per-row input)
+            if why is not None and self.flatten_stated:
+                raise ValueError(f"{why}; {FLATTEN_FIX}.")
+            # a layout chosen, not asked for: a step batch that cannot be flattened exactly (on any rank) runs
+            # padded, as the plain Trainer's
+            flatten = not self.ranks.max([float(why is not None)])[0]
+            if not (flatten or self.refusal_logged):
+                self.refusal_logged = True
+                logger.warning("AdaptiveBatch: steps run padded: %s.", why or "so on another rank")
+            inputs = flattened(inputs) if flatten else inputs
         packed = self.packed or flatten or is_packed(inputs)
         if not (self.packed or self.flatten):
             # a collator not known to flatten: a rank whose flattened row holds one sequence cannot tell
