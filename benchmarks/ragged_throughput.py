@@ -98,6 +98,7 @@ ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments o
     "tokens64k": (8, 8, "pad", {"max_tokens_per_micro_batch": 65536}, {}),
     "auto_flat": (8, 8, "flat", {}, {}),
     "auto_pf": (8, 8, "pad", {"padding_free": True}, {}),
+    "auto_padded": (8, 8, "pad", {"padding_free": False}, {}),  # the padded token cut, as stated
     "auto_torch": (8, 8, "pad", {}, {}),
     "fixed": (8, 2, "pad", None, {}),  # rows of FIXED_LENGTH tokens, micro-batch 8 (8,192 tokens)
 }
