@@ -101,34 +101,25 @@ class PackedStepBatch:
 
     def _rows(self, sequences: list[int]) -> dict[str, Any]:
         """`sequences` (indices) packed into rows of `width` tokens ([`cut.rows_first_fit`]); a row's unused tail is a
-        sequence of its own (no label), so that no real token attends to it."""
+        sequence of its own (no label), so that no real token attends to it. Every sequence's first label is already
+        ignored ([`flattened`], the only source of a batch packed into rows), so none is a target across a row."""
         packing = rows_first_fit([self.lengths_list[i] for i in sequences], self.width)
         spans = [[(self.starts[sequences[i]], self.ends[sequences[i]]) for i in row] for row in packing]
         pieces = [[end - start for start, end in row] for row in spans]
         used = [sum(sizes) for sizes in pieces]
-        # a sequence's first token is no target (where it starts a row, none is)
-        firsts = [torch.tensor([0, *sizes[:-1]]).cumsum(0) for sizes in pieces]
         out: dict[str, Any] = {}
         for key, value in self.batch.items():
             if key in SEQUENCE_KEYS or not isinstance(value, torch.Tensor) or value.dim() != 2:
                 continue
-            labels = key in LABEL_KEYS
-            rows = value.new_full((len(spans), self.width), IGNORE_INDEX if labels else 0)
+            rows = value.new_full((len(spans), self.width), IGNORE_INDEX if key in LABEL_KEYS else 0)
             for r, row in enumerate(spans):
                 rows[r, : used[r]] = torch.cat([value[0, start:end] for start, end in row])
-                if labels:
-                    rows[r, firsts[r]] = IGNORE_INDEX
             out[key] = rows
         # positions start again at each sequence and at the row's unused tail
         restarts = [[*sizes, self.width - total] for sizes, total in zip(pieces, used)]
         positions = torch.stack([torch.cat([torch.arange(n) for n in sizes]) for sizes in restarts])
         out["position_ids"] = positions.to(next(iter(out.values())).device)
         return out
-
-
-FLATTEN_FIX = (
-    "use a right-padding collator, or pass AdaptiveBatch(padding_free=False) to keep the padded rows"
-)
 
 
 def why_not_flat(batch: Mapping[str, Any]) -> str | None:
@@ -164,7 +155,10 @@ def flatten_padded(batch: Mapping[str, Any]) -> dict[str, Any]:
     again at each, each row's first label ignored (never a target), so the loss terms are the padded batch's."""
     why = why_not_flat(batch)
     if why is not None:
-        raise ValueError(f"{why}; {FLATTEN_FIX}.")
+        fix = (
+            "use a right-padding collator, or pass AdaptiveBatch(padding_free=False) to keep the padded rows"
+        )
+        raise ValueError(f"{why}; {fix}.")
     return flattened(batch)
 
 

@@ -21,7 +21,7 @@ from .compat.trl import TrlMetrics
 from .engines import Engine
 from .memory import Stopwatch, alloc_retries, peak_allocated, release_memory, reset_peak
 from .noise_hooks import GradientNoiseMeter
-from .packed import FLATTEN_FIX, PackedStepBatch, check_packed_inputs, flattened, why_not_flat
+from .packed import PackedStepBatch, check_packed_inputs, flatten_padded, flattened, why_not_flat
 from .ranks import Ranks, Report
 
 logger = logging.getLogger(__name__)
@@ -83,12 +83,12 @@ class MicroBatchRunner:
         """Forward and backward of this rank's share of a step batch through the user's `training_step`; returns
         the detached loss. `split`: at least two micro-batches (so that one process measures the noise)."""
         flatten = self.flatten and not is_packed(inputs)
-        if flatten:
-            why = why_not_flat(inputs)  # (left padding, labels on padding, a per-row input)
-            if why is not None and self.flatten_stated:
-                raise ValueError(f"{why}; {FLATTEN_FIX}.")
-            # a layout chosen, not asked for: a step batch that cannot be flattened exactly (on any rank) runs
-            # padded, as the plain Trainer's
+        if flatten and self.flatten_stated:
+            inputs = flatten_padded(inputs)  # (refuses a batch it cannot flatten exactly, saying why)
+        elif flatten:
+            # a layout chosen, not asked for: a step batch that cannot be flattened exactly (left padding, labels on
+            # padding, a per-row input; on any rank) runs padded, as the plain Trainer's
+            why = why_not_flat(inputs)
             flatten = not self.ranks.max([float(why is not None)])[0]
             if not (flatten or self.refusal_logged):
                 self.refusal_logged = True
