@@ -94,7 +94,8 @@ class FakeOutOfMemory:
         fits = (self.max_rows is None or rows <= self.max_rows) and (
             self.max_tokens is None or tokens <= self.max_tokens
         )
-        if fits or not (torch.is_grad_enabled() or self.in_eval):
+        # (a training forward: with gradient, in train mode; the checks on the model run in eval mode)
+        if fits or not (torch.is_grad_enabled() and module.training or self.in_eval):
             return output
         if self.passes_left > 0:
             self.passes_left -= 1

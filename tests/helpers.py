@@ -158,6 +158,9 @@ class MeanLossModel(torch.nn.Module):
         self.inner = inner
         self.shift = shift
 
+    def get_input_embeddings(self):  # (what the checks on a model read its vocabulary from)
+        return self.inner.get_input_embeddings()
+
     def forward(self, input_ids, attention_mask=None, labels=None):
         logits = self.inner(input_ids=input_ids, attention_mask=attention_mask).logits
         scored, targets = (logits[:, :-1], labels[:, 1:]) if self.shift else (logits, labels)

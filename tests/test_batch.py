@@ -37,6 +37,25 @@ def test_cutting_padding_does_not_change_the_model_output(collated, tokenizer):
     assert torch.allclose(full[:, :length][mask], cut[mask], rtol=1e-12, atol=0)
 
 
+def test_micro_batches_are_contiguous_and_keep_the_collators_multiple(tokenizer, rows):
+    # (a model may `.view` its inputs, as BartForCausalLM does its labels; Reformer refuses other lengths)
+    collated = DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of=8)(
+        [rows[i] for i in range(6)]
+    )
+    batch = StepBatch(collated, align=8)
+    lengths = collated["attention_mask"].sum(1)[batch.order].tolist()
+    for start in range(1, 6):
+        chunk = batch.take(start, 1)
+        assert all(value.is_contiguous() for value in chunk.values())
+        assert chunk["input_ids"].shape[1] == -(-lengths[start] // 8) * 8
+        assert batch.tokens(start, 1)[1] == chunk["input_ids"].numel() == batch.padded_tokens(start, 1)
+
+
+def test_a_model_whose_rows_depend_on_their_padding_keeps_the_steps_width(collated):
+    batch = StepBatch(collated, trims=False)  # (a check on the model showed a cut of padding changes it)
+    assert not batch.trimmable and batch.take(3, 3)["input_ids"].shape[1] == collated["input_ids"].shape[1]
+
+
 def test_left_padding_is_never_cut(collated):
     flipped = {k: v.flip(1) for k, v in collated.items()}
     batch = StepBatch(flipped)

@@ -131,7 +131,8 @@ def run(options: argparse.Namespace) -> dict:
     planned = plan_run(schedule, settings, options.lr_scaling)
     # the rows' lengths are not read here (None: as an attach before the first step sees them)
     packs = any(sft.given.get(name) is True for name in ("packing", "padding_free"))
-    layout = choose_layout(None, packs, options.attention, None, causal=True)  # a causal LM, its library loss
+    # a causal LM, its library loss; no model here to check (`None`: the row says where a check decides)
+    layout = choose_layout(None, packs, options.attention, None, causal=True, shown=lambda layout: None)
     budget, plan, clock = planned.budget, planned.plan, planned.clock
     tokens = round(facts.tokens * budget.samples / facts.rows) if facts.tokens is not None else None
     return {

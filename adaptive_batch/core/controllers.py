@@ -3,10 +3,12 @@ padding collator's steps ([`choose_layout`]). See docs/how-it-works.md, "Variabl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from .config import AdaptiveBatchConfig
+from .exactness import Verdict
 from .microbatch import CutController, least
 from .rows import RowController
 from .tokens import TokenController
@@ -80,22 +82,55 @@ def choose_layout(
     attention: str | None,
     lengths_vary: bool | None,
     causal: bool = False,
+    shown: Callable[[Layout], Verdict | None] | None = None,
 ) -> Layout:
     """The layout for a run (`padding_free` `None`: chosen); `causal`: the rows are a causal LM's whose loss reads the
-    mask for attention alone, which under sdpa run without it (docs/how-it-works.md, "Variable-length data")."""
+    mask for attention alone, which under sdpa run without it (docs/how-it-works.md, "Variable-length data").
+
+    `shown`: what a check on the model showed for a layout that packs sequences or leaves the mask out
+    ([`runtime.model_checks.check_layout`]; `None`: not checked yet, the layout stands until it is): one the model
+    does not compute exactly is replaced by the padded rows (with their mask), and refused where `padding_free=True`
+    asked for it. Without `shown` the layout is the one a model that passes gets."""
+    layout = _layout(padding_free, collator_packs, attention, lengths_vary, causal)
+    if shown is None or not (layout.flatten or layout.unmasked):
+        return layout
+    verdict = shown(layout)
+    if verdict is None or verdict.exact:
+        return _with_verdict(layout, verdict)
+    if layout.flatten and padding_free:
+        raise ValueError(verdict.refusal())
+    padded = _layout(False, collator_packs, attention, lengths_vary, causal)
+    if layout.unmasked or not padded.unmasked:
+        return Layout(False, f"padded, with the padding mask, as {verdict.text()}")
+    unmasked = shown(padded)  # (a model that packs wrongly may still need no mask for trailing padding)
+    if unmasked is None or unmasked.exact:
+        return Layout(False, f"padded{WITHOUT_MASK}; not packed, as {verdict.text()}", unmasked=True)
+    return Layout(False, f"padded, with the padding mask, as {verdict.text()}, and {unmasked.text()}")
+
+
+def _with_verdict(layout: Layout, verdict: Verdict | None) -> Layout:
+    if verdict is None:
+        return replace(layout, text=f"{layout.text} ({UNCHECKED})")
+    return replace(layout, text=f"{layout.text} ({verdict.text()})")
+
+
+def _layout(
+    padding_free: bool | None,
+    collator_packs: bool,
+    attention: str | None,
+    lengths_vary: bool | None,
+    causal: bool,
+) -> Layout:
+    """The layout a model that keeps packed sequences apart (and needs no mask for trailing padding) gets."""
     if collator_packs:
         return Layout(False, "padding-free: the collator flattens each batch into one row of sequences")
     unmasked = causal and attention == "sdpa" and lengths_vary is not False and not padding_free
-    without_mask = (
-        ", without the padding mask: a causal LM's right-padded rows need none (every pad comes after its row's "
-        "tokens and has no label), so sdpa runs its fused causal kernel"
-    )
     packs = attention is not None and any(name in attention for name in PACKED_ATTENTION)
     if padding_free is not None:
         chosen = ("padding-free" + ("" if packs else " in rows")) if padding_free else "padded"
         return Layout(
             padding_free,
-            f"{chosen} (padding_free={padding_free}){without_mask if unmasked else ''}",
+            f"{chosen} (padding_free={padding_free}){WITHOUT_MASK if unmasked else ''}",
             unmasked,
             padding_free and not packs,
         )
@@ -107,7 +142,7 @@ def choose_layout(
             return Layout(True, f"{IN_ROWS.format(attention=name)}; {OVER_ROWS}", in_rows=True)
         if causal:
             pending = f"until the first step tells the rows' lengths; padding-free in rows if they vary; {OVER_ROWS}"
-            return Layout(False, f"padded{without_mask if unmasked else ''} {pending}", unmasked)
+            return Layout(False, f"padded{WITHOUT_MASK if unmasked else ''} {pending}", unmasked)
         return Layout(
             False,
             "padded: padding-free steps in rows need a causal LM whose inputs only the library's own training_step "
@@ -127,6 +162,14 @@ def choose_layout(
     )
 
 
+# a layout that packs sequences or leaves the mask out, before a check on the model decided it
+UNCHECKED = (
+    "where a check on the model before its first step shows it exact; else padded, as the plain Trainer's"
+)
+WITHOUT_MASK = (
+    ", without the padding mask: a causal LM's right-padded rows need none (every pad comes after its row's tokens "
+    "and has no label), so sdpa runs its fused causal kernel"
+)
 # a stated estimate, not a measurement of this run: real tokens/s under flex over sdpa (benchmarks/RESULTS.md)
 FLEX_OVER_SDPA = (8291 / 5785, 8352 / 5501)  # the least and the most of the two mixes
 # a stated estimate: the default under flex attention (padding-free) over the default under sdpa (padding-free in

@@ -16,7 +16,9 @@ from ..runtime import lengths
 from ..runtime.compat.trainer import padding_free
 from ..runtime.engines import Engine, engine_for
 from ..runtime.evaluation import EvalGrowth, EvalPieces
+from ..runtime.model_checks import ModelChecks
 from ..runtime.noise_hooks import GradientNoiseMeter
+from ..runtime.ranks import Ranks
 from ..runtime.step import MicroBatchRunner
 from .facts import TrainerFacts
 
@@ -32,6 +34,9 @@ class Assembly:
         self.runner: MicroBatchRunner | None = None
         self.row_limit = 0  # the most rows a step of the plan holds on a rank
         self.lengths_pending = False  # the first step tells the rows' lengths ([`lengths_from_step`])
+        # what checks on the model showed, each layout once; under an engine that places the model in train()
+        # (DeepSpeed, FSDP2) they wait for the first step ([`check_at_step`])
+        self.checks = ModelChecks(trainer, Ranks(trainer, world_size), config.padding_free is True)
         # evaluation survives an out-of-memory error unless adapt_evaluation=False or the engine's forward gathers
         # parameters from every rank (DeepSpeed, FSDP); "grow": the eval batch grows between evaluations
         sharded = any(getattr(trainer, name, False) for name in ("is_deepspeed_enabled", "is_fsdp_enabled"))
@@ -56,21 +61,23 @@ class Assembly:
         growing: bool,
     ) -> None:
         """The controller (kept unless none yet or a checkpoint resumed), the step runner and the record."""
-        facts = TrainerFacts(self.trainer, self.config, engine)
+        self.checks.placed_before_train(engine.model_placed_before_train)
+        facts = self._facts(engine)
         if self.controller is None or checkpoint is not None:
             self.lengths_pending = waits_for_lengths(self.config, facts)
             self.controller = controller_for(self.config, facts, plan.max_rows_per_rank)
         measures = self.config.measure_noise and engine.measures_noise
+        layout = facts.layout
         self.runner = MicroBatchRunner(
             self.trainer,
             self.controller,
             self.world_size,
             engine,
             packed=padding_free(self.trainer),
-            flatten=facts.layout.flatten,
-            in_rows=facts.layout.in_rows,
+            flatten=layout.flatten,
+            in_rows=layout.in_rows,
             flatten_stated=self.config.padding_free is True,
-            unmasked=(facts.layout.unmasked, facts.causal_rows[1]),
+            unmasked=(layout.unmasked, facts.causal_rows[1]),
             noise=GradientNoiseMeter(self.config.noise_preconditioner, self.trainer.args.device)
             if measures
             else None,
@@ -120,11 +127,25 @@ class Assembly:
     def write_tape(self, folder: str) -> None:
         self.runner.tape.write(os.path.join(folder, file_name(self.rank, self.world_size)))
 
+    def _facts(self, engine: Engine) -> TrainerFacts:
+        return TrainerFacts(self.trainer, self.config, engine, self.checks.verdict)
+
     def layout(self) -> Layout:
-        return TrainerFacts(self.trainer, self.config, self.runner.engine).layout
+        return self._facts(self.runner.engine).layout
 
     def probed_traps(self) -> list[str]:
-        return TrainerFacts(self.trainer, self.config, self.runner.engine).probed_traps()
+        return self._facts(self.runner.engine).probed_traps()
+
+    @property
+    def check_pending(self) -> bool:
+        return self.checks.pending
+
+    def check_at_step(self) -> None:
+        """The first step, where the engine has placed the model: check it for the layout that waited for it."""
+        self.checks.pending = False
+        facts = self._facts(self.runner.engine)
+        if facts.layout.flatten != self.runner.flatten or facts.layout.unmasked != self.runner.unmasked[0]:
+            self._relayout(facts)
 
     def check_longest_row(self) -> None:
         """Warn before any compute where a row is longer than the token budget (a packed row is cut, not warned of)."""
@@ -150,12 +171,17 @@ class Assembly:
 
     def _choose_from_lengths(self, longest_row: int) -> bool:
         """Rows of varying length from now on: flattened where the layout says so (returned), else cut by tokens."""
-        facts = TrainerFacts(self.trainer, self.config, self.runner.engine)
+        facts = self._facts(self.runner.engine)
         facts.observe(True, longest_row)
-        self.runner.flatten, self.runner.in_rows = facts.layout.flatten, facts.layout.in_rows
-        self.runner.unmasked = (facts.layout.unmasked, facts.causal_rows[1])
+        return self._relayout(facts)
+
+    def _relayout(self, facts: TrainerFacts) -> bool:
+        """The runner and the controller follow the layout `facts` give now; returns whether it flattens."""
+        layout = facts.layout
+        self.runner.flatten, self.runner.in_rows = layout.flatten, layout.in_rows
+        self.runner.unmasked = (layout.unmasked, facts.causal_rows[1])
         self.controller = self.runner.controller = controller_for(self.config, facts, self.row_limit)
-        return facts.layout.flatten
+        return layout.flatten
 
     def state_dict(self) -> dict:
         runner = self.runner

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from functools import cached_property
+from functools import cached_property, partial
 
 from ..core import traps
 from ..core.config import AdaptiveBatchConfig
@@ -20,8 +20,9 @@ logger = logging.getLogger("adaptive_batch")
 class TrainerFacts:
     """[`core.controllers.RunFacts`] of one Trainer, for one plan."""
 
-    def __init__(self, trainer, config: AdaptiveBatchConfig, engine: Engine):
-        self.trainer, self.config = trainer, config
+    def __init__(self, trainer, config: AdaptiveBatchConfig, engine: Engine, shown=None):
+        """`shown(layout, positions)`: what a check on the model showed for a layout ([`core.controllers.choose_layout`])."""
+        self.trainer, self.config, self.shown = trainer, config, shown
         self.oom_is_fatal = not engine.retries
 
     @cached_property
@@ -30,11 +31,12 @@ class TrainerFacts:
         return None if row_lengths is None else min(row_lengths) != max(row_lengths)
 
     def observe(self, lengths_vary: bool, longest_row: int) -> None:
+        self.__dict__.pop("layout", None)  # (chosen again from the lengths observed)
         self.lengths_vary = lengths_vary
         max_length = getattr(self.trainer.args, "max_length", None)
         self.longest_row = min(longest_row, max_length) if max_length else longest_row
 
-    @property
+    @cached_property
     def layout(self) -> Layout:
         return choose_layout(
             self.config.padding_free,
@@ -42,6 +44,7 @@ class TrainerFacts:
             attention_implementation(self.trainer.model),
             self.lengths_vary,
             self.causal_rows[0],
+            shown=partial(self.shown, positions=self.causal_rows[1]) if self.shown else None,
         )
 
     @cached_property

@@ -38,7 +38,12 @@ class LossScale:
     def __init__(self, trainer):
         self.trainer = trainer
         self.reads_items: bool | None = None  # whether the loss reads num_items_in_batch (None: not seen yet)
+        self.model_reads_items: bool | None = None  # whether the model's own loss does (None: not told)
         self.plain_micro_batches: int | None = None  # while a step runs: the plain Trainer's in it
+
+    def follow_model(self, reads_items: bool | None) -> None:
+        """Whether the model's own loss reads `num_items_in_batch`, as a check on it showed (`None`: not told)."""
+        self.model_reads_items = reads_items
 
     @contextlib.contextmanager
     def step(self, step_size: int, per_device_train_batch_size: int, world_size: int):
@@ -58,10 +63,13 @@ class LossScale:
         ) and func is None
         if self.plain_micro_batches is None or divides:
             return inner(model, inputs, *args, **kwargs)
-        if func is None and user_class(self.trainer, "compute_loss").__module__.startswith(TRUSTED_MODULES):
-            return inner(model, inputs, *args, **kwargs)
         was_read = lambda: False  # (a compute_loss_func given no num_items_in_batch cannot read it)
-        if self.reads_items is None and torch.is_tensor(items):
+        if func is None and user_class(self.trainer, "compute_loss").__module__.startswith(TRUSTED_MODULES):
+            # the library's compute_loss leaves the division to the model's loss: [`model_checks.check_loss`] told
+            # whether it reads num_items_in_batch (a model's own mean, as BartForCausalLM's, does not)
+            if self.model_reads_items is not False:
+                return inner(model, inputs, *args, **kwargs)
+        elif self.reads_items is None and torch.is_tensor(items):
             kwargs["num_items_in_batch"], was_read = _watched(items)
         result = inner(model, inputs, *args, **kwargs)
         if self.reads_items is None:
@@ -78,6 +86,8 @@ class LossScale:
         where = "compute_loss_func"
         if func is None:
             where = f"{user_class(self.trainer, 'compute_loss').__name__}.compute_loss"
+            if self.model_reads_items is False:
+                where = f"The loss of {type(_unwrapped(self.trainer.model)).__name__}"
         accumulation = self.trainer.args.gradient_accumulation_steps
         return (
             f"AdaptiveBatch: {where} does not use num_items_in_batch, so each micro-batch's loss is its own mean. "
@@ -87,3 +97,8 @@ class LossScale:
             "cut. For a loss that is exactly the step's mean over its label tokens, sum the per-token losses and "
             "divide by num_items_in_batch, as transformers' model losses do."
         )
+
+
+def _unwrapped(model):
+    model = getattr(model, "module", model)  # (DDP)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # (PEFT)

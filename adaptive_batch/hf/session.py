@@ -103,9 +103,18 @@ class Session:
         )
         self.resume.check(self.identity)
         self.assembly.build(engine, self.plan, self.identity, checkpoint, growing=self.growth is not None)
+        self._follow_model_checks()
         trainer.state.max_steps = self.plan.num_steps
         if checkpoint is not None:
             self.resume.restore(self.plan, self.identity.shuffle, self.status, self.assembly, self.growth)
+
+    def _follow_model_checks(self) -> None:
+        """Weigh micro-batches by what the model's loss computes (its label shift, its divisor) and cut their
+        trailing padding where the model's rows do not depend on it, as shown on it."""
+        checks = self.assembly.checks
+        told = checks.loss()
+        self.assembly.runner.follow_model(told.shifts_labels, checks.trims())
+        self.loss_scale.follow_model(told.reads_items)
 
     def replan(self, schedule) -> StepPlan:
         """Plan the rest of the run again under a grown `schedule`: everything that reads the plan follows it."""
@@ -177,6 +186,9 @@ class Session:
             growth.before_step(step, self.status.last_step, assembly.runner.tape)
         exploring = self.controller.exploring
         split = growth is not None and growth.split(self, step)
+        if assembly.check_pending:  # (the engine placed the model in train(): checked before its first step)
+            assembly.check_at_step()
+            self._follow_model_checks()
         if assembly.lengths_pending:
             assembly.lengths_from_step(inputs)
         per_device, max_rows = self.trainer.args.per_device_train_batch_size, self.plan.max_rows(step)

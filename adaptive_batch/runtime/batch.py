@@ -3,6 +3,7 @@ trailing padding cut off where exact. See docs/how-it-works.md, "Data, cuts and 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from functools import cached_property
 from typing import Any
@@ -31,21 +32,33 @@ class StepBatch:
 
     packed = False  # rows of their own, not sequences flattened into one row
 
-    def __init__(self, batch: Mapping[str, Any], unmasked: bool = False, positions: bool = False):
+    def __init__(
+        self,
+        batch: Mapping[str, Any],
+        unmasked: bool = False,
+        positions: bool = False,
+        align: int = 1,
+        trims: bool = True,
+    ):
         """`unmasked`: a causal LM's rows, whose micro-batches leave the padding mask out where that changes nothing
-        ([`mask_changes_nothing`]; `positions`: giving `position_ids` in its place)."""
+        ([`mask_changes_nothing`]; `positions`: giving `position_ids` in its place); `align`: the collator's
+        `pad_to_multiple_of`, which trimmed micro-batches keep; `trims`: cut a micro-batch short of trailing padding
+        (`False`: a model whose rows depend on their padding, [`model_checks.check_layout`])."""
         self.batch = batch
         self.rows = _count_rows(batch)
         _check_splittable(batch, self.rows)
         mask = batch.get("attention_mask")
         self.mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         self.seq_len = _sequence_length(batch)
+        # a trimmed micro-batch keeps the collator's pad_to_multiple_of (the tensor cores' alignment, or a chunked
+        # attention's, as Reformer's, which refuses other lengths)
+        self.align = math.gcd(self.seq_len, align) if self.seq_len else 1
         if self.mask is not None:
             self.lengths = self.mask.sum(dim=1)
             self.order = torch.argsort(self.lengths, descending=True, stable=True)
         else:
             self.lengths, self.order = None, torch.arange(self.rows)
-        self.trimmable = self._can_trim()
+        self.trimmable = trims and self._can_trim()
         self.unmasked = unmasked and self.trimmable and mask_changes_nothing(batch)
         self.positions = positions
 
@@ -123,7 +136,8 @@ class StepBatch:
             return [self.seq_len] * self.rows
         used = self._used()
         positions = torch.arange(1, self.seq_len + 1, device=used.device)
-        return (used * positions).amax(dim=1).clamp_min(1)[self.order].tolist()
+        lengths = (used * positions).amax(dim=1).clamp_min(1)[self.order]
+        return (-(-lengths // self.align) * self.align).tolist()
 
     def _used(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """Positions a row attends to or has a label at (the rest is padding that may be cut)."""
@@ -136,7 +150,8 @@ class StepBatch:
 
     def _kept_length(self, index: torch.Tensor) -> int:
         columns = self._used(index).any(dim=0).nonzero()
-        return int(columns[-1]) + 1 if len(columns) else 1
+        kept = int(columns[-1]) + 1 if len(columns) else 1
+        return -(-kept // self.align) * self.align
 
 
 # what a causal LM's padded rows may hold for their mask to be left out: nothing else that reads the padding
@@ -214,7 +229,7 @@ def _take(value: Any, index: torch.Tensor, length: int | None) -> Any:
             return value
         taken = value.index_select(0, index.to(value.device))
         if length is not None and taken.dim() == 2:
-            taken = taken[:, :length]
+            taken = taken[:, :length].contiguous()  # (as a collator's: a model may `.view` it)
         return taken
     if isinstance(value, (list, tuple)):
         return type(value)(value[i] for i in index.tolist())

@@ -26,6 +26,9 @@ class Engine:
     retries = True  # an out-of-memory error can be retried
     no_retry_because: str | None = None  # where `retries` is False for another reason than collectives
     measures_noise = True  # each micro-batch's own gradient reaches the parameters' hooks ([`noise_hooks`])
+    model_placed_before_train = (
+        True  # the Trainer's model runs on its device before train() (a check may use it)
+    )
 
     def micro_batch(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -82,6 +85,7 @@ class FullyShardedV2(Engine):
 
     name = "FSDP2"
     measures_noise = False  # the hooks would see the sharded gradient, already averaged over the ranks
+    model_placed_before_train = False  # sharded and moved in train()
 
     def __init__(self, world_size: int):
         self.retries = world_size == 1
@@ -103,6 +107,7 @@ class DeepSpeed(Engine):
 
     name = "DeepSpeed"
     measures_noise = False  # ZeRO reduces and partitions the gradients the hooks would read
+    model_placed_before_train = False  # the engine is built (and ZeRO-3 gathers parameters) in train()
 
     def __init__(self, trainer, world_size: int):
         self.trainer = trainer

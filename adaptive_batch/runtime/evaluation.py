@@ -317,7 +317,7 @@ def take(inputs: Mapping, rows: int, index, width: int | None = None) -> dict:
         if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
             value = value[index]
             if width is not None and value.dim() == 2 and value.shape[1] == full:
-                value = value[:, :width]
+                value = value[:, :width].contiguous()  # (as a collator's: a model may `.view` it)
         piece[key] = value
     return piece
 

@@ -49,7 +49,9 @@ class PackedStepBatch:
         first, last = self.starts[start], self.ends[start + size - 1]
         lengths = self.lengths_list[start : start + size]
         taken = {
-            key: value[:, first:last] if isinstance(value, torch.Tensor) and value.dim() == 2 else value
+            key: value[:, first:last].contiguous()
+            if isinstance(value, torch.Tensor) and value.dim() == 2
+            else value
             for key, value in self.batch.items()
             if key not in SEQUENCE_KEYS
         }

@@ -16,7 +16,7 @@ from ..core.microbatch import CutController, MicroBatch, MicroBatchTooLargeError
 from ..core.noise import MicroBatchSums
 from ..core.replay import Tape
 from .batch import StepBatch, is_packed
-from .compat.trainer import loss_normalised_over_ranks, loss_shifts_labels
+from .compat.trainer import loss_normalised_over_ranks, loss_shifts_labels, pad_to_multiple_of
 from .compat.trl import TrlMetrics
 from .engines import Engine
 from .memory import Stopwatch, alloc_retries, peak_allocated, release_memory, reset_peak
@@ -74,8 +74,18 @@ class MicroBatchRunner:
         self.unmasked = unmasked
         self.device = trainer.args.device
         self.noise = noise  # None where the engine cannot measure it (the session says so)
+        # whether the model's loss scores position i against label i + 1, as shown on it (`None`: the Trainer's
+        # reading, which assumes it of every causal LM's loss, BartForCausalLM's too)
+        self.shifts_labels: bool | None = None
+        self.align = pad_to_multiple_of(trainer)  # trimmed micro-batches keep the collator's alignment
+        self.trims = True  # micro-batches cut short of trailing padding (a check on the model may say not)
         self.tape = Tape()  # what decisions read of time and memory: measured, or replayed (the session's)
         self.last = StepStats()
+
+    def follow_model(self, shifts_labels: bool | None, trims: bool) -> None:
+        """What checks on the model showed: whether its loss scores label i + 1 at position i (`None`: not told, the
+        Trainer's reading), and whether a micro-batch may be cut short of its trailing padding."""
+        self.shifts_labels, self.trims = shifts_labels, trims
 
     def run(
         self, inner_step: InnerStep, model, inputs: dict, num_items_in_batch, max_rows: int, split: bool
@@ -99,13 +109,18 @@ class MicroBatchRunner:
             # a collator not known to flatten: a rank whose flattened row holds one sequence cannot tell
             packed = bool(self.ranks.max([float(packed)])[0])
         rows = flatten and self.in_rows
-        batch = PackedStepBatch(inputs, rows) if packed else StepBatch(inputs, *self.unmasked)
+        batch = (
+            PackedStepBatch(inputs, rows)
+            if packed
+            else StepBatch(inputs, *self.unmasked, self.align, self.trims)
+        )
         if packed:  # its sequences are the rows, as many as the collator packed on each rank
             check_packed_inputs(inputs, model)
             max_rows = int(self.ranks.max([batch.rows])[0])
         elif batch.rows not in (max_rows, max_rows - 1):
             raise RuntimeError(f"Step batch of {batch.rows} rows where the plan gives {max_rows} per rank.")
-        counts = batch.label_counts(loss_shifts_labels(self.trainer))
+        shifts = self.shifts_labels if self.shifts_labels is not None else loss_shifts_labels(self.trainer)
+        counts = batch.label_counts(shifts)
         step = _Step(inner_step, model, batch, num_items_in_batch, counts)
         if self.noise is not None:
             step.share_total = self._share_total(step)
@@ -146,8 +161,9 @@ class MicroBatchRunner:
         metrics.correct(real_tokens)
         self.last = StepStats(outcome.largest, outcome.chunks, real_tokens, retries, self._step_noise(sums))
         if was_exploring and not self.controller.exploring:
-            # the search is over: give back the cache that trial sizes larger than the chosen one made grow
-            release_memory(self.device)
+            # the search is over: give back the cache that trial sizes larger than the chosen one made grow (the CPU
+            # keeps none, and a collection there would only cost time)
+            release_memory(self.device, collect=self.device.type != "cpu")
             logger.info("AdaptiveBatch settled: %s.", self.controller.settled_because)
         return outcome.loss
 

@@ -23,3 +23,14 @@ def ddp_forget_forward(model: torch.nn.Module) -> None:
     would make them alone broadcast buffers in the next forward."""
     if hasattr(model, "require_forward_param_sync"):
         model.require_forward_param_sync = False
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module `torch.compile` wrapped (`_orig_mod`: no public accessor), so a check with other shapes compiles
+    nothing; the model itself where not compiled."""
+    return getattr(model, "_orig_mod", model)
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The counter of a tensor's in-place changes (`_version`: autograd's, read nowhere public)."""
+    return tensor._version

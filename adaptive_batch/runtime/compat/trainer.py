@@ -111,6 +111,12 @@ def train_dataset_and_collator(trainer, dataset, collator):
     return dataset, trainer._get_collator_with_removed_columns(collator, description="training")
 
 
+def pad_to_multiple_of(trainer) -> int:
+    """The multiple the data collator pads a batch's width to (transformers' and TRL's collators say it), else 1."""
+    multiple = getattr(trainer.data_collator, "pad_to_multiple_of", None)
+    return multiple if isinstance(multiple, int) and multiple > 0 else 1
+
+
 def padding_free(trainer) -> bool:
     """Whether the collator flattens each batch into one row of sequences (also TRL's `padding_free`)."""
     from transformers import DataCollatorWithFlattening
@@ -130,25 +136,20 @@ MASK_BLIND_STEPS = {
 
 
 def causal_rows(trainer) -> tuple[bool, bool]:
-    """`(causal, positions)`: whether right-padded rows may leave out their padding mask (a decoder-only causal LM
-    whose inputs only a library's own `training_step` and `compute_loss` read), and be given `position_ids` in its
-    place (SFTTrainer counts tokens from them). See docs/how-it-works.md, "Variable-length data"."""
+    """`(causal, positions)`: whether the step's rows may be packed or leave their padding mask out as far as the
+    Trainer's side can tell (its inputs read only by a library's own `training_step` and `compute_loss`, a model that
+    is not an encoder-decoder, no router loss averaged over the mask), and whether `position_ids` replace the mask
+    (SFTTrainer counts tokens from them). Whether the model computes such rows exactly is shown by a forward
+    ([`model_checks.check_layout`]), not read from its name. See docs/how-it-works.md, "Which models are packed"."""
     owners = [user_class(trainer, method) for method in ("training_step", "compute_loss")]
     readers = {MASK_BLIND_STEPS.get((owner.__module__, owner.__name__)) for owner in owners}
     positions = max(readers) if None not in readers else None
     model = getattr(trainer.model, "module", trainer.model)
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # (PEFT)
     config = getattr(model, "config", None)
-    if positions is None or config is None or not type(model).__name__.endswith("ForCausalLM"):
+    if positions is None or config is None:
         return False, False
+    # an encoder-decoder's rows are its encoder's; a router's auxiliary loss averages over the batch's tokens
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "output_router_logits", False):
-        return False, False
-    # transformers' attention modules say whether they are causal (an encoder used as a decoder says False)
-    flags = [
-        module.is_causal for module in model.modules() if isinstance(getattr(module, "is_causal", None), bool)
-    ]
-    if not flags or not all(flags):
-        return False, False
-    if positions and "position_ids" not in inspect.signature(model.forward).parameters:
         return False, False
     return True, positions
