@@ -9,9 +9,16 @@ from dataclasses import dataclass
 # add in other orders), as the largest change of a logit over the largest logit of the padded run. A leak across
 # sequences changes them far more (0.01 to 1 on the models that leak, tests/test_causal_lms.py).
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 6e-2, "float16": 1e-2}
-# Where only other tokens change (another sequence's, or the padding's), an exact model computes the same numbers in
-# the same order, bit for bit: a sixteenth of the precision's epsilon, in the same scale, is far below any change
-EPSILON = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
+# Where only other tokens change (another sequence's, or the padding's), a model that keeps sequences apart computes
+# the same numbers: bit for bit where it groups nothing by token, a few units in the last place where a mixture of
+# experts groups the tokens it routes (DBRX, PhiMoE: 2 in float64); a leak moves them far more (1e-3 to 1 in the
+# sweep). In bf16 and fp16 one unit of the precision, in the largest logit's scale: a leak below it is not seen.
+OTHERS_TOLERANCE = {
+    "float64": 8 * 2.0**-52,
+    "float32": 8 * 2.0**-23,
+    "bfloat16": 2.0**-7,
+    "float16": 2.0**-10,
+}
 
 # what each layout does to the padded rows
 CHANGES = {
@@ -42,7 +49,7 @@ class Verdict:
 
     @property
     def others_tolerance(self) -> float:
-        return EPSILON.get(self.precision, EPSILON["bfloat16"]) / 16
+        return OTHERS_TOLERANCE.get(self.precision, OTHERS_TOLERANCE["bfloat16"])
 
     @property
     def exact(self) -> bool:
