@@ -66,7 +66,7 @@ class ModelChecks:
 
     def loss(self) -> ModelLoss:
         """What the model's loss computes; nothing told while pending."""
-        if self.pending:
+        if self.waiting:
             return ModelLoss()
         key = self._key()
         if key not in self.losses:
@@ -85,7 +85,7 @@ class ModelChecks:
     def _verdict(self, kind: str, in_rows: bool, positions: bool) -> Verdict | None:
         key = (kind, in_rows, positions, *self._key())
         if key not in self.verdicts:
-            if self.pending:
+            if self.waiting:
                 return None
             with self._as_trained():
                 verdict = self._probe(self._key()).layout(kind, in_rows, positions)
@@ -101,6 +101,11 @@ class ModelChecks:
                 )
                 logger.warning("AdaptiveBatch: %s: %s.", consequence, verdict.text())
         return self.verdicts[key]
+
+    @property
+    def waiting(self) -> bool:
+        """Pending, or no model yet (`model_init`: the Trainer makes it in train())."""
+        return self.pending or self.trainer.model is None
 
     def _key(self) -> tuple:
         model = self.trainer.model
