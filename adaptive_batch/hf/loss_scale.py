@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ..runtime.compat.trainer import user_class
+from ..runtime.compat.trainer import base_model, user_class
 
 logger = logging.getLogger("adaptive_batch")
 
@@ -87,7 +87,7 @@ class LossScale:
         if func is None:
             where = f"{user_class(self.trainer, 'compute_loss').__name__}.compute_loss"
             if self.model_reads_items is False:
-                where = f"The loss of {type(_unwrapped(self.trainer.model)).__name__}"
+                where = f"The loss of {type(base_model(self.trainer.model)).__name__}"
         accumulation = self.trainer.args.gradient_accumulation_steps
         return (
             f"AdaptiveBatch: {where} does not use num_items_in_batch, so each micro-batch's loss is its own mean. "
@@ -97,8 +97,3 @@ class LossScale:
             "cut. For a loss that is exactly the step's mean over its label tokens, sum the per-token losses and "
             "divide by num_items_in_batch, as transformers' model losses do."
         )
-
-
-def _unwrapped(model):
-    model = getattr(model, "module", model)  # (DDP)
-    return model.get_base_model() if hasattr(model, "get_base_model") else model  # (PEFT)

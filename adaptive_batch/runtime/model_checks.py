@@ -16,7 +16,7 @@ from ..core.controllers import Layout
 from ..core.exactness import Verdict
 from .batch import IGNORE_INDEX, StepBatch
 from .compat.torch import tensor_version, uncompiled
-from .compat.trainer import attention_implementation
+from .compat.trainer import attention_implementation, base_model
 from .packed import PackedStepBatch, flattened
 from .ranks import Ranks
 
@@ -431,7 +431,7 @@ def _parts(model: torch.nn.Module):
     """The module to call (DDP's wrapper would broadcast buffers; a compiled one would compile), the model inside PEFT's
     wrapper, and its input embeddings (`None` where it has none)."""
     model = uncompiled(getattr(model, "module", model))
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = base_model(model)
     embeddings = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
     return model, inner, embeddings if isinstance(getattr(embeddings, "weight", None), torch.Tensor) else None
 

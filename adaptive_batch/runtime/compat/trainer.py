@@ -76,6 +76,13 @@ def saved_callback_state(trainer_state: dict, name: str) -> dict | None:
     return entry.get("attributes") if isinstance(entry, dict) else None
 
 
+def base_model(model):
+    """The model inside DDP's wrapper (`module`) and PEFT's (`get_base_model()`), whose class and config are the
+    user's model's."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def attention_implementation(model) -> str | None:
     config = getattr(getattr(model, "module", model), "config", None)  # (DDP wraps the model)
     # `_attn_implementation` is where transformers keeps the one in use (`attn_implementation` is only an argument)
@@ -144,9 +151,7 @@ def causal_rows(trainer) -> tuple[bool, bool]:
     owners = [user_class(trainer, method) for method in ("training_step", "compute_loss")]
     readers = {MASK_BLIND_STEPS.get((owner.__module__, owner.__name__)) for owner in owners}
     positions = max(readers) if None not in readers else None
-    model = getattr(trainer.model, "module", trainer.model)
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # (PEFT)
-    config = getattr(model, "config", None)
+    config = getattr(base_model(trainer.model), "config", None)
     if positions is None or config is None:
         return False, False
     # an encoder-decoder's rows are its encoder's; a router's auxiliary loss averages over the batch's tokens
