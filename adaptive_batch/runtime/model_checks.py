@@ -124,7 +124,7 @@ class ModelChecks:
     def _as_trained(self):
         """The model's `config.use_cache` as the Trainer trains with it (`args.use_cache`: it sets it after
         `on_init_end`, where AdaptiveBatch first plans), back as it was after."""
-        config = getattr(getattr(self.trainer.model, "module", self.trainer.model), "config", None)
+        config = getattr(base_model(self.trainer.model), "config", None)
         wanted = getattr(self.trainer.args, "use_cache", None)
         if config is None or wanted is None:
             yield
