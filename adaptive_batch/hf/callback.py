@@ -8,7 +8,7 @@ import os
 
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..core.config import AdaptiveBatchConfig, settings_doc, settings_signature
 from ..core.steps import StepPlan
@@ -48,7 +48,6 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
         self.config = AdaptiveBatchConfig.from_settings(schedule=schedule, **settings)
         self.session: Session | None = None  # the session of the Trainer attached last
         self.training_session: Session | None = None  # the session whose Trainer is inside train()
-        self._epoch_end_handled_at: int | None = None
 
     @_attach_method
     def attach(cls, self, trainer: Trainer, **config) -> AdaptiveBatch:
@@ -114,26 +113,10 @@ class AdaptiveBatch(TrainerCallback, ExportableState):
             )
         self.session = self.training_session
         state.num_train_epochs = self.session.plan.num_epochs
-        self._epoch_end_handled_at = None
 
     def on_step_end(self, args, state, control, **kwargs):
-        """Make `state.epoch` and epoch-strategy evaluation, saving and logging follow data epochs."""
-        plan, step = self.training_session.plan, state.global_step - 1
-        state.epoch = plan.epoch_after(step)
-        if not plan.ends_epoch(step):
-            return
-        if args.logging_strategy == IntervalStrategy.EPOCH:
-            control.should_log = True
-        if args.eval_strategy == IntervalStrategy.EPOCH and args.eval_delay <= state.epoch:
-            control.should_evaluate = True
-        if args.save_strategy == IntervalStrategy.EPOCH:
-            control.should_save = True
-        self._epoch_end_handled_at = state.global_step
-
-    def on_epoch_end(self, args, state, control, **kwargs):
-        """The loop's single epoch ends with the last step; a data epoch ending there was handled at that step."""
-        if self._epoch_end_handled_at == state.global_step:
-            control.should_log = control.should_evaluate = control.should_save = False
+        """`state.epoch`: the data epochs the plan's steps have taken ([`epochs`] runs each as the loop's epoch)."""
+        state.epoch = self.training_session.plan.epoch_after(state.global_step - 1)
 
     def on_save(self, args, state, control, **kwargs):
         """Guard the checkpoint against a plain Trainer's resume; every process writes its measurements into it."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,11 +18,28 @@ from ..runtime.sampler import StepBatchSampler
 from ..runtime.stream import StepStream, is_stream
 
 
-def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: bool):
-    """The DataLoader `Trainer.get_train_dataloader` returns, and what draws its steps (its `issued`: the last drawn)."""
+@dataclass(frozen=True)
+class Slots:
+    """The loop's batches for a step (the last carries its samples): `gradient_accumulation_steps`, or at the short
+    last step of an epoch of a fixed plan (`plan`; `None` where it may grow) the plain Trainer's fewer, so that the
+    loop's events and its division of a mean loss are the plain Trainer's there."""
+
+    accumulation: int
+    per_device_train_batch_size: int
+    plan: StepPlan | None
+
+    def __call__(self, step: int) -> int:
+        plan = self.plan
+        if plan is None or not plan.ends_epoch(step):
+            return self.accumulation
+        return min(self.accumulation, math.ceil(plan.max_rows(step) / self.per_device_train_batch_size))
+
+
+def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: bool, slots: Slots):
+    """The DataLoader `Trainer.get_train_dataloader` returns, and what draws its steps (its `issued`: the last
+    drawn)."""
     args = trainer.args
     dataset, collator = train_dataset_and_collator(trainer, trainer.train_dataset, trainer.data_collator)
-    slots = args.gradient_accumulation_steps
     if is_stream(dataset):  # the steps come out of the stream itself, one list of samples each
         shared = args.dataloader_num_workers == 0 and dist.is_available() and dist.is_initialized()
         steps = StepStream(dataset, plan, rank=rank, max_steps=args.max_steps, shared=shared)
@@ -45,21 +64,21 @@ def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: boo
 
 
 class _Slotted:
-    """Each step's batch (of indices, or of samples) as the last of `slots` batches, the others empty."""
+    """Each step's batch (of indices, or of samples) as the last of `slots(step)` batches, the others empty."""
 
-    def __init__(self, steps: StepBatchSampler | StepStream, slots: int):
+    def __init__(self, steps: StepBatchSampler | StepStream, slots: Slots):
         self.steps, self.slots = steps, slots
 
     def __iter__(self):
         for batch in self.steps:
-            for _ in range(self.slots - 1):
+            for _ in range(self.slots(self.steps.issued) - 1):
                 yield []
             yield batch
 
 
 class _SlottedSteps(_Slotted, Sampler[list[int]]):
     def __len__(self) -> int:
-        return len(self.steps) * self.slots
+        return sum(self.slots(step) for step in self.steps.steps())
 
 
 class _SlottedStream(_Slotted, IterableDataset):

@@ -15,6 +15,7 @@ from ..runtime.engines import prepare as prepare_engine
 from ..runtime.lr_scheduler import follow_sample_clock
 from . import dataloader
 from .checks import check_trainer
+from .epochs import run_data_epochs
 from .loss_scale import LossScale
 from .resume import STATE_KEY, read_checkpoint, readable_by_the_trainer
 from .session import Session
@@ -47,6 +48,10 @@ class AdaptiveTrainerMixin(KeepsLiveCallbackState):
 
     def get_train_dataloader(self) -> DataLoader:
         return self._adaptive_batch.train_dataloader()
+
+    def _run_epoch(self, **loop_arguments):
+        # (the loop's one epoch, run as the plan's data epochs: [`epochs`])
+        return run_data_epochs(super()._run_epoch, self, self._adaptive_batch, loop_arguments)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         return dataloader.batch_samples(super().get_batch_samples, epoch_iterator, num_batches, device)

@@ -34,6 +34,7 @@ class Session:
         self.resume: Resume | None = None
         self.growth: Growth | None = None
         self.sampler = None  # what the data loader draws steps from (it tells the last step drawn)
+        self.slots: dataloader.Slots | None = None  # the loop's batches for each step
 
     @property
     def plan(self) -> StepPlan | None:
@@ -155,7 +156,8 @@ class Session:
             self.assembly.runner.close()
 
     def initial_training_values(self) -> tuple:
-        """The loop sees one epoch of all steps, each `gradient_accumulation_steps` batches (data epochs: callback)."""
+        """The loop sees one epoch of all steps, each `gradient_accumulation_steps` batches, and runs it as the data
+        epochs ([`epochs`])."""
         plan, accumulation = self.plan, self.trainer.args.gradient_accumulation_steps
         return (
             1,  # num_train_epochs of the loop
@@ -168,8 +170,13 @@ class Session:
         )
 
     def train_dataloader(self):
+        args = self.trainer.args
+        fixed = self.plan if self.growth is None else None  # (a growing plan's last steps may change)
+        self.slots = dataloader.Slots(
+            args.gradient_accumulation_steps, args.per_device_train_batch_size, fixed
+        )
         loader, self.sampler = dataloader.train_dataloader(
-            self.trainer, self.plan, self.identity.data_seed, self.rank, self.identity.shuffle
+            self.trainer, self.plan, self.identity.data_seed, self.rank, self.identity.shuffle, self.slots
         )
         return loader
 

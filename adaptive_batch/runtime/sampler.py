@@ -12,7 +12,8 @@ from ..core.steps import StepPlan
 
 class StepBatchSampler(Sampler[list[int]]):
     """Yields, for each planned optimizer step, this rank's dataset indices, a pure function of (seed, plan, step).
-    The plan may be replaced while iterated; `issued`, the last step drawn, tells what it must leave as it was."""
+    The plan may be replaced while iterated; `issued`, the last step drawn, tells what it must leave as it was. After
+    `set_epoch(epoch)` it yields that data epoch's steps only, as a sampler the Trainer iterates once an epoch."""
 
     def __init__(self, plan: StepPlan, seed: int, rank: int = 0, shuffle: bool = True, start_step: int = 0):
         if not 0 <= rank < plan.world_size:
@@ -20,15 +21,27 @@ class StepBatchSampler(Sampler[list[int]]):
         self.plan, self.seed, self.rank, self.shuffle, self.start_step = plan, seed, rank, shuffle, start_step
         self._permutation: tuple[int, torch.Tensor] | None = None
         self.issued = start_step - 1
+        self.epoch: int | None = None  # (None: every step)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.plan.num_steps - self.start_step
+        return sum(1 for _ in self.steps())
 
     def __iter__(self) -> Iterator[list[int]]:
-        step = self.start_step
-        while step < self.plan.num_steps:
+        for step in self.steps():
             self.issued = step
             yield self.indices(step)
+
+    def steps(self) -> Iterator[int]:
+        """The steps it yields (their indices), as the plan stands."""
+        step = self.start_step
+        if self.epoch is not None:
+            while step < self.plan.num_steps and self.plan.epoch(step) < self.epoch:
+                step += 1
+        while step < self.plan.num_steps and (self.epoch is None or self.plan.epoch(step) == self.epoch):
+            yield step  # (the plan is read at every step: a new one may replace it)
             step += 1
 
     def indices(self, step: int) -> list[int]:

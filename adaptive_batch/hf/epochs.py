@@ -1,0 +1,56 @@
+"""Data epochs as the Trainer's own epochs: the loop, told of one epoch of every planned step (its step counts vary
+with the batch), runs the Trainer's `_run_epoch` once per data epoch, so that `on_epoch_begin`, `on_epoch_end` and the
+epoch-strategy logging, evaluation and saving after it come where and as the plain Trainer sends them."""
+
+from __future__ import annotations
+
+from ..core.steps import StepPlan
+
+
+def epoch_steps(plan: StepPlan, step: int) -> range:
+    """The optimizer steps of the data epoch `step` belongs to (a step never spans two epochs)."""
+    epoch, first, last = plan.epoch(step), step, step
+    while first > 0 and plan.epoch(first - 1) == epoch:
+        first -= 1
+    while last + 1 < plan.num_steps and plan.epoch(last + 1) == epoch:
+        last += 1
+    return range(first, last + 1)
+
+
+def run_data_epochs(run_epoch, trainer, session, loop_arguments: dict) -> None:
+    """Run the loop's one epoch as the data epochs left in the plan, each through the Trainer's `_run_epoch`.
+
+    The loop sent `on_epoch_begin` for the first; the others get theirs here, and each ends in the Trainer's own
+    `on_epoch_end`. A resumed run starts inside the epoch of its next step, its steps before skipped as the Trainer
+    skips them; the RNG state is restored as the plain Trainer restores it (at that epoch's start, or after the skip).
+    A batch that grows mid-epoch ends the epoch's data sooner: its sampler stops there and the loop's remaining
+    iterations draw nothing."""
+    state, args = trainer.state, trainer.args
+    resumed_epoch = None
+    first = True
+    while state.global_step < session.plan.num_steps:
+        plan, step = session.plan, state.global_step
+        steps = epoch_steps(plan, step)
+        epoch = plan.epoch(step)
+        if not first:
+            trainer.control = trainer.callback_handler.on_epoch_begin(args, state, trainer.control)
+        if first and loop_arguments["resume_from_checkpoint"] is not None:
+            resumed_epoch = epoch
+        set_epoch = getattr(session.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+        run_epoch(
+            **loop_arguments
+            | {
+                "epoch": epoch,
+                "steps_in_epoch": sum(map(session.slots, steps)),  # (the loop's batches)
+                "num_update_steps_per_epoch": len(steps),
+                "epochs_trained": resumed_epoch if resumed_epoch is not None else 0,
+                "steps_trained_in_current_epoch": sum(map(session.slots, range(steps.start, step)))
+                if first
+                else 0,
+            }
+        )
+        first = False
+        if trainer.control.should_training_stop or state.global_step == step:
+            return  # (stopped, or an epoch that drew nothing: the Trainer's own warning said so)
