@@ -97,3 +97,12 @@ class SampleClock:
     def check(self) -> None:
         for samples in sorted(set(self.plan.sizes[self.plan.done_steps :])):
             self.multiplier(samples)
+
+    def counts_steps(self) -> bool:
+        """Whether the clock is the step count, unscaled: every step at its own place on a schedule built for the
+        plan's steps, at x1 (a constant batch; an epoch's short last step counts as one)."""
+        plan = self.plan
+        steps = range(plan.done_steps, plan.num_steps)
+        return self.nominal_steps == plan.num_steps and all(
+            self.virtual_step(k) == k and self.scale(k) == 1 for k in steps
+        )

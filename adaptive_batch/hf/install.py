@@ -61,6 +61,11 @@ class AdaptiveTrainerMixin(KeepsLiveCallbackState):
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         session = self._adaptive_batch
+        if (
+            session.callback.training_session is not session
+        ):  # (outside train(): as asked, as the plain Trainer)
+            return super().create_scheduler(num_training_steps=num_training_steps, optimizer=optimizer)
+        # the schedule's length: the plain Trainer's steps at the starting batch, which the sample clock maps onto
         super().create_scheduler(num_training_steps=session.run.clock.nominal_steps, optimizer=optimizer)
         self.lr_scheduler = follow_sample_clock(
             self.lr_scheduler, optimizer or self.optimizer, session.run.clock, session.batch_changes

@@ -182,10 +182,9 @@ class Session:
 
     @property
     def batch_changes(self) -> bool:
-        """Whether the learning rate must follow the batch: it changes, or a rule scales it."""
-        plan = self.plan
-        sizes_change = len(set(plan.sizes[plan.done_steps :])) > 1
-        return sizes_change or self.config.lr_scaling != "none" or self.growth is not None
+        """Whether the learning rate must follow the batch: it changes or may change, or a rule scales it (else the
+        sample clock is the step count and the Trainer's own scheduler runs as built)."""
+        return self.growth is not None or not self.run.clock.counts_steps()
 
     def training_step(self, inner_step, model, inputs, num_items_in_batch):
         step, growth, assembly = self.trainer.state.global_step, self.growth, self.assembly
