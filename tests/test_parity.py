@@ -167,3 +167,10 @@ def test_a_plain_checkpoint_taken_over_mid_epoch_trains_the_rest_of_the_epoch_ex
     assert sorted(row for step in first + rest for row in step) == sorted(
         tuple(row["input_ids"]) for row in plain.train_dataset
     )  # every sample of the epoch once
+
+
+def test_a_missing_checkpoint_folder_fails_with_the_trainers_own_sentence(make_trainer, tmp_path):
+    missing = str(tmp_path / "checkpoint-7")
+    for callbacks in ([], [AdaptiveBatch()]):
+        with pytest.raises(ValueError, match=f"^Can't find a valid checkpoint at {missing}"):
+            make_trainer(callbacks).train(resume_from_checkpoint=missing)

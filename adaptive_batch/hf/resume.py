@@ -30,7 +30,11 @@ def read_checkpoint(path: str) -> StoredCheckpoint:
     """A checkpoint folder's `trainer_state.json`, read before the Trainer does so that the plan is built first."""
     file = os.path.join(path, TRAINER_STATE_NAME)
     if not os.path.isdir(path):
-        raise ValueError(f"resume_from_checkpoint={path!r} is not a folder; pass a checkpoint-N folder.")
+        # (the Trainer's own sentence first, which scripts and tests match on)
+        raise ValueError(
+            f"Can't find a valid checkpoint at {path}: resume_from_checkpoint={path!r} is not a folder; pass a "
+            "checkpoint-N folder."
+        )
     if not os.path.isfile(file):
         raise ValueError(
             f"resume_from_checkpoint={path!r} holds no {TRAINER_STATE_NAME}, so AdaptiveBatch cannot tell which "
