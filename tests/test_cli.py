@@ -144,13 +144,6 @@ def test_plan_reads_token_counts_from_a_jsonl_dataset(capsys, tmp_path):
             "exceeds the dataset size 10 samples: one optimizer step cannot hold more than one epoch. Give the "
             "schedule sizes of at most 10 there, or use a larger dataset.",
         ),
-        (
-            ["--dataset-size", "40", "--per-device", "16", "--accumulation", "2", "--gpus", "2"],
-            "per_device_train_batch_size=16 x gradient_accumulation_steps=2 x 2 processes = 64 samples per optimizer "
-            "step, more than the training dataset's 40 samples: one optimizer step cannot hold more than one epoch. "
-            "Make that product at most 40, e.g. per_device_train_batch_size=10 (10 x 2 x 2 = 40; AdaptiveBatch still "
-            "chooses the micro-batch), or use a larger dataset.",
-        ),
     ],
 )
 def test_bad_input_is_one_line_and_a_non_zero_exit(capsys, argv, message):
@@ -461,6 +454,17 @@ def plan_warnings(capsys, *argv) -> list[str]:
     code, out, err = run(capsys, "plan", "--json", *argv)  # (before the argv: it may end with -- SCRIPT ARGS)
     assert code == 0, err
     return json.loads(out)["warnings"]
+
+
+def test_a_batch_above_the_dataset_plans_an_epoch_a_step_and_warns(capsys):
+    argv = ["--dataset-size", "40", "--per-device", "16", "--accumulation", "2", "--gpus", "2", "--epochs", "3"]
+    assert plan_warnings(capsys, *argv) == [
+        "per_device_train_batch_size=16 x gradient_accumulation_steps=2 x 2 processes = 64 samples a step is more "
+        "than the dataset's 40 samples: each optimizer step takes one whole epoch (40), as the plain Trainer's does. "
+        "Make that product at most the dataset size for steps of the size you set."
+    ]
+    code, out, _ = run(capsys, "plan", "--json", *argv)
+    assert json.loads(out)["optimizer_steps"] == 3
 
 
 def test_max_steps_in_a_saved_training_arguments_does_not_warn_of_the_default_epochs(capsys, tmp_path):

@@ -53,26 +53,6 @@ def test_a_schedule_that_goes_bad_later_fails_when_the_trainer_is_built(make_tra
         make_trainer([AdaptiveBatch(schedule=64)])
 
 
-def test_a_batch_above_the_dataset_names_the_settings_whose_product_it_is_and_values_that_fit(make_trainer):
-    with pytest.raises(ValueError) as error:
-        make_trainer(
-            [AdaptiveBatch()], num_rows=40, per_device_train_batch_size=16, gradient_accumulation_steps=4
-        )
-    assert str(error.value) == (
-        "per_device_train_batch_size=16 x gradient_accumulation_steps=4 x 1 process = 64 samples per optimizer step, "
-        "more than the training dataset's 40 samples: one optimizer step cannot hold more than one epoch. Make that "
-        "product at most 40, e.g. per_device_train_batch_size=10 (10 x 4 x 1 = 40; AdaptiveBatch still chooses the "
-        "micro-batch), or use a larger dataset."
-    )
-    # where no per-device size fits the accumulation, the fix lowers it too
-    with pytest.raises(
-        ValueError, match=r"e\.g\. per_device_train_batch_size=1 and gradient_accumulation_steps=40 "
-    ):
-        make_trainer(
-            [AdaptiveBatch()], num_rows=40, per_device_train_batch_size=2, gradient_accumulation_steps=64
-        )
-
-
 def test_a_changed_argument_is_checked_again_when_training_starts(make_trainer):
     trainer = make_trainer([AdaptiveBatch()])
     calls = no_compute(trainer)

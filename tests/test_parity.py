@@ -174,3 +174,23 @@ def test_a_missing_checkpoint_folder_fails_with_the_trainers_own_sentence(make_t
     for callbacks in ([], [AdaptiveBatch()]):
         with pytest.raises(ValueError, match=f"^Can't find a valid checkpoint at {missing}"):
             make_trainer(callbacks).train(resume_from_checkpoint=missing)
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, "auto"])
+def test_a_step_larger_than_the_dataset_trains_an_epoch_a_step_as_the_plain_trainer(
+    make_trainer, tmp_path, caplog, micro_batch_size
+):
+    # 16 x 5 = 80 samples a step over 36 rows: the plain Trainer's step is the epoch's 3 batches of 16, 16 and 4
+    def run(callbacks, name):
+        settings = dict(num_rows=36, per_device_train_batch_size=16, gradient_accumulation_steps=5, **ORDER_ONLY)
+        trainer = make_trainer(callbacks, num_train_epochs=3, output_dir=str(tmp_path / name), **settings)
+        trainer.train()
+        return trainer
+
+    plain = run([], "plain")
+    ours = run([AdaptiveBatch(micro_batch_size=micro_batch_size)], "adaptive")
+    assert ours.state.global_step == plain.state.global_step == 3
+    assert ours.state.epoch == plain.state.epoch == 3
+    assert_close_parameters(parameters(ours.model), parameters(plain.model))
+    assert [log["loss"] for log in step_logs(ours)] == pytest.approx([log["loss"] for log in step_logs(plain)])
+    assert "each optimizer step takes one whole epoch (36), as the plain Trainer's does" in caplog.text

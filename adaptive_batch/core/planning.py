@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .lr import LRRule, SampleClock, gain_power, resolve_rule
 from .plain_trainer import PlainBatching
-from .schedule import Progress, Schedule, check_effective_batch_size
+from .schedule import ConstantSchedule, Progress, Schedule, check_effective_batch_size
 from .steps import Budget, DoneSteps, StepPlan, build_plan
 
 
@@ -25,6 +25,13 @@ class RunSettings:
     unit: str = "samples"
     per_device_train_batch_size: int | None = None
     gradient_accumulation_steps: int = 1
+
+    @property
+    def users_batch(self) -> int | None:
+        """`per_device_train_batch_size x gradient_accumulation_steps x world_size` (`None`: not told)."""
+        if self.per_device_train_batch_size is None:
+            return None
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
 
     def plain_trainer(self, starting_effective_batch_size: int) -> PlainBatching | None:
         if self.dataset_size is None:
@@ -68,12 +75,20 @@ def plan_run(
     """Plan a run: its budget in samples, its steps and the LR's clock; every refusal happens here, before any
     compute. `done`: steps a plain Trainer's checkpoint trained; `noise_scale_at`: for the gain LR rules."""
     starting = check_effective_batch_size(schedule(Progress(0, 0, 0.0)), where="The schedule at step 0")
-    _check_batch_settings_fit(settings, starting)
     plain = settings.plain_trainer(starting)
     budget, nominal = _budget(settings, starting, plain)
     dataset_size = budget.samples if settings.dataset_size is None else settings.dataset_size
+    # the user's own batch above the dataset: each step is an epoch, as the plain Trainer's (a schedule's is refused)
+    whole_epochs = isinstance(schedule, ConstantSchedule) and settings.users_batch == starting
     plan = build_plan(
-        schedule, dataset_size, budget, settings.world_size, settings.drop_last, done=done, unit=settings.unit
+        schedule,
+        dataset_size,
+        budget,
+        settings.world_size,
+        settings.drop_last,
+        done=done,
+        unit=settings.unit,
+        whole_epochs=whole_epochs,
     )
     clock = SampleClock(
         plan,
@@ -86,33 +101,6 @@ def plan_run(
     )
     clock.check()
     return RunPlan(settings, budget, dataset_size, plan, clock, done)
-
-
-def _check_batch_settings_fit(settings: RunSettings, starting: int) -> None:
-    """Refuse a start above the dataset that is the user's `per_device x accumulation x world size`, naming fits."""
-    dataset_size, world = settings.dataset_size, settings.world_size
-    per_device, accumulation = settings.per_device_train_batch_size, settings.gradient_accumulation_steps
-    if dataset_size is None or starting <= dataset_size or dataset_size < world or per_device is None:
-        return
-    if per_device * accumulation * world != starting:
-        return
-    processes = f"{world} process{'es' if world > 1 else ''}"
-    fitting = dataset_size // (accumulation * world)
-    if fitting >= 1:
-        fix = f"per_device_train_batch_size={fitting} ({fitting} x {accumulation} x {world} = {fitting * accumulation * world}"
-    else:
-        most = dataset_size // world
-        fix = (
-            f"per_device_train_batch_size=1 and gradient_accumulation_steps={most} (1 x {most} x {world} = "
-            f"{most * world}"
-        )
-    raise ValueError(
-        f"per_device_train_batch_size={per_device} x gradient_accumulation_steps={accumulation} x {processes} = "
-        f"{starting} samples per optimizer step, more than the training dataset's {dataset_size:,} {settings.unit}: "
-        "one optimizer step cannot hold more than one epoch. Make that product at most "
-        f"{dataset_size // world * world}, e.g. {fix}; AdaptiveBatch still chooses the micro-batch), or use a "
-        "larger dataset."
-    )
 
 
 def _budget(settings: RunSettings, starting: int, plain: PlainBatching | None) -> tuple[Budget, int]:

@@ -128,9 +128,11 @@ def build_plan(
     drop_last: bool = False,
     done: DoneSteps | None = None,
     unit: str = "samples",
+    whole_epochs: bool = False,
 ) -> StepPlan:
     """Cut the sample stream, from 0 (or where `done` steps ended) to the budget, into optimizer steps; a bad
-    effective batch or dataset is refused here (`unit` names a dataset row in messages)."""
+    effective batch or dataset is refused here (`unit` names a dataset row in messages). `whole_epochs`: an effective
+    batch above the dataset takes each epoch as one step (the plain Trainer's, at the user's batch) instead."""
     budget_samples = budget.samples if isinstance(budget, Budget) else int(budget)
     if dataset_size < 1:
         raise ValueError(f"The training dataset has {dataset_size} {unit}; it needs at least one.")
@@ -159,7 +161,7 @@ def build_plan(
     while position < budget_samples:
         progress = Progress(len(sizes), samples_before[-1], position / budget_samples)
         effective = check_effective_batch_size(schedule(progress), f"The schedule at {_where(progress)}")
-        _check_fits(effective, world_size, dataset_size, progress, unit)
+        _check_fits(effective, world_size, dataset_size, progress, unit, whole_epochs)
         epoch_left = dataset_size - position % dataset_size
         size = min(effective, epoch_left, budget_samples - position)
         if size < effective and size == epoch_left and drop_last:
@@ -200,13 +202,15 @@ def _where(progress: Progress) -> str:
     return f"step {progress.step} ({progress.samples_seen:,} samples seen, fraction {progress.fraction:.3f})"
 
 
-def _check_fits(effective: int, world_size: int, dataset_size: int, progress: Progress, unit: str) -> None:
+def _check_fits(
+    effective: int, world_size: int, dataset_size: int, progress: Progress, unit: str, whole_epochs: bool
+) -> None:
     if effective % world_size:
         raise ValueError(
             f"The effective batch {effective} at {_where(progress)} is not divisible by world_size={world_size}: "
             f"every rank must take the same share. Use {nearest_multiples(effective, world_size)}."
         )
-    if effective > dataset_size:
+    if effective > dataset_size and not whole_epochs:
         raise ValueError(
             f"The effective batch {effective} at {_where(progress)} exceeds the dataset size {dataset_size} "
             f"{unit}: one optimizer step cannot hold more than one epoch. Give the schedule sizes of at most "

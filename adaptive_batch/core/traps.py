@@ -26,6 +26,7 @@ def run_traps(
         *_phase_traps(run, schedule),
         *_mid_epoch_trap(run),
         *_above_dataset_traps(run, schedule),
+        *_whole_epoch_trap(run),
         *_start_traps(run, schedule_given),
     ]
 
@@ -153,6 +154,19 @@ def _above_dataset_traps(run: RunPlan, schedule: Schedule) -> list[str]:
         f"{run.settings.unit}: one optimizer step cannot hold more than one epoch, so the run is refused if it "
         f"reaches that phase (a larger budget, or a resume with more epochs). Give the schedule sizes of at most "
         f"{dataset_size // world * world}."
+    ]
+
+
+def _whole_epoch_trap(run: RunPlan) -> list[str]:
+    settings, starting = run.settings, run.starting_effective_batch_size
+    if settings.dataset_size is None or starting <= run.dataset_size:
+        return []
+    world = f"{settings.world_size} process{'es' if settings.world_size > 1 else ''}"
+    return [
+        f"per_device_train_batch_size={settings.per_device_train_batch_size} x gradient_accumulation_steps="
+        f"{settings.gradient_accumulation_steps} x {world} = {starting} samples a step is more than the dataset's "
+        f"{run.dataset_size:,} {settings.unit}: each optimizer step takes one whole epoch ({run.dataset_size:,}), "
+        "as the plain Trainer's does. Make that product at most the dataset size for steps of the size you set."
     ]
 
 
