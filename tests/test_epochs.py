@@ -129,3 +129,20 @@ def test_a_stream_sends_the_plain_trainers_events(make_trainer, rows, tmp_path):
         return events.events
 
     assert run("adaptive", [AdaptiveBatch(micro_batch_size=2)]) == run("plain", [])
+
+
+class ReadsTheDataloader(TrainerCallback):
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self.read = (train_dataloader.total_batch_size, train_dataloader.total_dataset_length)
+        self.has_set_epoch = callable(getattr(train_dataloader, "set_epoch", None))
+
+
+def test_the_train_dataloader_answers_what_accelerates_does(make_trainer):
+    def read(callbacks):
+        reader = ReadsTheDataloader()
+        make_trainer([*callbacks, reader], num_rows=20, max_steps=1).train()
+        return reader
+
+    plain, ours = read([]), read([AdaptiveBatch(micro_batch_size=1)])
+    assert ours.read == plain.read == (4, 20)
+    assert ours.has_set_epoch and plain.has_set_epoch

@@ -60,7 +60,28 @@ def train_dataloader(trainer, plan: StepPlan, seed: int, rank: int, shuffle: boo
         params["worker_init_fn"] = functools.partial(
             seed_worker, num_workers=args.dataloader_num_workers, rank=rank
         )
-    return DataLoader(dataset, **params), steps
+    total_batch_size = args.per_device_train_batch_size * plan.world_size
+    return StepDataLoader(dataset, steps, total_batch_size, **params), steps
+
+
+class StepDataLoader(DataLoader):
+    """The training DataLoader, answering what accelerate's prepared one answers where the Trainer and callbacks read
+    it: `total_batch_size` (the plain Trainer's per-device batch x processes, as accelerate counts it),
+    `total_dataset_length`, `set_epoch` (the sampler then yields that data epoch's steps) and `iteration`."""
+
+    def __init__(self, dataset, steps: StepBatchSampler | StepStream, total_batch_size: int, **params):
+        super().__init__(dataset, **params)
+        self.steps, self.total_batch_size, self.iteration = steps, total_batch_size, 0
+
+    @property
+    def total_dataset_length(self) -> int:
+        dataset = self.steps.stream if isinstance(self.steps, StepStream) else self.dataset
+        return getattr(dataset, "total_length", None) or len(dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.iteration = epoch
+        if isinstance(self.steps, StepBatchSampler):
+            self.steps.set_epoch(epoch)
 
 
 class _Slotted:

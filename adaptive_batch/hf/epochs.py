@@ -36,9 +36,10 @@ def run_data_epochs(run_epoch, trainer, session, loop_arguments: dict) -> None:
             trainer.control = trainer.callback_handler.on_epoch_begin(args, state, trainer.control)
         if first and loop_arguments["resume_from_checkpoint"] is not None:
             resumed_epoch = epoch
-        set_epoch = getattr(session.sampler, "set_epoch", None)
-        if set_epoch is not None:
-            set_epoch(epoch)
+        if hasattr(
+            session.sampler, "set_epoch"
+        ):  # (a stream is one epoch; the Trainer's own call misses a skip)
+            session.sampler.set_epoch(epoch)
         run_epoch(
             **loop_arguments
             | {
