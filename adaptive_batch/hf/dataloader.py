@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..core.steps import StepPlan
-from ..runtime.compat.trainer import train_dataset_and_collator
+from ..runtime.compat.trainer import pad_to_multiple_of, train_dataset_and_collator
 from ..runtime.sampler import StepBatchSampler
 from ..runtime.stream import StepStream, is_stream
 
@@ -113,6 +113,43 @@ def _collate_step(collator, samples):
 
 class EmptySlot(dict):
     """An empty slot as the loop sees it: the step batch's tensors with no rows (its tokens and FLOPs count nothing)."""
+
+
+def plain_shares(trainer, step_batch, slots: int, rows: int) -> list[dict] | None:
+    """The plain Trainer's batches of a step, for its per-batch counts (tokens seen, FLOPs): slot `i` holds rows
+    `i * per_device_train_batch_size` on (the last slot the rest), cut to the width a padding collator gives those
+    rows (their longest, rounded up to its `pad_to_multiple_of`) where the step batch is padded to its longest; `None`
+    where its rows are not the step's `rows` samples (a collator that flattens the step into one row)."""
+    per_device, multiple = trainer.args.per_device_train_batch_size, pad_to_multiple_of(trainer)
+    tensors = {
+        key: value for key, value in step_batch.items() if isinstance(value, torch.Tensor) and value.dim()
+    }
+    width = next((v.shape[1] for v in tensors.values() if v.dim() >= 2), None)
+    if not tensors or any(v.shape[0] != rows for v in tensors.values()):
+        return None
+    mask = step_batch.get("attention_mask")
+    lengths = None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == width:
+        # each row up to its last unmasked token (right padding); a width beyond the longest is a fixed width
+        lengths = width - (1 - mask.long().flip(-1)).cumprod(-1).sum(-1)
+        if width > -(-int(lengths.max()) // multiple) * multiple:
+            lengths = None
+    shares = []
+    for slot in range(slots):
+        start = min(slot * per_device, rows)  # (a step smaller than the user's leaves the last slots empty)
+        end = rows if slot == slots - 1 else min(start + per_device, rows)
+        cut = width
+        if lengths is not None and end > start:
+            cut = -(-int(lengths[start:end].max()) // multiple) * multiple
+        shares.append(
+            {
+                key: value[start:end, :cut]
+                if value.dim() >= 2 and value.shape[1] == width
+                else value[start:end]
+                for key, value in tensors.items()
+            }
+        )
+    return shares
 
 
 def batch_samples(inner, epoch_iterator, slots: int, device) -> tuple[list, object]:

@@ -4,6 +4,8 @@ epoch-strategy logging, evaluation and saving after it come where and as the pla
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ..core.steps import StepPlan
 
 
@@ -17,41 +19,33 @@ def epoch_steps(plan: StepPlan, step: int) -> range:
     return range(first, last + 1)
 
 
-def run_data_epochs(run_epoch, trainer, session, loop_arguments: dict) -> None:
-    """Run the loop's one epoch as the data epochs left in the plan, each through the Trainer's `_run_epoch`.
+def data_epochs(state, session, resumed: bool) -> Iterator[dict]:
+    """The loop's arguments of `_run_epoch` for each data epoch left in the plan, each computed when the one before
+    has run (a batch that grows mid-epoch replans the rest).
 
-    The loop sent `on_epoch_begin` for the first; the others get theirs here, and each ends in the Trainer's own
-    `on_epoch_end`. A resumed run starts inside the epoch of its next step, its steps before skipped as the Trainer
-    skips them; the RNG state is restored as the plain Trainer restores it (at that epoch's start, or after the skip).
-    A batch that grows mid-epoch ends the epoch's data sooner: its sampler stops there and the loop's remaining
-    iterations draw nothing."""
-    state, args = trainer.state, trainer.args
-    resumed_epoch = None
-    first = True
+    A resumed run starts inside the epoch of its next step, its steps before skipped as the Trainer skips them; the
+    RNG state is restored as the plain Trainer restores it (at that epoch's start, or after the skip). A batch that
+    grows mid-epoch ends the epoch's data sooner: its sampler stops there and the loop's remaining iterations draw
+    nothing."""
+    first, resumed_epoch = True, None
     while state.global_step < session.plan.num_steps:
         plan, step = session.plan, state.global_step
-        steps = epoch_steps(plan, step)
-        epoch = plan.epoch(step)
-        if not first:
-            trainer.control = trainer.callback_handler.on_epoch_begin(args, state, trainer.control)
-        if first and loop_arguments["resume_from_checkpoint"] is not None:
+        steps, epoch = epoch_steps(plan, step), plan.epoch(step)
+        if first and resumed:
             resumed_epoch = epoch
         if hasattr(
             session.sampler, "set_epoch"
         ):  # (a stream is one epoch; the Trainer's own call misses a skip)
             session.sampler.set_epoch(epoch)
-        run_epoch(
-            **loop_arguments
-            | {
-                "epoch": epoch,
-                "steps_in_epoch": sum(map(session.slots, steps)),  # (the loop's batches)
-                "num_update_steps_per_epoch": len(steps),
-                "epochs_trained": resumed_epoch if resumed_epoch is not None else 0,
-                "steps_trained_in_current_epoch": sum(map(session.slots, range(steps.start, step)))
-                if first
-                else 0,
-            }
-        )
+        yield {
+            "epoch": epoch,
+            "steps_in_epoch": sum(map(session.slots, steps)),  # (the loop's batches)
+            "num_update_steps_per_epoch": len(steps),
+            "epochs_trained": resumed_epoch if resumed_epoch is not None else 0,
+            "steps_trained_in_current_epoch": sum(map(session.slots, range(steps.start, step)))
+            if first
+            else 0,
+        }
         first = False
-        if trainer.control.should_training_stop or state.global_step == step:
-            return  # (stopped, or an epoch that drew nothing: the Trainer's own warning said so)
+        if state.global_step == step:
+            return  # (an epoch that drew nothing: the Trainer's own warning said so)

@@ -15,7 +15,7 @@ from ..runtime.engines import prepare as prepare_engine
 from ..runtime.lr_scheduler import follow_sample_clock
 from . import dataloader
 from .checks import check_trainer
-from .epochs import run_data_epochs
+from .epochs import data_epochs
 from .loss_scale import LossScale
 from .resume import STATE_KEY, read_checkpoint, readable_by_the_trainer
 from .session import Session
@@ -50,11 +50,26 @@ class AdaptiveTrainerMixin(KeepsLiveCallbackState):
         return self._adaptive_batch.train_dataloader()
 
     def _run_epoch(self, **loop_arguments):
-        # (the loop's one epoch, run as the plan's data epochs: [`epochs`])
-        return run_data_epochs(super()._run_epoch, self, self._adaptive_batch, loop_arguments)
+        # the loop's one epoch, run as the plan's data epochs ([`epochs`]): the loop sent the first on_epoch_begin
+        resumed = loop_arguments["resume_from_checkpoint"] is not None
+        for index, arguments in enumerate(data_epochs(self.state, self._adaptive_batch, resumed)):
+            if index:
+                self.control = self.callback_handler.on_epoch_begin(self.args, self.state, self.control)
+            super()._run_epoch(**loop_arguments | arguments)
+            if self.control.should_training_stop:
+                return
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        return dataloader.batch_samples(super().get_batch_samples, epoch_iterator, num_batches, device)
+        return self._adaptive_batch.batch_samples(
+            super().get_batch_samples, epoch_iterator, num_batches, device
+        )
+
+    def floating_point_ops(self, inputs):
+        # (the loop counts each of its batches: each counts the plain Trainer's batch it stands for)
+        return super().floating_point_ops(self._adaptive_batch.plain_share(inputs))
+
+    def _track_num_input_tokens(self, inputs):
+        return super()._track_num_input_tokens(self._adaptive_batch.plain_share(inputs))
 
     def set_initial_training_values(self, args, train_dataloader):
         return self._adaptive_batch.initial_training_values()

@@ -35,6 +35,9 @@ class Session:
         self.growth: Growth | None = None
         self.sampler = None  # what the data loader draws steps from (it tells the last step drawn)
         self.slots: dataloader.Slots | None = None  # the loop's batches for each step
+        self._shares: dict[
+            int, dict
+        ] = {}  # the plain Trainer's batch each of this step's loop batches stands for
 
     @property
     def plan(self) -> StepPlan | None:
@@ -185,6 +188,26 @@ class Session:
         """Whether the learning rate must follow the batch: it changes or may change, or a rule scales it (else the
         sample clock is the step count and the Trainer's own scheduler runs as built)."""
         return self.growth is not None or not self.run.clock.counts_steps()
+
+    def batch_samples(self, inner, epoch_iterator, slots: int, device) -> tuple[list, object]:
+        """One step's loop batches ([`dataloader.batch_samples`]), and the plain Trainer's batch each stands for in
+        the loop's counts of tokens and FLOPs ([`plain_share`])."""
+        batches, num_items = dataloader.batch_samples(inner, epoch_iterator, slots, device)
+        step, plan = self.trainer.state.global_step, self.plan
+        self._shares = {}
+        if batches and step < plan.num_steps:
+            rows = len(
+                range(self.rank, plan.sizes[step], self.world_size)
+            )  # (this rank's samples of the step)
+            shares = dataloader.plain_shares(self.trainer, batches[-1], len(batches), rows)
+            if shares is not None:
+                self._shares = {id(batch): share for batch, share in zip(batches, shares)}
+        return batches, num_items
+
+    def plain_share(self, inputs):
+        """What the plain Trainer's loop counts (tokens seen, FLOPs) for the loop batch `inputs`: its own batch's rows
+        (an empty slot's too), not the whole step at its last; `inputs` itself where that is not known."""
+        return self._shares.get(id(inputs), inputs)
 
     def training_step(self, inner_step, model, inputs, num_items_in_batch):
         step, growth, assembly = self.trainer.state.global_step, self.growth, self.assembly
