@@ -24,12 +24,16 @@ class PlainBatching:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
 
     @property
-    def steps_per_epoch(self) -> int:
-        """The Trainer's `num_update_steps_per_epoch`."""
+    def batches_per_epoch(self) -> int:
+        """The Trainer's `steps_in_epoch`: its dataloader's batches an epoch on each rank."""
         size, per_device = self.dataset_size, self.per_device_train_batch_size
         batches = size // per_device if self.drop_last else math.ceil(size / per_device)
-        per_rank = batches // self.world_size if self.drop_last else math.ceil(batches / self.world_size)
-        return max(1, math.ceil(per_rank / self.gradient_accumulation_steps))
+        return batches // self.world_size if self.drop_last else math.ceil(batches / self.world_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """The Trainer's `num_update_steps_per_epoch`."""
+        return max(1, math.ceil(self.batches_per_epoch / self.gradient_accumulation_steps))
 
     def total_steps(self, num_train_epochs: float, max_steps: int = -1) -> int:
         return max_steps if max_steps > 0 else math.ceil(num_train_epochs * self.steps_per_epoch)

@@ -78,8 +78,6 @@ def plan_run(
     plain = settings.plain_trainer(starting)
     budget, nominal = _budget(settings, starting, plain)
     dataset_size = budget.samples if settings.dataset_size is None else settings.dataset_size
-    # the user's own batch above the dataset: each step is an epoch, as the plain Trainer's (a schedule's is refused)
-    whole_epochs = isinstance(schedule, ConstantSchedule) and settings.users_batch == starting
     plan = build_plan(
         schedule,
         dataset_size,
@@ -88,7 +86,7 @@ def plan_run(
         settings.drop_last,
         done=done,
         unit=settings.unit,
-        whole_epochs=whole_epochs,
+        plain_batches=_plain_batches(schedule, settings, starting, plain),
     )
     clock = SampleClock(
         plan,
@@ -101,6 +99,16 @@ def plan_run(
     )
     clock.check()
     return RunPlan(settings, budget, dataset_size, plan, clock, done)
+
+
+def _plain_batches(
+    schedule: Schedule, settings: RunSettings, starting: int, plain: PlainBatching | None
+) -> tuple[int, int] | None:
+    """Where the steps are the plain Trainer's (the user's own batch, constant; not a stream), its batches' samples
+    over all ranks and its batches an epoch on each rank."""
+    if plain is None or not isinstance(schedule, ConstantSchedule) or settings.users_batch != starting:
+        return None
+    return plain.per_device_train_batch_size * plain.world_size, plain.batches_per_epoch
 
 
 def _budget(settings: RunSettings, starting: int, plain: PlainBatching | None) -> tuple[Budget, int]:

@@ -62,6 +62,9 @@ class StepPlan:
     samples_before_step: array
     notes: tuple[str, ...] = field(default=())
     done_steps: int = 0  # steps trained before the plan took over (a plain Trainer's checkpoint)
+    # where the steps are the plain Trainer's (the user's constant batch): its batches' samples over all ranks and
+    # its batches an epoch on each rank, which its `TrainerState.epoch` counts
+    plain_batches: tuple[int, int] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -93,8 +96,12 @@ class StepPlan:
         return self.end_position(step) % self.dataset_size == 0
 
     def epoch_after(self, step: int) -> float:
-        """Data epochs completed after `step`, computed as the plain Trainer's `TrainerState.epoch` (the same float)."""
+        """Data epochs completed after `step`: where the steps are the plain Trainer's, its `TrainerState.epoch` (the
+        same float: its batches so far over its batches an epoch), else the samples so far over the dataset's."""
         epochs, offset = divmod(self.end_position(step), self.dataset_size)
+        if self.plain_batches is not None:
+            batch_samples, batches_per_epoch = self.plain_batches
+            return epochs + offset // batch_samples / batches_per_epoch
         return epochs + offset / self.dataset_size
 
     def max_rows(self, step: int) -> int:
@@ -128,11 +135,13 @@ def build_plan(
     drop_last: bool = False,
     done: DoneSteps | None = None,
     unit: str = "samples",
-    whole_epochs: bool = False,
+    plain_batches: tuple[int, int] | None = None,
 ) -> StepPlan:
     """Cut the sample stream, from 0 (or where `done` steps ended) to the budget, into optimizer steps; a bad
-    effective batch or dataset is refused here (`unit` names a dataset row in messages). `whole_epochs`: an effective
-    batch above the dataset takes each epoch as one step (the plain Trainer's, at the user's batch) instead."""
+    effective batch or dataset is refused here (`unit` names a dataset row in messages). `plain_batches`: the steps
+    are the plain Trainer's ([`StepPlan.plain_batches`]), so an effective batch above the dataset takes each epoch as
+    one step, as its steps do, instead of being refused."""
+    whole_epochs = plain_batches is not None
     budget_samples = budget.samples if isinstance(budget, Budget) else int(budget)
     if dataset_size < 1:
         raise ValueError(f"The training dataset has {dataset_size} {unit}; it needs at least one.")
@@ -189,7 +198,15 @@ def build_plan(
             f"{dataset_size} samples); raise num_train_epochs / max_steps or set dataloader_drop_last=False."
         )
     arrays = (sizes, scheduled, starts, samples_before)
-    return StepPlan(dataset_size, budget_samples, world_size, *arrays, tuple(notes), done_steps=done_count)
+    return StepPlan(
+        dataset_size,
+        budget_samples,
+        world_size,
+        *arrays,
+        tuple(notes),
+        done_steps=done_count,
+        plain_batches=plain_batches,
+    )
 
 
 def nearest_multiples(value: int, divisor: int) -> str:
