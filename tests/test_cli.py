@@ -457,7 +457,18 @@ def plan_warnings(capsys, *argv) -> list[str]:
 
 
 def test_a_batch_above_the_dataset_plans_an_epoch_a_step_and_warns(capsys):
-    argv = ["--dataset-size", "40", "--per-device", "16", "--accumulation", "2", "--gpus", "2", "--epochs", "3"]
+    argv = [
+        "--dataset-size",
+        "40",
+        "--per-device",
+        "16",
+        "--accumulation",
+        "2",
+        "--gpus",
+        "2",
+        "--epochs",
+        "3",
+    ]
     assert plan_warnings(capsys, *argv) == [
         "per_device_train_batch_size=16 x gradient_accumulation_steps=2 x 2 processes = 64 samples a step is more "
         "than the dataset's 40 samples: each optimizer step takes one whole epoch (40), as the plain Trainer's does. "

@@ -182,7 +182,9 @@ def test_a_step_larger_than_the_dataset_trains_an_epoch_a_step_as_the_plain_trai
 ):
     # 16 x 5 = 80 samples a step over 36 rows: the plain Trainer's step is the epoch's 3 batches of 16, 16 and 4
     def run(callbacks, name):
-        settings = dict(num_rows=36, per_device_train_batch_size=16, gradient_accumulation_steps=5, **ORDER_ONLY)
+        settings = dict(
+            num_rows=36, per_device_train_batch_size=16, gradient_accumulation_steps=5, **ORDER_ONLY
+        )
         trainer = make_trainer(callbacks, num_train_epochs=3, output_dir=str(tmp_path / name), **settings)
         trainer.train()
         return trainer
@@ -192,5 +194,7 @@ def test_a_step_larger_than_the_dataset_trains_an_epoch_a_step_as_the_plain_trai
     assert ours.state.global_step == plain.state.global_step == 3
     assert ours.state.epoch == plain.state.epoch == 3
     assert_close_parameters(parameters(ours.model), parameters(plain.model))
-    assert [log["loss"] for log in step_logs(ours)] == pytest.approx([log["loss"] for log in step_logs(plain)])
+    assert [log["loss"] for log in step_logs(ours)] == pytest.approx(
+        [log["loss"] for log in step_logs(plain)]
+    )
     assert "each optimizer step takes one whole epoch (36), as the plain Trainer's does" in caplog.text
