@@ -91,9 +91,9 @@ class LossScale:
         accumulation = self.trainer.args.gradient_accumulation_steps
         return (
             f"AdaptiveBatch: {where} does not use num_items_in_batch, so each micro-batch's loss is its own mean. "
-            "Each is weighted by its share of the step's label tokens times the plain Trainer's micro-batches in the "
-            f"step ({accumulation}, gradient_accumulation_steps, at the starting batch), so the gradient and the "
-            f"logged loss have the plain Trainer's scale (the sum of {accumulation} micro-batch means) whatever the "
-            "cut. For a loss that is exactly the step's mean over its label tokens, sum the per-token losses and "
-            "divide by num_items_in_batch, as transformers' model losses do."
+            "Each is weighted by its share of the step's labels (label tokens, or rows with a label each) times the "
+            f"plain Trainer's micro-batches in the step ({accumulation}, gradient_accumulation_steps, at the starting "
+            f"batch), so the gradient and the logged loss have the plain Trainer's scale (the sum of {accumulation} "
+            "micro-batch means) whatever the cut. For a loss that is exactly the step's mean over its label tokens, "
+            "sum the per-token losses and divide by num_items_in_batch, as transformers' model losses do."
         )

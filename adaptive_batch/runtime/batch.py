@@ -89,13 +89,14 @@ class StepBatch:
         return real, padded
 
     def label_counts(self, shifted: bool) -> torch.Tensor | None:
-        """Labelled tokens of each row (after a causal LM's shift, if `shifted`), or `None` without labels."""
+        """Labelled items of each row, as the Trainer counts `num_items_in_batch`: tokens (after a causal LM's shift,
+        if `shifted`), a decoder's tokens, or one label of a row (a classifier's); `None` without labels."""
         for key in LABEL_KEYS:
             labels = self.batch.get(key)
-            if isinstance(labels, torch.Tensor) and labels.dim() == 2:
-                if key == "labels" and shifted:
+            if isinstance(labels, torch.Tensor) and labels.dim() >= 1:
+                if key == "labels" and shifted and labels.dim() == 2:
                     labels = labels[:, 1:]
-                return (labels != IGNORE_INDEX).sum(dim=1)
+                return (labels != IGNORE_INDEX).reshape(self.rows, -1).sum(dim=1)
         return None
 
     def token_chunks(self, budget: int, row_cap: int | None = None, overhead: int | None = None) -> list[int]:
@@ -117,15 +118,17 @@ class StepBatch:
         return int(self.lengths.sum()) if self.lengths is not None else self.rows * self.seq_len
 
     def _can_trim(self) -> bool:
+        """Right-padded rows whose every per-row tensor is per token: a value of a row (a classifier's label, a span's
+        start, which indexes the row's width) or another width (a decoder's labels) was not shown to allow the cut."""
         if self.mask is None or self.seq_len is None:
             return False
         if not bool((self.mask[:, :-1] >= self.mask[:, 1:]).all()):  # not right-padded
             return False
-        for value in self.batch.values():
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == self.rows:
-                if value.dim() != 2 or value.shape[1] != self.seq_len:
-                    return False
-        return True
+        return all(
+            per_token(value, self.mask)
+            for value in self.batch.values()
+            if isinstance(value, torch.Tensor) and value.dim() >= 1
+        )
 
     @cached_property
     def padded_lengths(self) -> list[int]:
@@ -144,7 +147,7 @@ class StepBatch:
         used = (self.mask if index is None else self.mask[index]).bool()
         for key in LABEL_KEYS:
             labels = self.batch.get(key)
-            if isinstance(labels, torch.Tensor):
+            if per_token(labels, self.mask):
                 used = used | ((labels if index is None else labels[index]) != IGNORE_INDEX)
         return used
 
@@ -168,12 +171,20 @@ def mask_changes_nothing(batch: Mapping[str, Any]) -> bool:
     wrong = torch.zeros((), dtype=torch.bool, device=mask.device)
     for key in LABEL_KEYS:
         if isinstance(batch.get(key), torch.Tensor):
+            if not per_token(batch[key], mask):  # (a label of a row: not a causal LM's rows)
+                return False
             wrong = wrong | (padding & (batch[key] != IGNORE_INDEX)).any()
     position_ids = batch.get("position_ids")
     if isinstance(position_ids, torch.Tensor):
         counted = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
         wrong = wrong | (~padding & (position_ids != counted)).any()
     return not bool(wrong)
+
+
+def per_token(value: Any, mask: torch.Tensor | None) -> bool:
+    """Whether `value` holds one entry per token of the rows `mask` covers (`[rows, length]`): a causal LM's labels,
+    not a classifier's label of a row, a span's positions or a decoder's labels of their own length."""
+    return isinstance(value, torch.Tensor) and mask is not None and value.shape == mask.shape
 
 
 def labels_ignored(chunk: dict[str, Any]) -> dict[str, Any]:

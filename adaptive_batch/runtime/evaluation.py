@@ -19,7 +19,7 @@ from ..core.microbatch import MicroBatchTooLargeError
 from ..core.replay import Tape
 from ..core.rows import even_chunk
 from ..core.tokens import fitted_overhead
-from .batch import IGNORE_INDEX
+from .batch import IGNORE_INDEX, per_token
 from .compat.trainer import forget_eval_dataloaders, loss_normalised_over_ranks, loss_shifts_labels
 from .compat.trl import TrlMetrics
 from .memory import Stopwatch, memory_limit, release_memory, synchronize
@@ -271,7 +271,8 @@ def token_pieces(inputs: Mapping, rows: int, overhead: int) -> list[tuple[torch.
     mask = inputs.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != rows or rows < 2:
         return None
-    if any(isinstance(v, torch.Tensor) and v.dim() > 2 for v in inputs.values()):
+    # a value of a row (a label, a span's position, which indexes the width) or of another width: one piece
+    if not all(per_token(v, mask) for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 1):
         return None
     width = int(mask.shape[1])
     ones = mask != 0

@@ -26,6 +26,9 @@ logger = logging.getLogger("adaptive_batch")
 LENGTHS = (35, 19, 6, 30)
 INDEX = "adaptive_batch_token_index"  # a per-token tag that follows each token into the layout (left out of the forward)
 ITEMS = 1000.0  # the num_items_in_batch passed: no count of the check's rows
+_NONE = object()  # (an attribute a config does not have)
+# the problem types of transformers' sequence classifiers whose labels are floats
+FLOAT_LABELS = ("regression", "multi_label_classification")
 
 
 @dataclass(frozen=True)
@@ -123,17 +126,21 @@ class ModelChecks:
     @contextlib.contextmanager
     def _as_trained(self):
         """The model's `config.use_cache` as the Trainer trains with it (`args.use_cache`: it sets it after
-        `on_init_end`, where AdaptiveBatch first plans), back as it was after."""
+        `on_init_end`, where AdaptiveBatch first plans, also on a config of the user's that has none), back as it was
+        after."""
         config = getattr(base_model(self.trainer.model), "config", None)
         wanted = getattr(self.trainer.args, "use_cache", None)
         if config is None or wanted is None:
             yield
             return
-        kept, config.use_cache = config.use_cache, wanted
+        kept, config.use_cache = getattr(config, "use_cache", _NONE), wanted
         try:
             yield
         finally:
-            config.use_cache = kept
+            if kept is _NONE:
+                del config.use_cache
+            else:
+                config.use_cache = kept
 
     def _agreed(self, verdict: Verdict) -> Verdict:
         failed = verdict.error is not None or verdict.difference is None
@@ -204,11 +211,12 @@ class ModelProbe:
             precision = _precision(self.model, self.embeddings.weight.device)
             try:
                 forwards = self._forwards()
+                forwards.check_per_token()
                 if kind == "packed":
                     measured = forwards.packed(in_rows)
                 else:
                     measured = forwards.unmasked(positions) if kind == "unmasked" else forwards.trimmed()
-            except NonFiniteGradient as error:
+            except (NonFiniteGradient, NotPerToken) as error:
                 return Verdict(kind, name, precision, error=str(error))
             except Exception as error:  # noqa: BLE001 - any failure means "not shown exact"; the verdict says which
                 return Verdict(kind, name, precision, error=f"its forward raised {_first_line(error)}")
@@ -239,6 +247,11 @@ class NonFiniteGradient(Exception):
     """A layout's backward gives a NaN or an infinity where the padded rows' does not."""
 
 
+class NotPerToken(Exception):
+    """The model's output is not one logit vector per token (a classifier's is one per row): no layout's logits can
+    be compared with the padded rows'."""
+
+
 class _Forwards:
     """The reference forward (the padded rows with their mask and labels) and the comparisons of layouts with it."""
 
@@ -250,7 +263,7 @@ class _Forwards:
             :1
         ]
         self.loss_precision, self.precise = "float32", True
-        config = getattr(inner, "config", None)
+        self.config = config = getattr(inner, "config", None)
         special = {getattr(config, key, None) for key in ("pad_token_id", "bos_token_id", "eos_token_id")}
         self.pad = getattr(config, "pad_token_id", None) or 0
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -259,9 +272,14 @@ class _Forwards:
         generator = torch.Generator().manual_seed(0)
         self.tokens = lambda n: allowed[torch.randint(len(allowed), (n,), generator=generator)]
         self.items = {"num_items_in_batch": torch.tensor(ITEMS, device=self.device)} if passes_items else {}
-        self.batch = self._padded([self.tokens(n) for n in LENGTHS])
-        self.width = self.batch["input_ids"].shape[1]
-        self.reference, self.reference_loss = self._run(self.batch, labels=True)
+        rows = self._padded([self.tokens(n) for n in LENGTHS])
+        self.width = rows["input_ids"].shape[1]
+        self.batch = self._for_head(rows)
+        self.reference, self.reference_loss = self._run(self.batch, labels=True, per_token=False)
+
+    def check_per_token(self) -> None:
+        """Raise [`NotPerToken`] where the padded rows' output is not one logit vector per token."""
+        _check_per_token(self.reference, self.batch["input_ids"])
 
     def packed(self, in_rows: bool) -> tuple[float, float, float | None]:
         """The layout's micro-batch of the sequences against the padded rows (logits, loss), and its logits against
@@ -319,14 +337,16 @@ class _Forwards:
         )
 
     def loss(self) -> ModelLoss:
-        """[`ModelProbe.loss`]."""
+        """[`ModelProbe.loss`]; no label shift to tell where the labels are not one per token (a row's label)."""
         if self.reference_loss is None:
             return ModelLoss()
-        labels = self.batch["labels"].clone()
-        labels[:, 0] = IGNORE_INDEX
-        _, without_first = self._run(dict(self.batch, labels=labels), labels=True)
-        # a loss that shifts never scores the first label: the same numbers in the same order, bit for bit
-        shifts = None if without_first is None else without_first == self.reference_loss
+        shifts = None
+        if self.batch["labels"].shape == self.batch["input_ids"].shape:
+            labels = self.batch["labels"].clone()
+            labels[:, 0] = IGNORE_INDEX
+            _, without_first = self._run(dict(self.batch, labels=labels), labels=True, per_token=False)
+            # a loss that shifts never scores the first label: the same numbers in the same order, bit for bit
+            shifts = None if without_first is None else without_first == self.reference_loss
         return ModelLoss(shifts_labels=shifts, reads_items=self._reads_items())
 
     def _reads_items(self) -> bool | None:
@@ -334,7 +354,7 @@ class _Forwards:
             return None
         self.items = {"num_items_in_batch": torch.tensor(2 * ITEMS, device=self.device)}
         try:
-            _, doubled = self._run(self.batch, labels=True)
+            _, doubled = self._run(self.batch, labels=True, per_token=False)
         finally:
             self.items = {"num_items_in_batch": torch.tensor(ITEMS, device=self.device)}
         ratio = self.reference_loss / doubled if doubled else math.nan
@@ -351,6 +371,42 @@ class _Forwards:
         labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
+    def _for_head(self, rows: dict) -> dict:
+        """The padded rows labelled as the model's head scores them, told by a forward without labels: a label per
+        token from its classes where it returns a logit vector per token (a language model's vocabulary, a token
+        classifier's labels); a label per row where it returns one vector per row (a sequence classifier's class, or
+        floats for a regression or multi-label head); rows of two choices where only those run (multiple choice).
+        Where no forward runs without labels (a seq2seq LM makes its decoder's inputs from them), the tokens are the
+        labels. (Labels outside the head's classes would stop a CUDA device at its first forward.)"""
+        unlabelled = {key: value for key, value in rows.items() if key != "labels"}
+        logits = self._logits(unlabelled)
+        if logits is None:
+            choices = {key: value.unsqueeze(1).repeat(1, 2, 1) for key, value in unlabelled.items()}
+            logits = self._logits(choices)
+            if logits is None or logits.shape != (len(LENGTHS), 2):
+                return rows
+            unlabelled = choices
+        ids, classes = rows["input_ids"], logits.shape[-1]
+        if logits.dim() == 3 and logits.shape[:2] == ids.shape:
+            labels = rows["labels"]
+            return dict(rows, labels=torch.where(labels == IGNORE_INDEX, labels, labels % classes))
+        if logits.dim() != 2 or logits.shape[0] != len(LENGTHS):
+            return rows
+        if classes == 1 or getattr(self.config, "problem_type", None) in FLOAT_LABELS:
+            labels = (torch.arange(logits.numel()) % 2).reshape(logits.shape).to(logits.dtype)
+        else:
+            labels = torch.arange(len(LENGTHS)) % classes
+        return dict(unlabelled, labels=labels)
+
+    def _logits(self, batch: dict) -> torch.Tensor | None:
+        """The logits of a forward on `batch` without labels; `None` where it raises or returns none."""
+        try:
+            output = self.forward(**{k: v.to(self.device) for k, v in batch.items()}, **self.items)
+        except Exception:  # noqa: BLE001 - a forward that needs labels or other inputs: the caller tries another
+            return None
+        logits = _output(output, "logits")
+        return logits.detach() if torch.is_tensor(logits) else None
+
     def _other_padding(self, rows: dict) -> dict:
         """`rows` with other tokens in their padding."""
         padding = rows["attention_mask"] == 0
@@ -365,11 +421,12 @@ class _Forwards:
         return packed.take(0, packed.rows)
 
     def _run(
-        self, batch: dict, labels: bool = False, backward: bool = False
-    ) -> tuple[torch.Tensor, float | None]:
-        """The logits (float64, on the CPU) and, with `labels`, the loss of a forward on `batch`; `backward`: raise
-        [`NonFiniteGradient`] where the loss's gradient is not finite (a NaN in a row's unused tail has no label, yet
-        it reaches the parameters' gradients)."""
+        self, batch: dict, labels: bool = False, backward: bool = False, per_token: bool = True
+    ) -> tuple[torch.Tensor | None, float | None]:
+        """The logits (float64, on the CPU; `None` where it returns none) and, with `labels`, the loss of a forward on
+        `batch`; `backward`: raise [`NonFiniteGradient`] where the loss's gradient is not finite (a NaN in a row's
+        unused tail has no label, yet it reaches the parameters' gradients); `per_token`: raise [`NotPerToken`] where
+        the logits are not one vector per token."""
         # (labels always: a model may require them; `labels=False` only leaves the loss unread)
         inputs = {k: v.to(self.device) for k, v in batch.items() if k != INDEX}
         backward = backward and bool(self.watched)
@@ -381,15 +438,13 @@ class _Forwards:
                 gradients = torch.autograd.grad(loss, self.watched, allow_unused=True)
                 if not all(g is None or bool(torch.isfinite(g).all()) for g in gradients):
                     raise NonFiniteGradient("its backward gives a non-finite gradient (NaN or inf)")
-        ids = inputs["input_ids"]
-        if not torch.is_tensor(logits) or logits.shape[:2] != ids.shape:
-            shape = list(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
-            raise ValueError(
-                f"its output is not one logit vector per token ({shape} for inputs {list(ids.shape)})"
-            )
-        self.precise = logits.dtype in (torch.float32, torch.float64)
-        # (the first 4096 of the vocabulary: a change of a hidden state shows in any of them; kept small on the CPU)
-        kept = logits.detach()[..., :4096].double().cpu()
+        if per_token:
+            _check_per_token(logits, inputs["input_ids"])
+        kept = None
+        if torch.is_tensor(logits):
+            self.precise = logits.dtype in (torch.float32, torch.float64)
+            # (the first 4096 of the vocabulary: a change of a hidden state shows in any of them; small on the CPU)
+            kept = logits.detach()[..., :4096].double().cpu()
         if not torch.is_tensor(loss):
             return kept, None
         self.loss_precision = str(loss.dtype).removeprefix("torch.")  # (transformers' losses are in float32)
@@ -410,13 +465,23 @@ class _Forwards:
 
 def _output(output, name: str):
     """A model output's `loss` or `logits`, as the Trainer reads them: a field, a dict's key, or a tuple's first items
-    (the loss first where there is one)."""
+    (the loss first where there is one, maybe alone)."""
     if isinstance(output, dict):
         return output.get(name)
     if isinstance(output, (tuple, list)):
-        has_loss = len(output) > 1 and torch.is_tensor(output[0]) and output[0].dim() == 0
-        return (output[0] if has_loss else None) if name == "loss" else output[1 if has_loss else 0]
+        has_loss = len(output) > 0 and torch.is_tensor(output[0]) and output[0].dim() == 0
+        if name == "loss":
+            return output[0] if has_loss else None
+        return output[int(has_loss)] if len(output) > int(has_loss) else None
     return getattr(output, name, None)
+
+
+def _check_per_token(logits, ids: torch.Tensor) -> None:
+    if not torch.is_tensor(logits) or logits.shape[:2] != ids.shape:
+        shape = list(logits.shape) if torch.is_tensor(logits) else "none"
+        raise NotPerToken(
+            f"its output is not one logit vector per token ({shape} for inputs {list(ids.shape)})"
+        )
 
 
 def _loss_change(loss: float | None, reference: float | None) -> float | None:
@@ -442,7 +507,7 @@ def _quietly(model: torch.nn.Module, device: torch.device, autocast: Callable):
     precision."""
     devices = [device.index or 0] if device.type == "cuda" else []
     with _eval_mode(model), _buffers_kept(model), torch.random.fork_rng(devices=devices), torch.no_grad():
-        with autocast():
+        with _problem_type_kept(base_model(model)), autocast():
             yield
 
 
@@ -462,6 +527,19 @@ def _precision(model: torch.nn.Module, device: torch.device) -> str:
         dtypes.add(torch.get_autocast_dtype(device.type))
     least = max(dtypes or {torch.float32}, key=lambda dtype: torch.finfo(dtype).eps)
     return str(least).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def _problem_type_kept(model: torch.nn.Module):
+    """`config.problem_type` back as it was: a classifier's forward sets it from the first labels it sees
+    (transformers' sequence classifiers), and the check's labels must not decide it for the user's."""
+    config = getattr(model, "config", None)
+    kept = getattr(config, "problem_type", None)
+    try:
+        yield
+    finally:
+        if getattr(config, "problem_type", None) != kept:
+            config.problem_type = kept
 
 
 @contextlib.contextmanager
