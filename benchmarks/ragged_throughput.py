@@ -100,6 +100,9 @@ ARMS = {  # name: (per-device, accumulation, collator, AdaptiveBatch arguments o
     "auto_pf": (8, 8, "pad", {"padding_free": True}, {}),
     "auto_padded": (8, 8, "pad", {"padding_free": False}, {}),  # the padded token cut, as stated
     "auto_torch": (8, 8, "pad", {}, {}),
+    "rows8": (8, 8, "pad", {"micro_batch_size": 8}, {}),  # padding-free in rows at a fixed micro-batch
+    "rows16": (8, 8, "pad", {"micro_batch_size": 16}, {}),
+    "rows64": (8, 8, "pad", {"micro_batch_size": 64}, {}),
     "fixed": (8, 2, "pad", None, {}),  # rows of FIXED_LENGTH tokens, micro-batch 8 (8,192 tokens)
 }
 SUFFIXES = ("", "@nocudnn")  # an arm as listed; the same with sdpa's cuDNN backend off
