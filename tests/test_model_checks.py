@@ -4,6 +4,7 @@ no trace, and the layout and the refusal they lead to ([`core.controllers.choose
 
 import pytest
 import torch
+from helpers import QUIET_CPU_RUN
 from transformers import (
     BartConfig,
     BartForCausalLM,
@@ -13,8 +14,13 @@ from transformers import (
     LlamaForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Trainer,
+    TrainingArguments,
 )
 
+from adaptive_batch import AdaptiveBatch
 from adaptive_batch.core.controllers import UNCHECKED, choose_layout
 from adaptive_batch.core.exactness import TOLERANCE, Verdict
 from adaptive_batch.runtime.model_checks import ModelLoss, check_layout, check_loss
@@ -231,3 +237,42 @@ def test_a_layout_stands_until_a_pending_check_and_names_it():
     assert layout.flatten and layout.text.endswith(
         "(shown exact on LlamaForCausalLM: logits within 4.6e-03 of the padded rows' (bfloat16 allows 6e-02))"
     )
+
+
+class RegressionConfig(PretrainedConfig):
+    model_type = "adaptive-batch-regression"
+
+
+class RegressionModel(PreTrainedModel):
+    """A PreTrainedModel without input embeddings: transformers' `get_input_embeddings` raises on it."""
+
+    config_class = RegressionConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.weight = torch.nn.Parameter(torch.tensor([0.5, -0.25], dtype=torch.float64))
+
+    def forward(self, x, labels=None):
+        prediction = x @ self.weight
+        return {"loss": torch.nn.functional.mse_loss(prediction, labels), "logits": prediction}
+
+
+def test_a_pretrained_model_without_input_embeddings_trains_as_under_the_plain_trainer(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    rows = [
+        {
+            "x": torch.randn(2, generator=generator, dtype=torch.float64),
+            "labels": torch.tensor(1.0, dtype=torch.float64),
+        }
+        for _ in range(16)
+    ]
+
+    def trained(callbacks):
+        model = RegressionModel(RegressionConfig())
+        args = TrainingArguments(
+            str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, **QUIET_CPU_RUN
+        )
+        Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks).train()
+        return model.weight.detach()
+
+    assert torch.allclose(trained([AdaptiveBatch(micro_batch_size=2)]), trained([]), rtol=1e-12, atol=0)

@@ -497,7 +497,10 @@ def _parts(model: torch.nn.Module):
     wrapper, and its input embeddings (`None` where it has none)."""
     model = uncompiled(getattr(model, "module", model))
     inner = base_model(model)
-    embeddings = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
+    try:  # (transformers' own raises NotImplementedError on a PreTrainedModel without input embeddings)
+        embeddings = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
+    except NotImplementedError:
+        embeddings = None
     return model, inner, embeddings if isinstance(getattr(embeddings, "weight", None), torch.Tensor) else None
 
 
