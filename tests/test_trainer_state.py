@@ -122,3 +122,24 @@ def test_every_state_field_at_every_event_is_the_plain_trainers(
         differing = [field for field in expected if not same(state[field], expected[field], field)]
         assert not differing, (event, state["global_step"], {f: (state[f], expected[f]) for f in differing})
     assert ours_saved == plain_saved  # (the Trainer's own stateful callbacks: TrainerControl's flags)
+
+
+def test_flops_are_the_plain_trainers_with_one_walk_over_the_parameters(make_trainer, rows, tmp_path):
+    def run(name, callbacks):
+        trainer = make_trainer(
+            callbacks,
+            num_rows=32,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=8,  # (8 loop batches a step, however AdaptiveBatch cuts it)
+            output_dir=str(tmp_path / name),
+        )
+        walks = []
+        counted = trainer.model.num_parameters
+        trainer.model.num_parameters = lambda *args, **kwargs: walks.append(1) or counted(*args, **kwargs)
+        trainer.train()
+        return trainer.state.total_flos, len(walks)
+
+    plain_flops, plain_walks = run("plain", [])
+    flops, walks = run("adaptive", [AdaptiveBatch(micro_batch_size=8)])
+    assert flops == plain_flops
+    assert plain_walks >= 32 and walks <= 2  # (the plain Trainer walks them for each of its 32 batches)

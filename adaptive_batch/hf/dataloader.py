@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..core.steps import StepPlan
-from ..runtime.compat.trainer import pad_to_multiple_of, train_dataset_and_collator
+from ..runtime.compat.trainer import pad_to_multiple_of, train_dataset_and_collator, user_class
 from ..runtime.sampler import StepBatchSampler
 from ..runtime.stream import StepStream, is_stream
 
@@ -150,6 +150,29 @@ def plain_shares(trainer, step_batch, slots: int, rows: int) -> list[dict] | Non
             }
         )
     return shares
+
+
+class FlopCount:
+    """The Trainer's FLOPs for a loop batch: where its `floating_point_ops` is the library's (6 x parameters x the
+    main input's tokens), read once, then the same count times the tokens, exactly; the Trainer's own walks every
+    parameter of the model for each loop batch, which for a step of many loop batches (the user's accumulation) costs
+    more than the step's one micro-batch. A Trainer class of the user's that defines it is asked every time."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.per_token: int | None = None
+
+    def __call__(self, inner, inputs) -> float:
+        main_input = getattr(self.trainer.model, "main_input_name", "input_ids")
+        main = inputs.get(main_input) if hasattr(inputs, "get") else None
+        if self.per_token is not None and isinstance(main, torch.Tensor):
+            return self.per_token * main.numel()
+        flops = inner(inputs)
+        library = user_class(self.trainer, "floating_point_ops").__module__.startswith("transformers.")
+        if library and isinstance(main, torch.Tensor) and main.numel() and flops:
+            per_token, rest = divmod(int(flops), main.numel())
+            self.per_token = per_token if rest == 0 and per_token * main.numel() == flops else None
+        return flops
 
 
 def batch_samples(inner, epoch_iterator, slots: int, device) -> tuple[list, object]:

@@ -141,6 +141,7 @@ class Session:
                 "ignore_data_skip=False (skipping costs no data loading: only the sampler's indices are skipped)."
             )
         self.status.start(resumed=checkpoint is not None)  # (a checkpoint's counters: restored in `prepare`)
+        self.flops = dataloader.FlopCount(self.trainer)  # (model_init may build another model for this run)
         self.prepare(checkpoint)
         if args.should_log:
             logger.info("%s", plan_table(self.plan_rows()))
@@ -203,6 +204,10 @@ class Session:
             if shares is not None:
                 self._shares = {id(batch): share for batch, share in zip(batches, shares)}
         return batches, num_items
+
+    def floating_point_ops(self, inner, inputs) -> float:
+        """The Trainer's FLOPs for the loop batch `inputs`: those of the plain Trainer's batch it stands for."""
+        return self.flops(inner, self.plain_share(inputs))
 
     def plain_share(self, inputs):
         """What the plain Trainer's loop counts (tokens seen, FLOPs) for the loop batch `inputs`: its own batch's rows
