@@ -112,7 +112,8 @@ def _collate_step(collator, samples):
 
 
 class EmptySlot(dict):
-    """An empty slot as the loop sees it: the step batch's tensors with no rows (its tokens and FLOPs count nothing)."""
+    """An empty slot as the loop sees it: the step batch's tensors with no rows (its loss is 0; its tokens and FLOPs
+    are counted as those of the plain Trainer's batch it stands for: [`plain_shares`])."""
 
 
 def plain_shares(trainer, step_batch, slots: int, rows: int) -> list[dict] | None:

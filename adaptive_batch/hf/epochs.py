@@ -33,18 +33,16 @@ def data_epochs(state, session, resumed: bool) -> Iterator[dict]:
         steps, epoch = epoch_steps(plan, step), plan.epoch(step)
         if first and resumed:
             resumed_epoch = epoch
-        if hasattr(
-            session.sampler, "set_epoch"
-        ):  # (a stream is one epoch; the Trainer's own call misses a skip)
+        # (a stream is one epoch; the Trainer's own `set_epoch` call misses the sampler behind a resume's skip)
+        if hasattr(session.sampler, "set_epoch"):
             session.sampler.set_epoch(epoch)
+        done_in_epoch = range(steps.start, step) if first else range(0)
         yield {
             "epoch": epoch,
             "steps_in_epoch": sum(map(session.slots, steps)),  # (the loop's batches)
             "num_update_steps_per_epoch": len(steps),
             "epochs_trained": resumed_epoch if resumed_epoch is not None else 0,
-            "steps_trained_in_current_epoch": sum(map(session.slots, range(steps.start, step)))
-            if first
-            else 0,
+            "steps_trained_in_current_epoch": sum(map(session.slots, done_in_epoch)),
         }
         first = False
         if state.global_step == step:
