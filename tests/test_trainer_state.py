@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from helpers import ORDER_ONLY
 from transformers import TrainerCallback, TrainerState
 
@@ -143,3 +144,9 @@ def test_flops_are_the_plain_trainers_with_one_walk_over_the_parameters(make_tra
     flops, walks = run("adaptive", [AdaptiveBatch(micro_batch_size=8)])
     assert flops == plain_flops
     assert plain_walks >= 32 and walks <= 2  # (the plain Trainer walks them for each of its 32 batches)
+
+
+def test_floating_point_ops_outside_train_is_the_plain_trainers(make_trainer):
+    inputs = {"input_ids": torch.ones(2, 5, dtype=torch.long)}
+    plain = make_trainer([]).floating_point_ops(inputs)
+    assert make_trainer([AdaptiveBatch()]).floating_point_ops(inputs) == plain > 0

@@ -35,9 +35,9 @@ class Session:
         self.growth: Growth | None = None
         self.sampler = None  # what the data loader draws steps from (it tells the last step drawn)
         self.slots: dataloader.Slots | None = None  # the loop's batches for each step
-        self._shares: dict[
-            int, dict
-        ] = {}  # the plain Trainer's batch each of this step's loop batches stands for
+        # the plain Trainer's batch each of this step's loop batches stands for, and its FLOPs
+        self._shares: dict[int, dict] = {}
+        self.flops = dataloader.FlopCount(trainer)
 
     @property
     def plan(self) -> StepPlan | None:
@@ -197,9 +197,7 @@ class Session:
         step, plan = self.trainer.state.global_step, self.plan
         self._shares = {}
         if batches and step < plan.num_steps:
-            rows = len(
-                range(self.rank, plan.sizes[step], self.world_size)
-            )  # (this rank's samples of the step)
+            rows = len(range(self.rank, plan.sizes[step], self.world_size))  # (this rank's share of the step)
             shares = dataloader.plain_shares(self.trainer, batches[-1], len(batches), rows)
             if shares is not None:
                 self._shares = {id(batch): share for batch, share in zip(batches, shares)}
