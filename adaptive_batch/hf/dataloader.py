@@ -113,7 +113,7 @@ def _collate_step(collator, samples):
 
 class EmptySlot(dict):
     """An empty slot as the loop sees it: the step batch's tensors with no rows (its loss is 0; its tokens and FLOPs
-    are counted as those of the plain Trainer's batch it stands for: [`plain_shares`])."""
+    are counted as those of the plain Trainer's batch it stands for: [`LoopCounts`])."""
 
 
 def plain_shares(trainer, step_batch, slots: int, rows: int) -> list[dict] | None:
@@ -153,26 +153,43 @@ def plain_shares(trainer, step_batch, slots: int, rows: int) -> list[dict] | Non
     return shares
 
 
-class FlopCount:
-    """The Trainer's FLOPs for a loop batch: where its `floating_point_ops` is the library's (6 x parameters x the
-    main input's tokens), read once, then the same count times the tokens, exactly; the Trainer's own walks every
-    parameter of the model for each loop batch, which for a step of many loop batches (the user's accumulation) costs
-    more than the step's one micro-batch. A Trainer class of the user's that defines it is asked every time."""
+class LoopCounts:
+    """What the loop counts for each of its batches (tokens seen, FLOPs): those of the plain Trainer's batch it stands
+    for ([`plain_shares`]), not the whole step at its last. FLOPs: where the Trainer's `floating_point_ops` is the
+    library's (6 x parameters x the main input's tokens), read once, then the same count times the tokens, exactly;
+    the library's own walks every parameter of the model for each loop batch, which for a step of many loop batches
+    (the user's accumulation) costs more than the step's one micro-batch. A Trainer class of the user's that defines
+    it is asked every time."""
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.per_token: int | None = None
+        self.shares: dict[
+            int, dict
+        ] = {}  # this step's loop batches (by id): the plain Trainer's batch of each
+        self.flops_per_token: int | None = None
 
-    def __call__(self, inner, inputs) -> float:
+    def follow_step(self, batches: list, rows: int) -> None:
+        """This step's loop batches, the last holding this rank's `rows` samples."""
+        shares = plain_shares(self.trainer, batches[-1], len(batches), rows) if batches else None
+        self.shares = (
+            {id(batch): share for batch, share in zip(batches, shares)} if shares is not None else {}
+        )
+
+    def share(self, inputs):
+        """The plain Trainer's batch the loop batch `inputs` stands for; `inputs` itself where that is not known."""
+        return self.shares.get(id(inputs), inputs)
+
+    def floating_point_ops(self, inner, inputs) -> float:
+        inputs = self.share(inputs)
         main_input = getattr(self.trainer.model, "main_input_name", "input_ids")
         main = inputs.get(main_input) if hasattr(inputs, "get") else None
-        if self.per_token is not None and isinstance(main, torch.Tensor):
-            return self.per_token * main.numel()
+        if self.flops_per_token is not None and isinstance(main, torch.Tensor):
+            return self.flops_per_token * main.numel()
         flops = inner(inputs)
         library = user_class(self.trainer, "floating_point_ops").__module__.startswith("transformers.")
         if library and isinstance(main, torch.Tensor) and main.numel() and flops:
             per_token, rest = divmod(int(flops), main.numel())
-            self.per_token = per_token if rest == 0 and per_token * main.numel() == flops else None
+            self.flops_per_token = per_token if rest == 0 and per_token * main.numel() == flops else None
         return flops
 
 

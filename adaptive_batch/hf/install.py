@@ -66,10 +66,10 @@ class AdaptiveTrainerMixin(KeepsLiveCallbackState):
 
     def floating_point_ops(self, inputs):
         # (the loop counts each of its batches: each counts the plain Trainer's batch it stands for)
-        return self._adaptive_batch.floating_point_ops(super().floating_point_ops, inputs)
+        return self._adaptive_batch.counts.floating_point_ops(super().floating_point_ops, inputs)
 
     def _track_num_input_tokens(self, inputs):
-        return super()._track_num_input_tokens(self._adaptive_batch.plain_share(inputs))
+        return super()._track_num_input_tokens(self._adaptive_batch.counts.share(inputs))
 
     def set_initial_training_values(self, args, train_dataloader):
         return self._adaptive_batch.initial_training_values()

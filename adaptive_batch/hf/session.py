@@ -35,9 +35,7 @@ class Session:
         self.growth: Growth | None = None
         self.sampler = None  # what the data loader draws steps from (it tells the last step drawn)
         self.slots: dataloader.Slots | None = None  # the loop's batches for each step
-        # the plain Trainer's batch each of this step's loop batches stands for, and its FLOPs
-        self._shares: dict[int, dict] = {}
-        self.flops = dataloader.FlopCount(trainer)
+        self.counts = dataloader.LoopCounts(trainer)  # what the loop counts for each of its batches
 
     @property
     def plan(self) -> StepPlan | None:
@@ -141,7 +139,7 @@ class Session:
                 "ignore_data_skip=False (skipping costs no data loading: only the sampler's indices are skipped)."
             )
         self.status.start(resumed=checkpoint is not None)  # (a checkpoint's counters: restored in `prepare`)
-        self.flops = dataloader.FlopCount(self.trainer)  # (model_init may build another model for this run)
+        self.counts = dataloader.LoopCounts(self.trainer)  # (model_init may build another model for this run)
         self.prepare(checkpoint)
         if args.should_log:
             logger.info("%s", plan_table(self.plan_rows()))
@@ -191,26 +189,13 @@ class Session:
         return self.growth is not None or not self.run.clock.counts_steps()
 
     def batch_samples(self, inner, epoch_iterator, slots: int, device) -> tuple[list, object]:
-        """One step's loop batches ([`dataloader.batch_samples`]), and the plain Trainer's batch each stands for in
-        the loop's counts of tokens and FLOPs ([`plain_share`])."""
+        """One step's loop batches ([`dataloader.batch_samples`]), each counted as the plain Trainer's batch it stands
+        for ([`dataloader.LoopCounts`])."""
         batches, num_items = dataloader.batch_samples(inner, epoch_iterator, slots, device)
         step, plan = self.trainer.state.global_step, self.plan
-        self._shares = {}
-        if batches and step < plan.num_steps:
-            rows = len(range(self.rank, plan.sizes[step], self.world_size))  # (this rank's share of the step)
-            shares = dataloader.plain_shares(self.trainer, batches[-1], len(batches), rows)
-            if shares is not None:
-                self._shares = {id(batch): share for batch, share in zip(batches, shares)}
+        rows = len(range(self.rank, plan.sizes[step], self.world_size)) if step < plan.num_steps else 0
+        self.counts.follow_step(batches if rows else [], rows)  # (rows: this rank's share of the step)
         return batches, num_items
-
-    def floating_point_ops(self, inner, inputs) -> float:
-        """The Trainer's FLOPs for the loop batch `inputs`: those of the plain Trainer's batch it stands for."""
-        return self.flops(inner, self.plain_share(inputs))
-
-    def plain_share(self, inputs):
-        """What the plain Trainer's loop counts (tokens seen, FLOPs) for the loop batch `inputs`: its own batch's rows
-        (an empty slot's too), not the whole step at its last; `inputs` itself where that is not known."""
-        return self._shares.get(id(inputs), inputs)
 
     def training_step(self, inner_step, model, inputs, num_items_in_batch):
         step, growth, assembly = self.trainer.state.global_step, self.growth, self.assembly
