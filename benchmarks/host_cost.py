@@ -20,10 +20,9 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import torch
-from common import save, versions
+from common import StepClock, save, versions
 from rounds import WarmUps, add_arguments, interleaved
 
 
@@ -47,19 +46,11 @@ def main():
         LlamaConfig,
         LlamaForCausalLM,
         Trainer,
-        TrainerCallback,
         TrainingArguments,
         default_data_collator,
     )
 
     from adaptive_batch import AdaptiveBatch
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.marks = [time.perf_counter()]
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.marks.append(time.perf_counter())
 
     results = {}
     for layers in [int(n) for n in options.layers.split(",")]:
@@ -80,13 +71,13 @@ def main():
         dataset = [{"input_ids": r, "attention_mask": [1] * options.seq_len, "labels": r} for r in ids]
 
         def step_seconds(model, dataset, arm: str, steps: int) -> list[float]:
-            clock = Clock()
+            clock = StepClock()
             if arm == "plain":
-                per_device, accumulation, callbacks = micro, options.effective // micro, [clock]
+                per_device, accumulation, callbacks = micro, options.effective // micro, [clock.callback]
             else:
                 accumulation = int(arm.split("x")[1])
                 per_device = options.effective // accumulation
-                callbacks = [clock, AdaptiveBatch(micro_batch_size=micro)]
+                callbacks = [clock.callback, AdaptiveBatch(micro_batch_size=micro)]
             args = TrainingArguments(
                 output_dir="/tmp/adaptive-batch-host-cost",
                 per_device_train_batch_size=per_device,
@@ -107,7 +98,7 @@ def main():
                 data_collator=default_data_collator,
                 callbacks=callbacks,
             ).train()
-            return [b - a for a, b in zip(clock.marks, clock.marks[1:])]
+            return clock.step_seconds
 
         arms = ["plain", *(f"adaptive {options.effective // a}x{a}" for a in accumulations)]
         warm_ups = WarmUps(options.warmup_steps)
