@@ -37,7 +37,7 @@ class RunSettings:
         if self.dataset_size is None:
             return None
         per_device, accumulation = self.per_device_train_batch_size, self.gradient_accumulation_steps
-        if per_device is None or per_device * accumulation * self.world_size != starting_effective_batch_size:
+        if self.users_batch != starting_effective_batch_size:  # (None where the per-device size is not told)
             per_device, accumulation = max(1, starting_effective_batch_size // self.world_size), 1
         return PlainBatching(self.dataset_size, per_device, accumulation, self.world_size, self.drop_last)
 

@@ -175,7 +175,7 @@ def _start_traps(run: RunPlan, schedule_given: bool) -> list[str]:
     per_device, accumulation = settings.per_device_train_batch_size, settings.gradient_accumulation_steps
     if not schedule_given or per_device is None:
         return []
-    user, starting = per_device * accumulation * settings.world_size, run.starting_effective_batch_size
+    user, starting = settings.users_batch, run.starting_effective_batch_size
     if user == starting:
         return []
     world = f"{settings.world_size} process{'es' if settings.world_size > 1 else ''}"
